@@ -1,0 +1,288 @@
+"""The per-node agent: rendezvous, start ranks, supervise them, restart the job in place.
+
+One agent runs on each node. Every (re)start of the job is a rendezvous round; within a round
+the agent waits on three things at once, without polling: its ranks exiting (pidfds), the
+round's stop record appearing in the store (a watcher thread), and signals sent to the agent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from launcher.config import LaunchConfig
+from launcher.workers import RankExit, RankSpec, WorkerGroup
+from monitors.events import EventLog
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class AgentSignal(Exception):
+    """A handled signal arrived while the agent was not supervising ranks (e.g. in rendezvous)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclass
+class _StopWatch:
+    """Runs Rendezvous.wait_stop in a thread and wakes the main loop through a pipe."""
+
+    record: Any = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def build_rank_env(cfg: LaunchConfig, result: Any, local_rank: int) -> dict[str, str]:
+    """The torchrun environment for one rank of this round."""
+    w = cfg.workers
+    rank = result.rank_offset + local_rank
+    env = dict(w.base_env)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(result.world_size),
+        LOCAL_WORLD_SIZE=str(w.nproc_per_node),
+        GROUP_RANK=str(result.group_rank),
+        GROUP_WORLD_SIZE=str(len(result.nodes)),
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(result.world_size),
+        ROLE_NAME=w.role,
+        MASTER_ADDR=result.master_addr,
+        MASTER_PORT=str(result.master_port),
+        TORCHELASTIC_RESTART_COUNT=str(result.restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(cfg.max_restarts),
+        TORCHELASTIC_RUN_ID=cfg.rdzv.run_id,
+        TORCHELASTIC_USE_AGENT_STORE=str(bool(result.agent_hosts_pg_store)),
+        NVRX_RUN_LOG_DIR=str(cfg.run_log_dir),
+        NVRX_ROUND=str(result.round),
+    )
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+class Agent:
+    """Supervises one node's ranks across rendezvous rounds until the job ends."""
+
+    def __init__(self, cfg: LaunchConfig, events: EventLog,
+                 console_out: BinaryIO | None = None, console_err: BinaryIO | None = None) -> None:
+        self.cfg = cfg
+        self.events = events
+        self.workers = WorkerGroup(cfg.workers, events, cfg.run_log_dir, console_out, console_err)
+        self.failures: list[dict[str, Any]] = []  # one entry per fault stop, for the final report
+        self._sig_r, self._sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._pending_signal: int | None = None
+        self._supervising = False
+        self._forwarded = False
+        self._old_handlers: dict[int, Any] = {}
+        self._rdzv: Any = None
+        self._rs: Any = None
+
+    # ------------------------------------------------------------ entry point
+
+    def run(self) -> int:
+        """Run the job; return the agent's exit code. Raises RendezvousError for user-fixable setup errors."""
+        t0 = time.monotonic()
+        self.workers.prepare()  # the fork server imports torch while we do the same below
+        self._install_signal_handlers()
+        try:
+            return self._run(t0)
+        except AgentSignal as sig:
+            self.events.emit("agent_signal", signal=signal.Signals(sig.signum).name, phase="rendezvous")
+            return 128 + sig.signum
+        finally:
+            self._restore_signal_handlers()
+            self._shutdown()
+
+    def _run(self, t0: float) -> int:
+        from launcher.rendezvous import JobFinished, Rendezvous
+        from launcher.store import open_rendezvous_store
+
+        self.events.emit("agent_start", pid=os.getpid(), nproc=self.cfg.workers.nproc_per_node,
+                         nnodes=f"{self.cfg.rdzv.min_nodes}:{self.cfg.rdzv.max_nodes}",
+                         max_restarts=self.cfg.max_restarts, run_id=self.cfg.rdzv.run_id)
+        self._rs = open_rendezvous_store(self.cfg.rdzv)
+        self._rdzv = Rendezvous(self._rs, self.cfg.rdzv, self.cfg.max_restarts, self.events)
+        while True:
+            self._raise_pending_signal()
+            try:
+                result = self._rdzv.next_round()
+            except JobFinished as fin:
+                self.events.emit("job_end", status="already_finished", detail=str(fin))
+                return EXIT_OK
+            code = self._run_round(result)
+            if code is not None:
+                self.events.emit("job_end", status="succeeded" if code == 0 else "failed", exit_code=code,
+                                 seconds=round(time.monotonic() - t0, 3), failures=self.failures)
+                return code
+
+    # ------------------------------------------------------------ one round
+
+    def _run_round(self, result: Any) -> int | None:
+        """Start and supervise the ranks of one round. None means: go to the next round."""
+        specs = [RankSpec(lr, result.rank_offset + lr, build_rank_env(self.cfg, result, lr))
+                 for lr in range(self.cfg.workers.nproc_per_node)]
+        self._supervising = True
+        self.workers.start(specs, attempt=result.restart_count)
+        watch = self._watch_stop(result.round)
+        self._rdzv.start_keepalive(result)
+        try:
+            record = self._supervise(result, watch)
+        finally:
+            self._rdzv.stop_keepalive()
+            self._supervising = False
+        return self._conclude(result, record)
+
+    def _watch_stop(self, round_no: int) -> _StopWatch:
+        watch = _StopWatch()
+        wake_r, wake_w = os.pipe2(os.O_CLOEXEC)
+        watch.wake_fd = wake_r  # type: ignore[attr-defined]
+
+        def run() -> None:
+            try:
+                watch.record = self._rdzv.wait_stop(round_no)
+            except BaseException as exc:  # store lost: the main loop reports it
+                watch.error = exc
+            watch.done.set()
+            os.write(wake_w, b"x")
+            os.close(wake_w)
+
+        threading.Thread(target=run, name=f"stop-watch-{round_no}", daemon=True).start()
+        return watch
+
+    def _supervise(self, result: Any, watch: _StopWatch) -> Any:
+        """Wait for: a local rank failing, the round's stop record, or a signal. Returns the stop record."""
+        wake_fd = watch.wake_fd  # type: ignore[attr-defined]
+        succeeded_reported = False
+        forwarded = self._forwarded = False
+        try:
+            while True:
+                exits = self.workers.wait([wake_fd, self._sig_r], timeout=None)
+                if self._drain_signal_pipe() and not forwarded:
+                    forwarded = self._forwarded = True  # a signal wins over exits it may have caused
+                    self._forward_signal(result)
+                failed = [e for e in exits if e.failed]
+                if failed and not forwarded:
+                    self._rdzv.report_stop(result.round, "failed", self._failure_detail(result, failed[0]))
+                elif not failed and not self.workers.alive() and not succeeded_reported and not forwarded:
+                    succeeded_reported = True
+                    self._rdzv.node_succeeded(result.round)
+                if watch.done.is_set():
+                    if watch.error is not None:
+                        raise watch.error
+                    return watch.record
+        finally:
+            os.close(wake_fd)
+
+    def _failure_detail(self, result: Any, ex: RankExit) -> dict[str, Any]:
+        return {"rank": ex.global_rank, "local_rank": ex.local_rank, "group_rank": result.group_rank,
+                "pid": ex.pid, "exitcode": ex.exitcode, "signal": ex.signal, "abandoned": ex.abandoned,
+                "tail": list(ex.tail), "describe": ex.describe(), "round": result.round}
+
+    def _forward_signal(self, result: Any) -> None:
+        """First handled signal: pass it to the ranks once and tell the other nodes to stop too."""
+        signum = self._pending_signal or signal.SIGTERM
+        name = signal.Signals(signum).name
+        self.events.emit("agent_signal", signal=name, phase="running", round=result.round)
+        self.workers.signal_all(signum)
+        self._rdzv.report_stop(result.round, "interrupted", {"signal": name, "signum": int(signum)})
+
+    def _conclude(self, result: Any, record: Any) -> int | None:
+        """Act on the round's stop record: finish, give up, or stop ranks for the next round."""
+        if record.kind == "succeeded":
+            self.workers.stop()  # nothing should be left; bounded anyway
+            return EXIT_OK
+        if record.kind == "interrupted":
+            signum = int(record.detail.get("signum") or signal.SIGTERM)
+            if not self._forwarded:  # another node was signalled: pass the same signal on, once
+                self.workers.signal_all(signum)
+            self._let_ranks_finish(self.cfg.workers.term_timeout)
+            self.workers.stop(grace=0.0)
+            return 128 + signum
+        self.workers.stop()
+        if record.kind in ("failed", "node_left"):
+            self.failures.append({"round": record.round, "kind": record.kind, **record.detail})
+        if record.give_up:
+            return EXIT_FAILED
+        return None
+
+    def _let_ranks_finish(self, grace: float) -> None:
+        """After a forwarded stop signal, give ranks the grace period to save and exit on their own."""
+        deadline = time.monotonic() + grace
+        while self.workers.alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.workers.wait([], timeout=left)
+
+    # ------------------------------------------------------------ signals
+
+    def _install_signal_handlers(self) -> None:
+        for sig in self.cfg.signals_to_handle:
+            try:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+            except (ValueError, OSError):  # not in the main thread, or not catchable here
+                log.debug("cannot handle %s", sig)
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)
+        self._old_handlers.clear()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._pending_signal is not None and self._supervising:
+            # A second signal while stopping: do not wait for the grace period any longer.
+            self.workers.signal_all(signal.SIGKILL)
+            return
+        self._pending_signal = signum
+        if self._supervising:
+            try:
+                os.write(self._sig_w, b"s")
+            except BlockingIOError:
+                pass
+        else:
+            raise AgentSignal(signum)
+
+    def _drain_signal_pipe(self) -> bool:
+        got = False
+        while True:
+            try:
+                if not os.read(self._sig_r, 64):
+                    break
+                got = True
+            except BlockingIOError:
+                break
+        return got
+
+    def _raise_pending_signal(self) -> None:
+        if self._pending_signal is not None:
+            raise AgentSignal(self._pending_signal)
+
+    # ------------------------------------------------------------ shutdown
+
+    def _shutdown(self) -> None:
+        """Leave nothing running: ranks, fork server, stores."""
+        try:
+            self.workers.close()
+        finally:
+            for closer in (self._rdzv, self._rs):
+                if closer is not None:
+                    try:
+                        closer.close()
+                    except Exception:
+                        log.debug("close failed", exc_info=True)
+            for fd in (self._sig_r, self._sig_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass

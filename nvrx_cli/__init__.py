@@ -1,0 +1,1 @@
+"""The `nvrx` command line: parse, build the config once, call into the launcher."""

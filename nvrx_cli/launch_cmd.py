@@ -1,0 +1,99 @@
+"""`nvrx launch`: a drop-in for torchrun. Parses flags, builds the LaunchConfig, runs the agent."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+import click
+
+from launcher.config import DEFAULT_SIGNALS, ConfigError, build_launch_config
+
+# (option names, click kwargs). Underscore spellings are accepted as torchrun accepts them.
+_OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+    (("--nnodes",), dict(default="1", show_default=True, help="Number of nodes, or MIN:MAX for an elastic job.")),
+    (("--nproc-per-node", "--nproc_per_node"), dict(default="1", show_default=True,
+                                                    help="Ranks per node: a number, or cpu/auto.")),
+    (("--node-rank", "--node_rank"), dict(default=None, help="Fixed rank of this node (needs a fixed --nnodes).")),
+    (("--rdzv-endpoint", "--rdzv_endpoint"), dict(default=None, help="HOST[:PORT] of the rendezvous (default port 29400).")),
+    (("--rdzv-id", "--rdzv_id"), dict(default=None, help="Job id; every node of a job must use the same one.")),
+    (("--rdzv-backend", "--rdzv_backend"), dict(default="c10d", show_default=True,
+                                                help="Accepted for torchrun compatibility (c10d/static); nvrx runs its own.")),
+    (("--rdzv-conf", "--rdzv_conf"), dict(default=None, help="KEY=VALUE,... read: join_timeout, last_call_timeout, "
+                                                             "keepalive_interval, keepalive_timeout (seconds).")),
+    (("--standalone",), dict(is_flag=True, help="Single node with a local rendezvous on a free port.")),
+    (("--max-restarts", "--max_restarts"), dict(default="0", show_default=True,
+                                                help="Job-wide number of restarts before giving up.")),
+    (("--monitor-interval", "--monitor_interval"), dict(default="0.1", show_default=True,
+                                                        help="Accepted for compatibility; nvrx waits on exits directly.")),
+    (("--master-addr", "--master_addr"), dict(default=None, help="Process-group host (static style).")),
+    (("--master-port", "--master_port"), dict(default=None, help="Fixed process-group port (default: a free port per round).")),
+    (("--local-addr", "--local_addr"), dict(default=None, help="Address this node advertises to the others.")),
+    (("-m", "--module"), dict(is_flag=True, help="Run the script as a module, like python -m.")),
+    (("--no-python", "--no_python"), dict(is_flag=True, help="Run the script as a program, not with python.")),
+    (("--log-dir", "--log_dir"), dict(default=None, help="Directory for event logs and rank output files.")),
+    (("-r", "--redirects"), dict(default=None, help="Send rank streams to files: 0-3 or LOCAL_RANK:N,...")),
+    (("-t", "--tee"), dict(default=None, help="Files and console, lines prefixed with the rank: 0-3 or LOCAL_RANK:N,...")),
+    (("--local-ranks-filter", "--local_ranks_filter"), dict(default=None, help="Show only these local ranks on the console.")),
+    (("--role",), dict(default="default", show_default=True, help="Role name given to ranks (ROLE_NAME).")),
+    (("--term-timeout", "--term_timeout"), dict(default="30", show_default=True,
+                                                help="Grace in seconds between SIGTERM and SIGKILL when stopping ranks.")),
+    (("--signals-to-handle", "--signals_to_handle"), dict(default=DEFAULT_SIGNALS, show_default=True,
+                                                          help="Signals the agent catches and forwards to ranks.")),
+    (("--fork-server/--no-fork-server",), dict(default=True, show_default=True,
+                                              help="Fork ranks from a process that imported torch once (fast restarts).")),
+    (("--log-level",), dict(default="WARNING", show_default=True, help="Agent log level on stderr.")),
+    (("-q", "--quiet"), dict(is_flag=True, help="Only the final status line on the terminal.")),
+]
+
+
+def _add_options(func: Any) -> Any:
+    for names, kwargs in reversed(_OPTIONS):
+        func = click.option(*names, **kwargs)(func)
+    return func
+
+
+@click.command(context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]})
+@_add_options
+@click.argument("training_script", required=False)
+@click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
+def launch(**raw: Any) -> int:
+    """Run TRAINING_SCRIPT on NPROC_PER_NODE ranks per node and keep the job going through faults."""
+    from monitors.events import EventLog
+    from nvrx_cli.status import StatusPrinter
+
+    try:
+        cfg = build_launch_config(raw, os.environ)
+    except ConfigError as err:
+        raise click.UsageError(str(err)) from None
+    _setup_logging(raw["log_level"])
+    events = EventLog(cfg.run_log_dir / f"agent-{socket.gethostname()}-{os.getpid()}.jsonl", source="agent")
+    events.subscribe(StatusPrinter(quiet=raw["quiet"]))
+    return _run_agent(cfg, events)
+
+
+def _run_agent(cfg: Any, events: Any) -> int:
+    """Run the agent and turn rendezvous problems into one line on stderr."""
+    from launcher.agent import Agent
+    from launcher.store import EndpointUnreachable, PortInUse, RendezvousError, RendezvousMismatch
+
+    try:
+        return Agent(cfg, events, sys.stdout.buffer, sys.stderr.buffer).run()
+    except (EndpointUnreachable, PortInUse, RendezvousMismatch) as err:
+        click.echo(f"nvrx: error: {err}", err=True)
+        return 2
+    except RendezvousError as err:
+        click.echo(f"nvrx: error: {err}", err=True)
+        return 1
+    finally:
+        events.close()
+
+
+def _setup_logging(level: str) -> None:
+    lvl = getattr(logging, str(level).upper(), None)
+    if not isinstance(lvl, int):
+        raise click.UsageError(f"--log-level {level!r}: use DEBUG, INFO, WARNING or ERROR")
+    logging.basicConfig(level=lvl, stream=sys.stderr, format="nvrx %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,40 @@
+"""The `nvrx` click group and the error boundary: one clear line per user error, no traceback."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from nvrx_cli.launch_cmd import launch
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="nvrx", prog_name="nvrx")
+def cli() -> None:
+    """nvrx: launch and supervise PyTorch training jobs through crashes, hangs and preemptions."""
+
+
+cli.add_command(launch)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry: map click usage errors to a single line and exit code 2."""
+    try:
+        rv = cli.main(args=argv, prog_name="nvrx", standalone_mode=False)
+    except click.UsageError as err:
+        where = f"nvrx {err.ctx.info_name} --help" if err.ctx and err.ctx.parent else "nvrx --help"
+        msg = err.format_message().replace("\n", " ")
+        click.echo(f"nvrx: error: {msg} (see '{where}')", err=True)
+        sys.exit(2)
+    except click.ClickException as err:
+        click.echo(f"nvrx: error: {err.format_message()}", err=True)
+        sys.exit(err.exit_code)
+    except click.Abort:
+        click.echo("nvrx: aborted", err=True)
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

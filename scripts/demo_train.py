@@ -1,0 +1,66 @@
+"""A small DDP training job on CPU/gloo, written exactly as for torchrun.
+
+It trains a tiny regression model, checkpoints every few steps, and (for the demo) rank 1
+crashes once in the first attempt so the launcher has something to recover from. On a restart
+it resumes from the last checkpoint. Run it with:
+
+    nvrx launch --nproc-per-node 2 --max-restarts 3 scripts/demo_train.py --steps 60
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--crash-at", type=int, default=25, help="step at which rank 1 crashes in attempt 0 (-1: never)")
+    p.add_argument("--ckpt", default=os.path.join(os.environ.get("NVRX_RUN_LOG_DIR", "."), "demo_ckpt.pt"))
+    args = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    start = 0
+    if os.path.exists(args.ckpt):
+        state = torch.load(args.ckpt, weights_only=True)
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"] + 1
+    if rank == 0:
+        print(f"attempt {attempt}: world size {world}, starting at step {start}", flush=True)
+
+    g = torch.Generator().manual_seed(1234 + rank)
+    w_true = torch.arange(8, dtype=torch.float32).unsqueeze(1) / 8
+    for step in range(start, args.steps):
+        x = torch.randn(32, 8, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), x @ w_true)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if attempt == 0 and rank == 1 and step == args.crash_at:
+            print(f"rank 1: simulated crash at step {step}", file=sys.stderr, flush=True)
+            os._exit(13)
+        if step % 10 == 0 or step == args.steps - 1:
+            if rank == 0:
+                tmp = args.ckpt + ".tmp"
+                torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+                os.replace(tmp, args.ckpt)
+                print(f"step {step}: loss {loss.item():.4f} (checkpoint saved)", flush=True)
+            dist.barrier()
+    if rank == 0:
+        print(f"done: final loss {loss.item():.4f}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Shared helpers: run `nvrx launch` as a real subprocess and check the process tree afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _tagged(token: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("NVRX_TEST_TOKEN") == token:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+class Launcher:
+    """Starts `nvrx launch` processes tagged with a token, so leftovers can be found by environment."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.token = uuid.uuid4().hex
+        self.procs: list[subprocess.Popen] = []
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env["NVRX_TEST_TOKEN"] = self.token
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        env.update(extra or {})
+        return env
+
+    def start(self, *args: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "nvrx_cli.main", "launch", *args]
+        proc = subprocess.Popen(cmd, cwd=self.tmp_path, env=self.env(env), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, **kw)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, *args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        proc = self.start(*args, env=env)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError(f"nvrx launch did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def leftovers(self, wait: float = 5.0) -> list[psutil.Process]:
+        """Processes from this test still alive after `wait` seconds (ranks die asynchronously)."""
+        deadline = time.monotonic() + wait
+        while True:
+            left = [p for p in _tagged(self.token) if p.status() != psutil.STATUS_ZOMBIE]
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.1)
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for p in _tagged(self.token):
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                pass
+
+
+@pytest.fixture
+def launcher(tmp_path: Path):
+    lau = Launcher(tmp_path)
+    yield lau
+    lau.cleanup()
+
+
+def write_script(path: Path, body: str) -> Path:
+    path.write_text(body)
+    return path
