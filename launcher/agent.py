@@ -7,13 +7,14 @@ round's stop record appearing in the store (a watcher thread), and signals sent 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Iterator
 
 from launcher.config import LaunchConfig
 from launcher.workers import RankExit, RankSpec, WorkerGroup
@@ -82,7 +83,7 @@ class Agent:
         self.failures: list[dict[str, Any]] = []  # one entry per fault stop, for the final report
         self._sig_r, self._sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._pending_signal: int | None = None
-        self._supervising = False
+        self._raise_on_signal = False  # only while blocked in rendezvous; elsewhere signals wake the loop
         self._forwarded = False
         self._old_handlers: dict[int, Any] = {}
         self._rdzv: Any = None
@@ -111,12 +112,13 @@ class Agent:
         self.events.emit("agent_start", pid=os.getpid(), nproc=self.cfg.workers.nproc_per_node,
                          nnodes=f"{self.cfg.rdzv.min_nodes}:{self.cfg.rdzv.max_nodes}",
                          max_restarts=self.cfg.max_restarts, run_id=self.cfg.rdzv.run_id)
-        self._rs = open_rendezvous_store(self.cfg.rdzv)
+        with self._signals_raise():
+            self._rs = open_rendezvous_store(self.cfg.rdzv)
         self._rdzv = Rendezvous(self._rs, self.cfg.rdzv, self.cfg.max_restarts, self.events)
         while True:
-            self._raise_pending_signal()
             try:
-                result = self._rdzv.next_round()
+                with self._signals_raise():
+                    result = self._rdzv.next_round()
             except JobFinished as fin:
                 self.events.emit("job_end", status="already_finished", detail=str(fin))
                 return EXIT_OK
@@ -132,7 +134,6 @@ class Agent:
         """Start and supervise the ranks of one round. None means: go to the next round."""
         specs = [RankSpec(lr, result.rank_offset + lr, build_rank_env(self.cfg, result, lr))
                  for lr in range(self.cfg.workers.nproc_per_node)]
-        self._supervising = True
         self.workers.start(specs, attempt=result.restart_count)
         watch = self._watch_stop(result.round)
         self._rdzv.start_keepalive(result)
@@ -140,7 +141,6 @@ class Agent:
             record = self._supervise(result, watch)
         finally:
             self._rdzv.stop_keepalive()
-            self._supervising = False
         return self._conclude(result, record)
 
     def _watch_stop(self, round_no: int) -> _StopWatch:
@@ -239,19 +239,30 @@ class Agent:
             signal.signal(sig, old)
         self._old_handlers.clear()
 
+    @contextlib.contextmanager
+    def _signals_raise(self) -> Iterator[None]:
+        """While blocked in rendezvous there are no ranks to forward to: a signal ends the agent."""
+        if self._pending_signal is not None:
+            raise AgentSignal(self._pending_signal)
+        self._raise_on_signal = True
+        try:
+            yield
+        finally:
+            self._raise_on_signal = False
+
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if self._pending_signal is not None and self._supervising:
+        if self._raise_on_signal:
+            self._pending_signal = signum
+            raise AgentSignal(signum)
+        if self._pending_signal is not None:
             # A second signal while stopping: do not wait for the grace period any longer.
             self.workers.signal_all(signal.SIGKILL)
             return
         self._pending_signal = signum
-        if self._supervising:
-            try:
-                os.write(self._sig_w, b"s")
-            except BlockingIOError:
-                pass
-        else:
-            raise AgentSignal(signum)
+        try:
+            os.write(self._sig_w, b"s")
+        except BlockingIOError:
+            pass
 
     def _drain_signal_pipe(self) -> bool:
         got = False
@@ -263,10 +274,6 @@ class Agent:
             except BlockingIOError:
                 break
         return got
-
-    def _raise_pending_signal(self) -> None:
-        if self._pending_signal is not None:
-            raise AgentSignal(self._pending_signal)
 
     # ------------------------------------------------------------ shutdown
 

@@ -140,8 +140,11 @@ def parse_endpoint(value: str, default_port: int = DEFAULT_RDZV_PORT) -> tuple[s
     m = re.fullmatch(r"\[([0-9a-fA-F:.]+)\](?::(\d+))?", text)
     if m:
         host, port = m.group(1), m.group(2)
-    elif text.count(":") > 1:  # bare IPv6 without brackets
-        host, port = text, None
+    elif text.count(":") > 1:  # only a bare IPv6 address may carry several colons
+        try:
+            host, port = str(ipaddress.IPv6Address(text)), None
+        except ValueError:
+            raise bad from None
     else:
         host, _, port = text.partition(":")
         port = port if _ else None

@@ -1,0 +1,389 @@
+"""The rendezvous against a real TCPStore on 127.0.0.1, with several agents as threads.
+
+Each "agent" has its own RendezvousStore (the first one on a port hosts it, the others join
+as clients, exactly like several agents on one machine) and its own Rendezvous.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator
+
+import psutil
+import pytest
+
+from launcher.config import RdzvSettings
+from launcher.rendezvous import (
+    JobFinished,
+    NodeInfo,
+    Rendezvous,
+    RendezvousTimeout,
+    RoundResult,
+    StopRecord,
+    order_members,
+    watched_nodes,
+)
+from launcher.store import (
+    EndpointUnreachable,
+    PortInUse,
+    RendezvousError,
+    RendezvousMismatch,
+    RendezvousStore,
+    connect_client,
+    open_rendezvous_store,
+    start_store_server,
+)
+from monitors.events import EventLog
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_settings(port: int, **kw: Any) -> RdzvSettings:
+    base: dict[str, Any] = dict(
+        host="127.0.0.1",
+        port=port,
+        run_id="job",
+        min_nodes=2,
+        max_nodes=2,
+        nproc_per_node=2,
+        node_rank=None,
+        local_addr=None,
+        join_timeout=5.0,
+        last_call_timeout=0.1,
+        keepalive_interval=0.05,
+        keepalive_timeout=0.5,
+    )
+    base.update(kw)
+    return RdzvSettings(**base)
+
+
+@dataclasses.dataclass
+class Agent:
+    rs: RendezvousStore
+    rdzv: Rendezvous
+    events: list[dict]
+
+    def evs(self, name: str) -> list[dict]:
+        return [e for e in self.events if e["ev"] == name]
+
+
+class Cluster:
+    """Creates agents and closes them all (clients first, store host last) at teardown."""
+
+    def __init__(self) -> None:
+        self.agents: list[Agent] = []
+        self.stores: list[RendezvousStore] = []
+
+    def agent(self, settings: RdzvSettings, node_id: str, max_restarts: int = 3) -> Agent:
+        rs = open_rendezvous_store(settings)
+        self.stores.append(rs)
+        events: list[dict] = []
+        log = EventLog(None, node_id)
+        log.subscribe(events.append)
+        agent = Agent(rs, Rendezvous(rs, settings, max_restarts, log, node_id=node_id), events)
+        self.agents.append(agent)
+        return agent
+
+    def close(self) -> None:
+        for agent in sorted(self.agents, key=lambda a: a.rs.is_host):
+            agent.rdzv.close()
+        for rs in sorted(self.stores, key=lambda s: s.is_host):
+            rs.close()
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    c = Cluster()
+    yield c
+    c.close()
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_threads() -> Iterator[None]:
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        extra = [t for t in set(threading.enumerate()) - before if t.is_alive() and t.name.startswith("nvrx-")]
+        if not extra:
+            return
+        time.sleep(0.02)
+    pytest.fail(f"threads left behind: {[t.name for t in extra]}")
+
+
+def in_parallel(*calls: Callable[[], Any], timeout: float = 10.0) -> list[Any]:
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        futures = [pool.submit(c) for c in calls]
+        return [f.result(timeout=timeout) for f in futures]
+
+
+def listen_addrs(port: int) -> set[str]:
+    conns = psutil.Process().net_connections(kind="tcp")
+    return {c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+# ---------------------------------------------------------------- rounds
+
+
+def test_two_nodes_form_one_round(cluster: Cluster) -> None:
+    port = free_port()
+    s = make_settings(port)
+    b = cluster.agent(s, "node-b")
+    a = cluster.agent(s, "node-a")
+    assert b.rs.is_host and not a.rs.is_host
+    assert listen_addrs(port) == {"127.0.0.1"}
+
+    ra, rb = in_parallel(a.rdzv.next_round, b.rdzv.next_round)
+    assert (ra.round, rb.round) == (0, 0)
+    assert (ra.group_rank, rb.group_rank) == (0, 1)  # newcomers ordered by node id
+    assert ra.nodes == rb.nodes == (NodeInfo("node-a", "127.0.0.1", 2), NodeInfo("node-b", "127.0.0.1", 2))
+    assert ra.world_size == 4 and (ra.rank_offset, rb.rank_offset) == (0, 2)
+    assert ra.restart_count == 0 and ra.agent_hosts_pg_store
+    assert (ra.master_addr, ra.master_port) == (rb.master_addr, rb.master_port) == ("127.0.0.1", ra.master_port)
+    assert listen_addrs(ra.master_port) == {"127.0.0.1"}  # the ranks' store, hosted by group rank 0
+    assert [e["round"] for e in a.evs("rdzv_join")] == [0]
+    assert a.evs("rdzv_round")[0]["world_size"] == 4
+
+
+def test_restart_round_is_fast_and_ranks_stable(cluster: Cluster) -> None:
+    s = make_settings(free_port())
+    a, b = cluster.agent(s, "node-a"), cluster.agent(s, "node-b")
+    r0a, _ = in_parallel(a.rdzv.next_round, b.rdzv.next_round)
+    a.rdzv.report_stop(0, "failed", {"rank": 0, "exitcode": 1})
+    assert b.rdzv.wait_stop(0).kind == "failed"
+
+    t0 = time.monotonic()
+    r1a, r1b = in_parallel(a.rdzv.next_round, b.rdzv.next_round)
+    assert time.monotonic() - t0 < 0.5
+    assert (r1a.round, r1a.group_rank, r1b.group_rank) == (1, 0, 1)
+    assert r1a.restart_count == r1b.restart_count == 1
+    assert r1a.master_port != r0a.master_port  # a fresh process-group store each round
+    assert listen_addrs(r0a.master_port) == set()  # ...and the old one is gone
+
+
+def test_scale_up_admits_a_late_node(cluster: Cluster) -> None:
+    s = make_settings(free_port(), min_nodes=1, max_nodes=2, last_call_timeout=0.2)
+    first = cluster.agent(s, "z-first")
+    late = cluster.agent(s, "a-late")  # sorts before z-first, but must not take its rank
+    r0 = first.rdzv.next_round()
+    assert (r0.round, r0.group_rank, len(r0.nodes)) == (0, 0, 1)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        late_round = pool.submit(late.rdzv.next_round)
+        stop = first.rdzv.wait_stop(0)
+        assert (stop.kind, stop.by_node, stop.restart_count, stop.give_up) == ("scale_up", "a-late", 0, False)
+        r1 = first.rdzv.next_round()
+        r1_late = late_round.result(timeout=5)
+    assert r1.round == r1_late.round == 1
+    assert (r1.group_rank, r1_late.group_rank) == (0, 1)
+    assert r1.restart_count == 0
+    assert late.evs("rdzv_standby")[0]["reason"] == "scale_up"
+
+
+def test_standby_waits_while_full_then_job_finished(cluster: Cluster) -> None:
+    s = make_settings(free_port(), min_nodes=1, max_nodes=1)
+    a, b = cluster.agent(s, "node-a"), cluster.agent(s, "node-b")
+    r0 = a.rdzv.next_round()
+    a.rdzv.start_keepalive(r0)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        waiting = pool.submit(b.rdzv.next_round)
+        deadline = time.monotonic() + 5
+        while not b.evs("rdzv_standby") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert b.evs("rdzv_standby")[0]["reason"] == "round full"
+        time.sleep(0.7)  # longer than keepalive_timeout: a beating round is not ended
+        assert not waiting.done()
+        a.rdzv.node_succeeded(0)
+        with pytest.raises(JobFinished, match="succeeded"):
+            waiting.result(timeout=5)
+    a.rdzv.stop_keepalive()
+    with pytest.raises(JobFinished):
+        a.rdzv.next_round()
+
+
+def test_standby_ends_a_silent_round(cluster: Cluster) -> None:
+    s = make_settings(free_port(), min_nodes=1, max_nodes=1)
+    a, b = cluster.agent(s, "node-a"), cluster.agent(s, "node-b")
+    a.rdzv.next_round()  # a never beats: its node is gone as far as the job can tell
+    r1 = b.rdzv.next_round()
+    assert (r1.round, r1.nodes[0].node_id) == (1, "node-b")
+    stop = a.rdzv.wait_stop(0)
+    assert (stop.kind, stop.detail["node"], stop.restart_count) == ("node_left", "node-a", 1)
+
+
+def test_fixed_node_rank_is_the_group_rank(cluster: Cluster) -> None:
+    port = free_port()
+    a = cluster.agent(make_settings(port, node_rank=1), "node-a")
+    b = cluster.agent(make_settings(port, node_rank=0), "node-b")
+    ra, rb = in_parallel(a.rdzv.next_round, b.rdzv.next_round)
+    assert (ra.group_rank, rb.group_rank) == (1, 0)
+
+
+def test_duplicate_node_rank_is_a_mismatch(cluster: Cluster) -> None:
+    s = make_settings(free_port(), node_rank=0)
+    a, b = cluster.agent(s, "node-a"), cluster.agent(s, "node-b")
+    with pytest.raises(RendezvousMismatch, match="two agents use --node-rank 0"):
+        in_parallel(a.rdzv.next_round, b.rdzv.next_round)
+
+
+def test_fixed_master_port_is_passed_through(cluster: Cluster) -> None:
+    s = make_settings(free_port(), min_nodes=1, max_nodes=1, master_port=29999)
+    r = cluster.agent(s, "node-a").rdzv.next_round()
+    assert (r.master_addr, r.master_port, r.agent_hosts_pg_store) == ("127.0.0.1", 29999, False)
+
+
+@pytest.mark.parametrize("nnodes, text", [((2, 2), "1 of 2 nodes"), ((2, 3), "1 of 2..3 nodes")])
+def test_round_timeout_says_how_many_joined(cluster: Cluster, nnodes: tuple[int, int], text: str) -> None:
+    s = make_settings(free_port(), min_nodes=nnodes[0], max_nodes=nnodes[1], join_timeout=0.3)
+    with pytest.raises(RendezvousTimeout, match=f"round 0 timed out after 0.3 s with {text} joined"):
+        cluster.agent(s, "node-a").rdzv.next_round()
+
+
+# ---------------------------------------------------------------- stops and the restart budget
+
+
+def test_restart_budget_is_job_wide(cluster: Cluster) -> None:
+    s = make_settings(free_port())
+    a, b = cluster.agent(s, "node-a", max_restarts=1), cluster.agent(s, "node-b", max_restarts=1)
+    in_parallel(a.rdzv.next_round, b.rdzv.next_round)
+    sa, sb = in_parallel(
+        lambda: a.rdzv.report_stop(0, "failed", {"rank": 0}),
+        lambda: b.rdzv.report_stop(0, "failed", {"rank": 2}),
+    )
+    assert sa == sb and (sa.restart_count, sa.give_up) == (1, False)  # counted once
+    assert a.rdzv.report_stop(0, "node_left", {}) == sa  # idempotent: the first record stands
+    assert len(a.evs("rdzv_stop")) == 1
+
+    # node b leaves; a new agent (new node id, new connection) takes its place
+    b.rdzv.close()
+    b2 = cluster.agent(s, "node-b2", max_restarts=1)
+    r1a, r1b = in_parallel(a.rdzv.next_round, b2.rdzv.next_round)
+    assert r1a.restart_count == r1b.restart_count == 1
+    assert (r1a.group_rank, r1b.group_rank) == (0, 1)
+
+    final = b2.rdzv.report_stop(1, "failed", {"rank": 3})
+    assert (final.restart_count, final.give_up) == (2, True)
+    assert StopRecord.from_json(final.to_json()) == final
+    late = cluster.agent(s, "node-late", max_restarts=1)
+    for agent in (a, b2, late):
+        with pytest.raises(JobFinished, match="gave up after 2 restarts"):
+            agent.rdzv.next_round()
+
+
+def test_keepalive_reports_a_silent_node(cluster: Cluster) -> None:
+    s = make_settings(free_port())
+    a, b = cluster.agent(s, "node-a"), cluster.agent(s, "node-b")
+    ra, rb = in_parallel(a.rdzv.next_round, b.rdzv.next_round)
+    a.rdzv.start_keepalive(ra)
+    b.rdzv.start_keepalive(rb)
+    time.sleep(0.3)  # both beating: nothing happens
+    t0 = time.monotonic()
+    b.rdzv.stop_keepalive()
+    stop = a.rdzv.wait_stop(0)
+    assert time.monotonic() - t0 < 2.0
+    assert (stop.kind, stop.by_node, stop.detail) == ("node_left", "node-a", {"node": "node-b", "group_rank": 1})
+    assert stop.restart_count == 1
+    a.rdzv.stop_keepalive()
+
+
+def test_wait_stop_raises_when_the_store_is_lost() -> None:
+    c = Cluster()
+    s = make_settings(free_port(), min_nodes=1, max_nodes=2, last_call_timeout=0.0)
+    host = c.agent(s, "node-a")
+    client = c.agent(s, "node-b")
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        watching = pool.submit(client.rdzv.wait_stop, 0)
+        time.sleep(0.1)
+        host.rdzv.close()
+        host.rs.close()
+        with pytest.raises(RendezvousError, match="lost the rendezvous store"):
+            watching.result(timeout=5)
+    client.rdzv.close()
+    client.rs.close()
+
+
+# ---------------------------------------------------------------- store errors
+
+
+def test_rdzv_id_mismatch(cluster: Cluster) -> None:
+    port = free_port()
+    cluster.agent(make_settings(port, run_id="alpha"), "node-a")
+    with pytest.raises(RendezvousMismatch, match=r"--rdzv-id beta but the rendezvous at 127.0.0.1:\d+ serves alpha"):
+        open_rendezvous_store(make_settings(port, run_id="beta"))
+
+
+def test_nproc_mismatch(cluster: Cluster) -> None:
+    port = free_port()
+    cluster.agent(make_settings(port, nproc_per_node=2), "node-a")
+    with pytest.raises(RendezvousMismatch, match="--nproc-per-node 4 but the job .* uses 2"):
+        open_rendezvous_store(make_settings(port, nproc_per_node=4))
+
+
+def test_unreachable_endpoint_refused() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(EndpointUnreachable, match=r"after 1\.\d s \(connection refused\); start the agent"):
+        connect_client("127.0.0.1", free_port(), wait=1.0)
+    assert time.monotonic() - t0 < 3
+
+
+def test_unreachable_endpoint_unresolvable() -> None:
+    s = make_settings(4242, host="nvrx-no-such-host.invalid", join_timeout=1.0)
+    with pytest.raises(EndpointUnreachable, match=r"nvrx-no-such-host.invalid:4242 after 1\.\d s"):
+        open_rendezvous_store(s)
+
+
+def test_port_held_by_a_plain_socket() -> None:
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(8)
+    port = holder.getsockname()[1]
+    try:
+        with pytest.raises(PortInUse, match=f"port {port} on 127.0.0.1 .*--rdzv-endpoint 127.0.0.1:OTHER_PORT"):
+            open_rendezvous_store(make_settings(port, join_timeout=1.0))
+    finally:
+        holder.close()  # releases the abandoned handshake thread
+
+
+def test_port_held_by_a_foreign_tcpstore() -> None:
+    foreign, port = start_store_server("127.0.0.1")
+    try:
+        with pytest.raises(PortInUse, match="not an nvrx rendezvous"):
+            open_rendezvous_store(make_settings(port, join_timeout=1.0))
+    finally:
+        del foreign
+
+
+def test_standalone_hosts_on_a_free_loopback_port() -> None:
+    rs = open_rendezvous_store(make_settings(0, min_nodes=1, max_nodes=1, standalone=True))
+    try:
+        assert rs.is_host and rs.host == "127.0.0.1" and rs.port > 0
+        assert listen_addrs(rs.port) == {"127.0.0.1"}
+        extra = rs.new_client()
+        extra.set("k", "v")
+        assert rs.store.get("k") == b"v"
+    finally:
+        rs.close()
+
+
+# ---------------------------------------------------------------- pure helpers
+
+
+def test_order_members_keeps_previous_order_then_new_by_id() -> None:
+    joined = [{"node_id": n} for n in ("d", "b", "x", "a")]
+    assert [m["node_id"] for m in order_members(joined, ["x", "gone", "b"], False)] == ["x", "b", "a", "d"]
+
+
+def test_watched_nodes_are_ring_neighbours() -> None:
+    nodes = tuple(NodeInfo(str(i), "h", 1) for i in range(8))
+    res = RoundResult(0, 0, nodes, 0, "h", 1, True)
+    assert [g for g, _ in watched_nodes(res)] == [1, 2, 6, 7]
+    small = dataclasses.replace(res, nodes=nodes[:3], group_rank=1)
+    assert [g for g, _ in watched_nodes(small)] == [0, 2]
