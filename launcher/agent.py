@@ -69,6 +69,8 @@ def build_rank_env(cfg: LaunchConfig, result: Any, local_rank: int) -> dict[str,
         NVRX_ROUND=str(result.round),
     )
     env.setdefault("OMP_NUM_THREADS", "1")
+    if not w.fast_exit:
+        env["NVRX_FULL_EXIT"] = "1"
     return env
 
 

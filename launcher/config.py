@@ -84,6 +84,7 @@ class WorkerSettings:
     term_timeout: float = 30.0  # SIGTERM -> SIGKILL grace
     kill_timeout: float = 5.0  # after SIGKILL, how long before a rank is reported stuck and abandoned
     fork_server: bool = True  # fork ranks from a pre-imported template process when safe
+    fast_exit: bool = True  # ranks skip the interpreter teardown after atexit handlers and flushes
     base_env: Mapping[str, str] = field(default_factory=dict)  # environment ranks inherit
 
 
@@ -361,6 +362,7 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str]) -> Launc
         term_timeout=positive_float(raw.get("term_timeout", 30.0), "--term-timeout", allow_zero=True),
         kill_timeout=positive_float(raw.get("kill_timeout", 5.0), "--kill-timeout"),
         fork_server=bool(raw.get("fork_server", True)) and not no_python,
+        fast_exit=bool(raw.get("fast_exit", True)),
         base_env=base_env,
     )
 

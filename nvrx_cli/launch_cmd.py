@@ -45,6 +45,8 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                                                           help="Signals the agent catches and forwards to ranks.")),
     (("--fork-server/--no-fork-server",), dict(default=True, show_default=True,
                                               help="Fork ranks from a process that imported torch once (fast restarts).")),
+    (("--fast-exit/--no-fast-exit",), dict(default=True, show_default=True,
+                                          help="Ranks end after atexit handlers and flushes, skipping interpreter teardown.")),
     (("--log-level",), dict(default="WARNING", show_default=True, help="Agent log level on stderr.")),
     (("-q", "--quiet"), dict(is_flag=True, help="Only the final status line on the terminal.")),
 ]

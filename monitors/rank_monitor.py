@@ -1,0 +1,593 @@
+"""The rank monitor: one process per rank, started by the agent, outliving rank restarts.
+
+    python -m monitors.rank_monitor --rank N --state-dir DIR --socket PATH --shm PATH \
+        [--token-env NVRX_MONITOR_TOKEN] [--config-json '{...FaultToleranceConfig.to_dict()...}'] \
+        [--events PATH] [--parent-pid PID]
+
+The secret token is read from the environment variable named by ``--token-env`` (never argv). The
+monitor creates the heartbeat slot (``--shm``, 0600) and the control socket (``--socket``, 0600; both
+parents 0700), serves ``monitors.control`` requests, and sleeps until the earliest deadline (at most
+``workload_check_interval``). When a deadline passes it records the reason (event ``hang_detected`` and
+``<state-dir>/rank<N>.last_hang.json``) and sends ``rank_termination_signal`` to the rank's pid.
+
+Learned timeouts are persisted at ``<state-dir>/rank<N>.timeouts.json`` and loaded at start. The
+monitor exits on SIGTERM/SIGINT/SIGHUP, on ``stop_monitor``, or when its parent (the agent) dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hmac
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import psutil
+
+from monitors.control import LineBuffer, ProtocolError, encode, ensure_private_dir, listen, peer_credentials
+from monitors.events import EventLog
+from monitors.heartbeat import Slot, SlotSnapshot
+from monitors.sections import SectionRegistry, SectionStats
+from monitors.timeouts import (HeartbeatStats, TimeoutTracker, Timeouts, last_hang_file, load_json,
+                               save_json_atomic, state_file)
+
+log = logging.getLogger("nvrx.rank_monitor")
+
+PR_SET_PDEATHSIG = 1
+STATS_PERIOD = 30.0          # min seconds between heartbeat_stats events
+SECTION_EVENT_PERIOD = 10.0  # min seconds between section_open/section_close events of one section
+MAX_PENDING_CONNS = 16
+
+
+# ------------------------------------------------------------------ settings
+
+
+def _parse_signal(value: Any) -> signal.Signals:
+    if isinstance(value, str):
+        name = value.split(".")[-1].upper()
+        if name.isdigit():
+            return signal.Signals(int(name))
+        return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+    return signal.Signals(int(value))
+
+
+def _parse_level(value: Any) -> int:
+    if isinstance(value, str) and not value.isdigit():
+        level = logging.getLevelName(value.upper())
+        if not isinstance(level, int):
+            raise ValueError(f"unknown log level {value!r}")
+        return level
+    return int(value)
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+@dataclass(frozen=True)
+class MonitorSettings:
+    """The FaultToleranceConfig fields the monitor uses, normalised."""
+
+    workload_check_interval: float = 5.0
+    initial_rank_heartbeat_timeout: float | None = 3600.0
+    rank_heartbeat_timeout: float | None = 2700.0
+    safety_factor: float = 5.0
+    rank_termination_signal: signal.Signals = signal.SIGKILL
+    log_level: int = logging.INFO
+    rank_section_timeouts: Mapping[str, float | None] = field(default_factory=dict)
+    rank_out_of_section_timeout: float | None = None
+
+    @classmethod
+    def from_config_dict(cls, d: Mapping[str, Any]) -> "MonitorSettings":
+        """Validate D with FaultToleranceConfig when available, then normalise the fields we use."""
+        try:
+            from monitors.ft_config import FaultToleranceConfig  # type: ignore[import-not-found]
+        except ModuleNotFoundError:
+            FaultToleranceConfig = None  # noqa: N806 - written by another issue; not there yet
+        src: Any = FaultToleranceConfig.from_dict(dict(d)) if FaultToleranceConfig is not None else None
+        get: Callable[[str, Any], Any] = (lambda k, dflt: getattr(src, k, dflt)) if src is not None else d.get
+        base = cls()
+        out = cls(
+            workload_check_interval=float(get("workload_check_interval", base.workload_check_interval)),
+            initial_rank_heartbeat_timeout=_opt_float(get("initial_rank_heartbeat_timeout",
+                                                          base.initial_rank_heartbeat_timeout)),
+            rank_heartbeat_timeout=_opt_float(get("rank_heartbeat_timeout", base.rank_heartbeat_timeout)),
+            safety_factor=float(get("safety_factor", base.safety_factor)),
+            rank_termination_signal=_parse_signal(get("rank_termination_signal", base.rank_termination_signal)),
+            log_level=_parse_level(get("log_level", base.log_level)),
+            rank_section_timeouts={str(k): _opt_float(v) for k, v in
+                                   dict(get("rank_section_timeouts", {}) or {}).items()},
+            rank_out_of_section_timeout=_opt_float(get("rank_out_of_section_timeout", None)),
+        )
+        if not out.workload_check_interval > 0:
+            raise ValueError("workload_check_interval must be > 0")
+        return out
+
+    def timeouts(self) -> Timeouts:
+        return Timeouts.from_dict({"initial_heartbeat": self.initial_rank_heartbeat_timeout,
+                                   "heartbeat": self.rank_heartbeat_timeout,
+                                   "sections": self.rank_section_timeouts,
+                                   "out_of_section": self.rank_out_of_section_timeout})
+
+
+# ------------------------------------------------------------------ detection
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """The moment a check fails unless the rank makes progress first."""
+
+    at: float
+    reason: str
+    timeout: float
+    since: float
+    section: str | None = None
+
+
+def next_deadline(snap: SlotSnapshot, timeouts: Timeouts, name_of: Callable[[int], str]) -> Deadline | None:
+    """The earliest deadline implied by SNAP. Heartbeat checks pause while a timed section is open."""
+    found: list[Deadline] = []
+    open_ids = snap.open_ids()
+    timed_open = False
+    for sid in open_ids:
+        name = name_of(sid)
+        limit = timeouts.section(name)
+        if limit is not None:
+            timed_open = True
+            start = snap.section_start[sid]
+            found.append(Deadline(start + limit, "section_timeout", limit, start, name))
+    if not timed_open:
+        end = snap.last_section_end
+        if snap.hb_count == 0 and timeouts.initial_heartbeat is not None:
+            since = max(snap.run_start, end)
+            found.append(Deadline(since + timeouts.initial_heartbeat, "no_first_heartbeat",
+                                  timeouts.initial_heartbeat, since))
+        elif snap.hb_count > 0 and timeouts.heartbeat is not None:
+            since = max(snap.last_hb, end)
+            found.append(Deadline(since + timeouts.heartbeat, "heartbeat_timeout", timeouts.heartbeat, since))
+    if not open_ids and timeouts.out_of_section is not None:
+        since = snap.last_section_end
+        found.append(Deadline(since + timeouts.out_of_section, "out_of_section_timeout",
+                              timeouts.out_of_section, since))
+    return min(found, key=lambda d: d.at) if found else None
+
+
+def run_observations(snap: SlotSnapshot, registry: SectionRegistry) -> tuple[HeartbeatStats, SectionStats]:
+    """The current run's maxima, as recorded by the rank in the slot."""
+    hb = HeartbeatStats(snap.first_delay if snap.hb_count else None,
+                        snap.max_interval if snap.hb_count > 1 and snap.max_interval > 0 else None)
+    sections = SectionStats()
+    for name, sid in registry.mapping().items():
+        if snap.section_closes[sid]:
+            sections.observe_section(name, snap.section_max[sid])
+    sections.observe_out_of_section(snap.max_out_of_section)
+    return hb, sections
+
+
+# ------------------------------------------------------------------ the process
+
+
+@dataclass
+class Conn:
+    sock: socket.socket
+    lines: LineBuffer = field(default_factory=LineBuffer)
+    authed: bool = False
+
+
+@dataclass
+class Session:
+    """One rank run: from a successful init to disconnect, shutdown or termination."""
+
+    conn: Conn
+    proc: psutil.Process
+    generation: int
+    first_hb_reported: bool = False
+    terminated: bool = False
+    next_stats: float = 0.0
+    last_hb_count: int = 0
+    section_closes: dict[int, int] = field(default_factory=dict)
+    section_opened: dict[int, float] = field(default_factory=dict)
+    section_next_event: dict[tuple[str, int], float] = field(default_factory=dict)
+
+
+class RankMonitor:
+    """Serves the control socket and watches one rank's heartbeat slot."""
+
+    def __init__(self, rank: int, settings: MonitorSettings, state_dir: Path, socket_path: Path,
+                 shm_path: Path, token: str, events: EventLog, parent_pid: int) -> None:
+        self.rank = rank
+        self.settings = settings
+        self.state_dir = ensure_private_dir(Path(state_dir))
+        self.socket_path = Path(socket_path)
+        self.shm_path = Path(shm_path)
+        self._token = token.encode()
+        self.events = events
+        self.parent_pid = parent_pid
+        self.registry = SectionRegistry(settings.rank_section_timeouts)
+        self.tracker = TimeoutTracker(settings.timeouts(), settings.safety_factor)
+        self.session: Session | None = None
+        self.generation = 0
+        self.stopping: str | None = None
+        self.conns: dict[socket.socket, Conn] = {}
+        self.sel = selectors.DefaultSelector()
+        self._load_state()
+        ensure_private_dir(self.shm_path.parent)
+        self.slot = Slot.create(self.shm_path)
+        self.listener = listen(self.socket_path)
+        self.sel.register(self.listener, selectors.EVENT_READ, "listen")
+        self._wake_r, self._wake_w = socket.socketpair()
+        for s in (self._wake_r, self._wake_w):
+            s.setblocking(False)
+        self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+
+    # ---- lifecycle
+    def _load_state(self) -> None:
+        path = state_file(self.state_dir, self.rank)
+        try:
+            state = load_json(path)
+            if state is not None:
+                self.tracker.load_state_dict(state)
+                self.events.emit("timeouts_loaded", rank=self.rank, path=str(path),
+                                 timeouts=self.tracker.in_force().to_dict())
+                log.info("loaded learned timeouts from %s", path)
+        except (OSError, ValueError, TypeError) as exc:
+            log.warning("ignoring unusable timeouts state %s: %s", path, exc)
+            self.events.emit("timeouts_state_ignored", rank=self.rank, path=str(path), error=str(exc))
+
+    def install_signal_handlers(self) -> None:
+        signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.stopping = self.stopping or f"signal {signal.Signals(signum).name}"
+
+    def run(self) -> int:
+        """Serve until told to stop or orphaned; returns the process exit code."""
+        self.events.emit("monitor_start", rank=self.rank, pid=os.getpid(), socket=str(self.socket_path),
+                         timeouts=self.tracker.in_force().to_dict(),
+                         check_interval=self.settings.workload_check_interval)
+        try:
+            while self.stopping is None:
+                if os.getppid() != self.parent_pid:
+                    self.stopping = "parent died"
+                    break
+                timeout = self._tick(time.monotonic())
+                for key, _ in self.sel.select(timeout):
+                    self._dispatch(key)
+        finally:
+            self.close()
+        return 0
+
+    def close(self) -> None:
+        log.info("rank monitor stopping: %s", self.stopping)
+        self.events.emit("monitor_exit", rank=self.rank, reason=self.stopping or "error")
+        for conn in list(self.conns.values()):
+            self._drop(conn)
+        for path, sock in ((self.socket_path, self.listener),):
+            sock.close()
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        self.slot.close()
+        try:
+            self.shm_path.unlink()
+        except FileNotFoundError:
+            pass
+        self.events.close()
+
+    # ---- periodic work
+    def _tick(self, now: float) -> float:
+        """Check the slot; returns seconds until the next wake-up."""
+        interval = self.settings.workload_check_interval
+        sess = self.session
+        if sess is None or sess.terminated:
+            return interval
+        if not sess.proc.is_running():
+            self._end_session("rank_exited")
+            return interval
+        snap = self.slot.snapshot()
+        self.tracker.set_run_observations(*run_observations(snap, self.registry))
+        self._emit_progress(sess, snap, now)
+        timeouts = self.tracker.in_force()
+        deadline = next_deadline(snap, timeouts, self.registry.name_of)
+        if deadline is None:
+            return interval
+        if deadline.at <= now:
+            self._on_hang(sess, deadline, now, timeouts)
+            return interval
+        return max(0.0005, min(interval, deadline.at - now))
+
+    def _emit_progress(self, sess: Session, snap: SlotSnapshot, now: float) -> None:
+        if snap.hb_count and not sess.first_hb_reported:
+            sess.first_hb_reported = True
+            self.events.emit("first_heartbeat", rank=self.rank, pid=sess.proc.pid, delay=round(snap.first_delay, 6))
+        if snap.hb_count > sess.last_hb_count and now >= sess.next_stats:
+            self.events.emit("heartbeat_stats", rank=self.rank, count=snap.hb_count,
+                             max_interval=round(snap.max_interval, 6), since_last=round(now - snap.last_hb, 6))
+            sess.last_hb_count = snap.hb_count
+            sess.next_stats = now + STATS_PERIOD
+        for name, sid in self.registry.mapping().items():
+            start = snap.section_start[sid]
+            if snap.open_mask >> sid & 1 and sess.section_opened.get(sid) != start:
+                if self._section_event_due(sess, "open", sid, now):
+                    sess.section_opened[sid] = start
+                    self.events.emit("section_open", rank=self.rank, section=name, open_for=round(now - start, 6))
+            closes = snap.section_closes[sid]
+            if closes > sess.section_closes.get(sid, 0) and self._section_event_due(sess, "close", sid, now):
+                self.events.emit("section_close", rank=self.rank, section=name,
+                                 closes=closes - sess.section_closes.get(sid, 0),
+                                 last_duration=round(snap.section_last[sid], 6),
+                                 max_duration=round(snap.section_max[sid], 6))
+                sess.section_closes[sid] = closes
+
+    @staticmethod
+    def _section_event_due(sess: Session, kind: str, sid: int, now: float) -> bool:
+        key = (kind, sid)
+        if now < sess.section_next_event.get(key, 0.0):
+            return False
+        sess.section_next_event[key] = now + SECTION_EVENT_PERIOD
+        return True
+
+    def _on_hang(self, sess: Session, deadline: Deadline, now: float, timeouts: Timeouts) -> None:
+        sig = self.settings.rank_termination_signal
+        info = {"rank": self.rank, "pid": sess.proc.pid, "generation": sess.generation, "reason": deadline.reason,
+                "section": deadline.section, "elapsed": round(now - deadline.since, 6),
+                "timeout": deadline.timeout, "timeouts": timeouts.to_dict(), "signal": sig.name}
+        log.error("rank %d hang detected: %s%s after %.3fs (timeout %.3fs); sending %s to pid %d", self.rank,
+                  deadline.reason, f" [{deadline.section}]" if deadline.section else "", now - deadline.since,
+                  deadline.timeout, sig.name, sess.proc.pid)
+        self.events.emit("hang_detected", **info)
+        try:
+            save_json_atomic(last_hang_file(self.state_dir, self.rank), {**info, "t": time.time()})
+        except OSError as exc:
+            log.error("cannot write %s: %s", last_hang_file(self.state_dir, self.rank), exc)
+        sess.terminated = True
+        try:
+            sess.proc.send_signal(sig)  # psutil refuses if the pid was reused (create time differs)
+            self.events.emit("rank_terminated", rank=self.rank, pid=sess.proc.pid, signal=sig.name,
+                             reason=deadline.reason)
+        except psutil.Error as exc:
+            self.events.emit("rank_terminated", rank=self.rank, pid=sess.proc.pid, signal=sig.name,
+                             reason=deadline.reason, error=f"already gone: {exc}")
+
+    # ---- sockets
+    def _dispatch(self, key: selectors.SelectorKey) -> None:
+        if key.data == "listen":
+            self._accept()
+        elif key.data == "wake":
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except BlockingIOError:
+                pass
+        else:
+            self._readable(key.data)
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except BlockingIOError:
+            return
+        if sum(not c.authed for c in self.conns.values()) >= MAX_PENDING_CONNS:
+            sock.close()
+            return
+        sock.setblocking(False)
+        conn = Conn(sock)
+        self.conns[sock] = conn
+        self.sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _readable(self, conn: Conn) -> None:
+        try:
+            data = conn.sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+            return
+        try:
+            msgs = conn.lines.feed(data)
+        except ProtocolError as exc:
+            self._reply(conn, {"ok": False, "error": f"bad message: {exc}"})
+            self._drop(conn)
+            return
+        for msg in msgs:
+            if conn.sock not in self.conns:
+                return
+            if isinstance(msg, ProtocolError):
+                self._reply(conn, {"ok": False, "error": f"bad message: {msg}"})
+                if not conn.authed:
+                    self._drop(conn)
+                continue
+            self._handle(conn, msg)
+
+    def _reply(self, conn: Conn, msg: dict[str, Any]) -> None:
+        try:
+            conn.sock.settimeout(2.0)
+            conn.sock.sendall(encode(msg))
+            conn.sock.setblocking(False)
+        except OSError as exc:
+            log.warning("dropping a control connection: %s", exc)
+            self._drop(conn)
+
+    def _drop(self, conn: Conn) -> None:
+        if self.conns.pop(conn.sock, None) is None:
+            return
+        try:
+            self.sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+        if self.session is not None and self.session.conn is conn:
+            self._end_session("rank_disconnected")
+
+    # ---- requests
+    def _handle(self, conn: Conn, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        if not conn.authed:
+            handler = {"init": self._op_init, "stop_monitor": self._op_stop_monitor}.get(op)
+        else:
+            handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) and op.isidentifier() else None
+        if handler is None:
+            error = f"unknown op {op!r}" if conn.authed else "send init with the monitor token first"
+            self._reply(conn, {"ok": False, "error": error})
+            if not conn.authed:
+                self._drop(conn)
+            return
+        try:
+            reply = handler(conn, msg)
+        except (ValueError, TypeError, KeyError) as exc:
+            self._reply(conn, {"ok": False, "error": f"{op}: {exc}"})
+            return
+        if reply is not None:
+            self._reply(conn, {"ok": True, **reply})
+
+    def _check_token(self, conn: Conn, msg: dict[str, Any]) -> bool:
+        token = msg.get("token")
+        if isinstance(token, str) and hmac.compare_digest(token.encode(), self._token):
+            return True
+        self.events.emit("monitor_auth_failed", rank=self.rank, op=msg.get("op"))
+        log.warning("rejected a %s request with a wrong or stale token", msg.get("op"))
+        self._reply(conn, {"ok": False, "error": f"invalid monitor token for rank {self.rank}: wrong or stale "
+                                                 "NVRX_MONITOR_TOKEN (was this rank started by this nvrx launch?)"})
+        self._drop(conn)
+        return False
+
+    def _op_init(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
+        if not self._check_token(conn, msg):
+            return None
+        pid = msg.get("pid")
+        peer_pid, peer_uid, _ = peer_credentials(conn.sock)
+        if not isinstance(pid, int) or pid != peer_pid or peer_uid != os.getuid():
+            raise ValueError(f"pid {pid!r} does not match the connecting process (pid {peer_pid}, uid {peer_uid})")
+        proc = psutil.Process(pid)
+        names = [str(n) for n in msg.get("sections") or []]
+        for name in names:
+            self.registry.register(name)
+        if self.session is not None:
+            old = self.session
+            self._end_session("replaced")
+            if old.conn is not conn:
+                self._drop(old.conn)
+        self.generation += 1
+        self.slot.reset(self.generation, time.monotonic())
+        self.tracker.reset_run()
+        conn.authed = True
+        self.session = Session(conn, proc, self.generation)
+        timeouts = self.tracker.in_force()
+        self.events.emit("monitor_connect", rank=self.rank, pid=pid, generation=self.generation,
+                         timeouts=timeouts.to_dict())
+        log.info("rank %d connected (pid %d, run %d)", self.rank, pid, self.generation)
+        return {"rank": self.rank, "generation": self.generation, "sections": self.registry.mapping(),
+                "timeouts": timeouts.to_dict()}
+
+    def _op_stop_monitor(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
+        if not self._check_token(conn, msg):
+            return None
+        self.stopping = "stop requested"
+        return {}
+
+    def _op_sections(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        for name in msg.get("names") or []:
+            self.registry.register(str(name))
+        return {"sections": self.registry.mapping(), "timeouts": self.tracker.in_force().to_dict()}
+
+    def _refresh_observations(self) -> None:
+        if self.session is not None:
+            self.tracker.set_run_observations(*run_observations(self.slot.snapshot(), self.registry))
+
+    def _op_calculate_and_set_timeouts(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        self._refresh_observations()
+        updated = self.tracker.calculate_and_set()
+        timeouts = self.tracker.in_force().to_dict()
+        path = state_file(self.state_dir, self.rank)
+        save_json_atomic(path, self.tracker.state_dict())
+        self.events.emit("timeouts_set", rank=self.rank, updated=updated, timeouts=timeouts, path=str(path))
+        return {"updated": updated, "timeouts": timeouts}
+
+    def _op_state_dict(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        self._refresh_observations()
+        return {"state": self.tracker.state_dict()}
+
+    def _op_load_state_dict(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        self.tracker.load_state_dict(msg.get("state"))
+        timeouts = self.tracker.in_force().to_dict()
+        self.events.emit("timeouts_loaded", rank=self.rank, source="rank", timeouts=timeouts)
+        return {"timeouts": timeouts}
+
+    def _op_shutdown(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        self._refresh_observations()
+        self._end_session("shutdown")
+        return {}
+
+    def _end_session(self, reason: str) -> None:
+        sess, self.session = self.session, None
+        if sess is None:
+            return
+        self.events.emit("monitor_disconnect", rank=self.rank, pid=sess.proc.pid, generation=sess.generation,
+                         reason=reason)
+        log.info("rank %d run %d ended: %s", self.rank, sess.generation, reason)
+
+
+# ------------------------------------------------------------------ entry point
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError) as exc:  # not Linux: the getppid check still applies
+        log.debug("prctl(PR_SET_PDEATHSIG) unavailable: %s", exc)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m monitors.rank_monitor", description=__doc__.split("\n")[0])
+    p.add_argument("--rank", type=int, required=True, help="global rank watched by this monitor")
+    p.add_argument("--state-dir", type=Path, required=True, help="learned timeouts and last_hang.json")
+    p.add_argument("--socket", type=Path, required=True, help="control socket path (parent dir becomes 0700)")
+    p.add_argument("--shm", type=Path, required=True, help="heartbeat slot file (parent dir becomes 0700)")
+    p.add_argument("--token-env", default="NVRX_MONITOR_TOKEN", help="env var holding the secret token")
+    p.add_argument("--config-json", default="{}", help="FaultToleranceConfig.to_dict() as JSON")
+    p.add_argument("--events", type=Path, default=None, help="JSON-lines event file")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer our parent")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    parent_pid = args.parent_pid if args.parent_pid is not None else os.getppid()
+    set_parent_death_signal(signal.SIGTERM)
+    try:
+        config = json.loads(args.config_json)
+        if not isinstance(config, dict):
+            raise ValueError("--config-json must be a JSON object")
+        settings = MonitorSettings.from_config_dict(config)
+    except (ValueError, TypeError, KeyError) as exc:
+        print(f"rank_monitor: bad --config-json: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level, stream=sys.stderr,
+                        format=f"[rank-monitor {args.rank}] %(asctime)s %(levelname)s %(message)s")
+    token = os.environ.get(args.token_env, "")
+    if len(token) < 16:
+        print(f"rank_monitor: ${args.token_env} must hold the secret token (>= 16 characters)", file=sys.stderr)
+        return 2
+    events = EventLog(args.events, f"monitor-{args.rank}")
+    monitor = RankMonitor(args.rank, settings, args.state_dir, args.socket, args.shm, token, events, parent_pid)
+    monitor.install_signal_handlers()
+    return monitor.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

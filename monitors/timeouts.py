@@ -1,0 +1,205 @@
+"""Timeouts in force for a rank, the observations they are learned from, and their persistence.
+
+A timeout starts as the configured value (``FaultToleranceConfig``; ``None`` = not checked). After
+``calculate_and_set_timeouts`` it becomes ``observed maximum * safety_factor`` for every quantity that
+was observed at least once: the first-heartbeat delay, the heartbeat interval, each section's duration
+and the time spent outside sections. Observations merge (max) with those loaded from the previous run,
+so a rerun never learns a tighter timeout than what an earlier run needed.
+
+The state is a JSON-safe dict (``state_dict`` / ``load_state_dict``), persisted by the monitor at
+``<state-dir>/rank<N>.timeouts.json`` with :func:`save_json_atomic`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from monitors.sections import SectionStats, validate_section_name
+
+STATE_VERSION = 1
+
+
+def _positive(value: Any, what: str) -> float | None:
+    if value is None:
+        return None
+    out = float(value)
+    if not math.isfinite(out) or out <= 0:
+        raise ValueError(f"{what} must be a positive number or None, got {value!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """The timeouts a monitor enforces (seconds; None = not checked)."""
+
+    initial_heartbeat: float | None = None
+    heartbeat: float | None = None
+    sections: Mapping[str, float | None] = field(default_factory=dict)
+    out_of_section: float | None = None
+
+    def section(self, name: str) -> float | None:
+        return self.sections.get(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"initial_heartbeat": self.initial_heartbeat, "heartbeat": self.heartbeat,
+                "sections": dict(self.sections), "out_of_section": self.out_of_section}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Timeouts":
+        sections = {validate_section_name(k): _positive(v, f"section timeout {k!r}")
+                    for k, v in dict(d.get("sections") or {}).items()}
+        return cls(_positive(d.get("initial_heartbeat"), "initial_heartbeat"),
+                   _positive(d.get("heartbeat"), "heartbeat"), sections,
+                   _positive(d.get("out_of_section"), "out_of_section"))
+
+
+@dataclass
+class HeartbeatStats:
+    """Longest first-heartbeat delay and longest interval between heartbeats."""
+
+    first_delay_max: float | None = None
+    interval_max: float | None = None
+
+    def merge(self, other: "HeartbeatStats") -> "HeartbeatStats":
+        return HeartbeatStats(_max_opt(self.first_delay_max, other.first_delay_max),
+                              _max_opt(self.interval_max, other.interval_max))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"first_delay_max": self.first_delay_max, "interval_max": self.interval_max}
+
+    @classmethod
+    def from_state_dict(cls, d: Mapping[str, Any]) -> "HeartbeatStats":
+        return cls(_positive(d.get("first_delay_max"), "first_delay_max"),
+                   _positive(d.get("interval_max"), "interval_max"))
+
+
+def _max_opt(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None:
+        return b if a is None else a
+    return max(a, b)
+
+
+class TimeoutTracker:
+    """Configured timeouts + learned overrides + observations (previous runs and the current run)."""
+
+    def __init__(self, configured: Timeouts, safety_factor: float) -> None:
+        if not safety_factor > 0:
+            raise ValueError(f"safety_factor must be > 0, got {safety_factor!r}")
+        self.configured = configured
+        self.safety_factor = float(safety_factor)
+        self.computed: dict[str, Any] = {"sections": {}}
+        self.previous_hb = HeartbeatStats()
+        self.previous_sections = SectionStats()
+        self.run_hb = HeartbeatStats()
+        self.run_sections = SectionStats()
+
+    # ---- observations
+    def reset_run(self) -> None:
+        self.run_hb = HeartbeatStats()
+        self.run_sections = SectionStats()
+
+    def set_run_observations(self, hb: HeartbeatStats, sections: SectionStats) -> None:
+        """Replace the current run's observations (the slot holds running maxima)."""
+        self.run_hb = hb
+        self.run_sections = sections
+
+    def observed(self) -> tuple[HeartbeatStats, SectionStats]:
+        return self.previous_hb.merge(self.run_hb), self.previous_sections.merge(self.run_sections)
+
+    # ---- timeouts
+    def in_force(self) -> Timeouts:
+        c, base = self.computed, self.configured
+        sections = dict(base.sections)
+        sections.update(c["sections"])
+        return Timeouts(c.get("initial_heartbeat", base.initial_heartbeat), c.get("heartbeat", base.heartbeat),
+                        sections, c.get("out_of_section", base.out_of_section))
+
+    def calculate_and_set(self) -> bool:
+        """Learn timeouts from everything observed so far; True if any timeout was set."""
+        hb, sections = self.observed()
+        sf = self.safety_factor
+        learned: dict[str, Any] = {"sections": {n: v * sf for n, v in sections.max_duration.items()}}
+        if hb.first_delay_max is not None:
+            learned["initial_heartbeat"] = hb.first_delay_max * sf
+        if hb.interval_max is not None:
+            learned["heartbeat"] = hb.interval_max * sf
+        if sections.out_of_section_max is not None:
+            learned["out_of_section"] = sections.out_of_section_max * sf
+        self.computed.update({k: v for k, v in learned.items() if k != "sections"})
+        self.computed["sections"].update(learned["sections"])
+        self.previous_hb, self.previous_sections = hb, sections
+        return len(learned) > 1 or bool(learned["sections"])
+
+    # ---- state
+    def state_dict(self) -> dict[str, Any]:
+        hb, sections = self.observed()
+        return {"version": STATE_VERSION, "safety_factor": self.safety_factor,
+                "observed": {"heartbeat": hb.state_dict(), "sections": sections.state_dict()},
+                "computed": json.loads(json.dumps(self.computed))}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Adopt learned timeouts and observations from a previous run (validated; ValueError if bad)."""
+        if not isinstance(d, Mapping) or d.get("version") != STATE_VERSION:
+            raise ValueError(f"not a rank-monitor state (version {STATE_VERSION} expected)")
+        observed = d.get("observed") or {}
+        previous_hb = HeartbeatStats.from_state_dict(observed.get("heartbeat") or {})
+        previous_sections = SectionStats.from_state_dict(observed.get("sections") or {})
+        raw = dict(d.get("computed") or {})
+        computed: dict[str, Any] = {"sections": {}}
+        for key in ("initial_heartbeat", "heartbeat", "out_of_section"):
+            if raw.get(key) is not None:
+                computed[key] = _positive(raw[key], key)
+        for name, value in dict(raw.get("sections") or {}).items():
+            computed["sections"][validate_section_name(name)] = _positive(value, f"section {name!r}")
+        self.previous_hb, self.previous_sections, self.computed = previous_hb, previous_sections, computed
+
+
+def save_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
+    """Write DATA as JSON to PATH atomically: temp file in the same dir, fsync, rename, fsync dir."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1, sort_keys=True)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def load_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object at PATH, or None if the file does not exist. ValueError if it is not an object."""
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        return None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def state_file(state_dir: Path, rank: int) -> Path:
+    return Path(state_dir) / f"rank{rank}.timeouts.json"
+
+
+def last_hang_file(state_dir: Path, rank: int) -> Path:
+    return Path(state_dir) / f"rank{rank}.last_hang.json"
