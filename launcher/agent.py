@@ -114,6 +114,11 @@ class Agent:
         self.events.emit("agent_start", pid=os.getpid(), nproc=self.cfg.workers.nproc_per_node,
                          nnodes=f"{self.cfg.rdzv.min_nodes}:{self.cfg.rdzv.max_nodes}",
                          max_restarts=self.cfg.max_restarts, run_id=self.cfg.rdzv.run_id)
+        if self.cfg.ft is not None:
+            from monitors.ft_config import describe
+
+            log.info("fault tolerance: %s", describe(self.cfg.ft))
+            self.events.emit("ft_config", config=self.cfg.ft.to_dict())
         with self._signals_raise():
             self._rs = open_rendezvous_store(self.cfg.rdzv)
         self._rdzv = Rendezvous(self._rs, self.cfg.rdzv, self.cfg.max_restarts, self.events)

@@ -98,6 +98,7 @@ class LaunchConfig:
     monitor_interval: float
     signals_to_handle: tuple[signal.Signals, ...]
     run_log_dir: Path  # where this run's JSON-lines event files go
+    ft: Any = None  # monitors.ft_config.FaultToleranceConfig, built by the caller (layered sources)
 
 
 # ---------------------------------------------------------------- parsing helpers
@@ -265,7 +266,7 @@ def free_port_socket(host: str) -> socket.socket:
 # ---------------------------------------------------------------- the builder
 
 
-def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str]) -> LaunchConfig:
+def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str], ft: Any = None) -> LaunchConfig:
     """Validate raw CLI values (keys as the click parameter names) into a LaunchConfig.
 
     Raises ConfigError with a one-line message for anything the user must fix.
@@ -377,4 +378,5 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str]) -> Launc
         monitor_interval=positive_float(raw.get("monitor_interval", 0.1), "--monitor-interval"),
         signals_to_handle=parse_signals(raw.get("signals_to_handle") or DEFAULT_SIGNALS),
         run_log_dir=run_log_dir,
+        ft=ft,
     )

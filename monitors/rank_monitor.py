@@ -301,18 +301,22 @@ class RankMonitor:
         self._emit_progress(sess, snap, now)
         timeouts = self.tracker.in_force()
         deadline = next_deadline(snap, timeouts, self.registry.name_of)
-        if deadline is None:
-            return interval
-        if deadline.at <= now:
+        if deadline is not None and deadline.at <= now:
             self._on_hang(sess, deadline, now, timeouts)
             return interval
-        return max(0.0005, min(interval, deadline.at - now))
+        # The rank changes the slot without telling us (a beat, a section); any deadline such a change
+        # creates lies >= (now + the shortest timeout), so waking by then keeps detection on time.
+        wake = min(interval, timeouts.smallest() or interval)
+        if deadline is not None:
+            wake = min(wake, deadline.at - now)
+        return max(0.0005, wake)
 
-    def _emit_progress(self, sess: Session, snap: SlotSnapshot, now: float) -> None:
+    def _emit_progress(self, sess: Session, snap: SlotSnapshot, now: float, final: bool = False) -> None:
+        """first_heartbeat, heartbeat_stats and section events, rate-limited unless FINAL (run end)."""
         if snap.hb_count and not sess.first_hb_reported:
             sess.first_hb_reported = True
             self.events.emit("first_heartbeat", rank=self.rank, pid=sess.proc.pid, delay=round(snap.first_delay, 6))
-        if snap.hb_count > sess.last_hb_count and now >= sess.next_stats:
+        if snap.hb_count > sess.last_hb_count and (final or now >= sess.next_stats):
             self.events.emit("heartbeat_stats", rank=self.rank, count=snap.hb_count,
                              max_interval=round(snap.max_interval, 6), since_last=round(now - snap.last_hb, 6))
             sess.last_hb_count = snap.hb_count
@@ -320,11 +324,11 @@ class RankMonitor:
         for name, sid in self.registry.mapping().items():
             start = snap.section_start[sid]
             if snap.open_mask >> sid & 1 and sess.section_opened.get(sid) != start:
-                if self._section_event_due(sess, "open", sid, now):
+                if not final and self._section_event_due(sess, "open", sid, now):
                     sess.section_opened[sid] = start
                     self.events.emit("section_open", rank=self.rank, section=name, open_for=round(now - start, 6))
             closes = snap.section_closes[sid]
-            if closes > sess.section_closes.get(sid, 0) and self._section_event_due(sess, "close", sid, now):
+            if closes > sess.section_closes.get(sid, 0) and (final or self._section_event_due(sess, "close", sid, now)):
                 self.events.emit("section_close", rank=self.rank, section=name,
                                  closes=closes - sess.section_closes.get(sid, 0),
                                  last_duration=round(snap.section_last[sid], 6),
@@ -536,6 +540,12 @@ class RankMonitor:
         sess, self.session = self.session, None
         if sess is None:
             return
+        try:
+            snap = self.slot.snapshot()
+            self.tracker.set_run_observations(*run_observations(snap, self.registry))
+            self._emit_progress(sess, snap, time.monotonic(), final=True)
+        except Exception as exc:  # the slot is advisory here; never fail a session end
+            log.warning("cannot read the final slot state: %s", exc)
         self.events.emit("monitor_disconnect", rank=self.rank, pid=sess.proc.pid, generation=sess.generation,
                          reason=reason)
         log.info("rank %d run %d ended: %s", self.rank, sess.generation, reason)
@@ -574,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(config, dict):
             raise ValueError("--config-json must be a JSON object")
         settings = MonitorSettings.from_config_dict(config)
-    except (ValueError, TypeError, KeyError) as exc:
+    except Exception as exc:  # ConfigError, ValueError...: one line, exit 2
         print(f"rank_monitor: bad --config-json: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,

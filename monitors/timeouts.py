@@ -1,7 +1,7 @@
 """Timeouts in force for a rank, the observations they are learned from, and their persistence.
 
 A timeout starts as the configured value (``FaultToleranceConfig``; ``None`` = not checked). After
-``calculate_and_set_timeouts`` it becomes ``observed maximum * safety_factor`` for every quantity that
+``calculate_and_set_timeouts`` it becomes ``observed maximum * safety_factor`` (at least MIN_LEARNED_TIMEOUT) for every quantity that
 was observed at least once: the first-heartbeat delay, the heartbeat interval, each section's duration
 and the time spent outside sections. Observations merge (max) with those loaded from the previous run,
 so a rerun never learns a tighter timeout than what an earlier run needed.
@@ -23,6 +23,9 @@ from typing import Any, Mapping
 from monitors.sections import SectionStats, validate_section_name
 
 STATE_VERSION = 1
+# Learned timeouts never go below this: a few fast samples (e.g. microseconds between two sections)
+# times safety_factor would otherwise kill a healthy rank at its first slower moment.
+MIN_LEARNED_TIMEOUT = 1.0
 
 
 def _positive(value: Any, what: str) -> float | None:
@@ -45,6 +48,12 @@ class Timeouts:
 
     def section(self, name: str) -> float | None:
         return self.sections.get(name)
+
+    def smallest(self) -> float | None:
+        """The shortest timeout in force (None if nothing is checked)."""
+        values = [v for v in (self.initial_heartbeat, self.heartbeat, self.out_of_section, *self.sections.values())
+                  if v is not None]
+        return min(values) if values else None
 
     def to_dict(self) -> dict[str, Any]:
         return {"initial_heartbeat": self.initial_heartbeat, "heartbeat": self.heartbeat,
@@ -88,11 +97,13 @@ def _max_opt(a: float | None, b: float | None) -> float | None:
 class TimeoutTracker:
     """Configured timeouts + learned overrides + observations (previous runs and the current run)."""
 
-    def __init__(self, configured: Timeouts, safety_factor: float) -> None:
+    def __init__(self, configured: Timeouts, safety_factor: float,
+                 min_timeout: float = MIN_LEARNED_TIMEOUT) -> None:
         if not safety_factor > 0:
             raise ValueError(f"safety_factor must be > 0, got {safety_factor!r}")
         self.configured = configured
         self.safety_factor = float(safety_factor)
+        self.min_timeout = float(min_timeout)
         self.computed: dict[str, Any] = {"sections": {}}
         self.previous_hb = HeartbeatStats()
         self.previous_sections = SectionStats()
@@ -121,16 +132,19 @@ class TimeoutTracker:
                         sections, c.get("out_of_section", base.out_of_section))
 
     def calculate_and_set(self) -> bool:
-        """Learn timeouts from everything observed so far; True if any timeout was set."""
+        """Learn timeouts (max(observed max * safety_factor, min_timeout)); True if any was set."""
         hb, sections = self.observed()
-        sf = self.safety_factor
-        learned: dict[str, Any] = {"sections": {n: v * sf for n, v in sections.max_duration.items()}}
+
+        def scale(value: float) -> float:
+            return max(value * self.safety_factor, self.min_timeout)
+
+        learned: dict[str, Any] = {"sections": {n: scale(v) for n, v in sections.max_duration.items()}}
         if hb.first_delay_max is not None:
-            learned["initial_heartbeat"] = hb.first_delay_max * sf
+            learned["initial_heartbeat"] = scale(hb.first_delay_max)
         if hb.interval_max is not None:
-            learned["heartbeat"] = hb.interval_max * sf
+            learned["heartbeat"] = scale(hb.interval_max)
         if sections.out_of_section_max is not None:
-            learned["out_of_section"] = sections.out_of_section_max * sf
+            learned["out_of_section"] = scale(sections.out_of_section_max)
         self.computed.update({k: v for k, v in learned.items() if k != "sections"})
         self.computed["sections"].update(learned["sections"])
         self.previous_hb, self.previous_sections = hb, sections

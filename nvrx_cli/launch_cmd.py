@@ -47,9 +47,27 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                                               help="Fork ranks from a process that imported torch once (fast restarts).")),
     (("--fast-exit/--no-fast-exit",), dict(default=True, show_default=True,
                                           help="Ranks end after atexit handlers and flushes, skipping interpreter teardown.")),
+    (("--fault-tol-cfg-path", "--ft-cfg-path"), dict(default=None, help="YAML with FaultToleranceConfig fields "
+                                                                         "(a `fault_tolerance:` key or bare fields).")),
     (("--log-level",), dict(default="WARNING", show_default=True, help="Agent log level on stderr.")),
     (("-q", "--quiet"), dict(is_flag=True, help="Only the final status line on the terminal.")),
 ]
+
+
+def value_flags() -> set[str]:
+    """Our options that take a value: needed to find where the training script starts in argv."""
+    out: set[str] = set()
+    for names, kwargs in _OPTIONS:
+        if not kwargs.get("is_flag") and "/" not in names[0]:
+            out.update(names)
+    return out
+
+
+def split_ft_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Take the --ft-param-*/--ft-* flags out of the launcher's part of argv (before the script)."""
+    from monitors.ft_config import extract_ft_args
+
+    return extract_ft_args(argv, value_flags=value_flags(), passthrough={"--ft-cfg-path", "--fault-tol-cfg-path"})
 
 
 def _add_options(func: Any) -> Any:
@@ -62,13 +80,19 @@ def _add_options(func: Any) -> Any:
 @_add_options
 @click.argument("training_script", required=False)
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
-def launch(**raw: Any) -> int:
-    """Run TRAINING_SCRIPT on NPROC_PER_NODE ranks per node and keep the job going through faults."""
+@click.pass_context
+def launch(ctx: click.Context, **raw: Any) -> int:
+    """Run TRAINING_SCRIPT on NPROC_PER_NODE ranks per node and keep the job going through faults.
+
+    Fault-tolerance settings: --fault-tol-cfg-path FILE and --ft-param-<field> VALUE (see README).
+    """
     from monitors.events import EventLog
+    from monitors.ft_config import load_ft_config
     from nvrx_cli.status import StatusPrinter
 
     try:
-        cfg = build_launch_config(raw, os.environ)
+        ft = load_ft_config(raw["fault_tol_cfg_path"], os.environ, (ctx.obj or {}).get("ft_overrides", {}))
+        cfg = build_launch_config(raw, os.environ, ft=ft)
     except ConfigError as err:
         raise click.UsageError(str(err)) from None
     _setup_logging(raw["log_level"])

@@ -8,7 +8,8 @@ import sys
 
 import click
 
-from nvrx_cli.launch_cmd import launch
+from launcher.config import ConfigError
+from nvrx_cli.launch_cmd import launch, split_ft_args
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -22,8 +23,16 @@ cli.add_command(launch)
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry: map click usage errors to a single line and exit code 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    obj: dict = {}
     try:
-        rv = cli.main(args=argv, prog_name="nvrx", standalone_mode=False)
+        if argv[:1] == ["launch"]:
+            obj["ft_overrides"], rest = split_ft_args(argv[1:])
+            argv = ["launch", *rest]
+        rv = cli.main(args=argv, prog_name="nvrx", standalone_mode=False, obj=obj)
+    except ConfigError as err:
+        click.echo(f"nvrx: error: {err} (see 'nvrx launch --help')", err=True)
+        _exit_now(2)
     except click.UsageError as err:
         where = f"nvrx {err.ctx.info_name} --help" if err.ctx and err.ctx.parent else "nvrx --help"
         msg = err.format_message().replace("\n", " ")

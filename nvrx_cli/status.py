@@ -14,6 +14,7 @@ class StatusPrinter:
     def __init__(self, quiet: bool = False) -> None:
         self.console = Console(stderr=True, highlight=False, soft_wrap=True)
         self.quiet = quiet
+        self._stopping = False  # after a stop record, rank exits are ours (SIGTERM/SIGKILL): not news
 
     def __call__(self, e: dict[str, Any]) -> None:
         render = getattr(self, "_" + e["ev"], None)
@@ -24,6 +25,7 @@ class StatusPrinter:
             self.console.print(f"[dim]nvrx[/dim] {text}")
 
     def _rdzv_round(self, e: dict[str, Any]) -> str:
+        self._stopping = False
         return (f"round {e.get('round')}: {len(e.get('nodes') or [])} node(s), world size {e.get('world_size')}, "
                 f"this node is group rank {e.get('group_rank')} "
                 f"(restarts so far {e.get('restart_count')}, rendezvous {e.get('seconds', 0):.2f} s)")
@@ -32,7 +34,7 @@ class StatusPrinter:
         return f"round {e.get('round')} is full; waiting as a standby node for the next round"
 
     def _rank_exit(self, e: dict[str, Any]) -> str | None:
-        if e.get("exitcode") == 0:
+        if e.get("exitcode") == 0 or self._stopping:
             return None
         how = f"signal {e['signal']}" if e.get("signal") else f"exit code {e.get('exitcode')}"
         return f"[red]rank {e.get('rank')}[/red] (local {e.get('local_rank')}, pid {e.get('pid')}) ended with {how}"
@@ -41,6 +43,7 @@ class StatusPrinter:
         return f"[red]rank {e.get('rank')} (pid {e.get('pid')}) did not die after SIGKILL ({e.get('status')}); abandoned[/red]"
 
     def _rdzv_stop(self, e: dict[str, Any]) -> str | None:
+        self._stopping = True
         kind = e.get("kind")
         if kind == "succeeded":
             return None

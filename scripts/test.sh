@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec python3 -m pytest -q "$@"
+exec "${PYTHON:-python3}" -m pytest -q "$@"

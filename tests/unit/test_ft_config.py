@@ -373,3 +373,13 @@ def test_gen_config_table_script():
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_config_table.py")],
                          capture_output=True, text=True, check=True).stdout
     assert out == config_table_markdown()
+
+
+def test_readme_table_is_generated_from_the_schema():
+    from pathlib import Path
+
+    from monitors.ft_config import config_table_markdown
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("<!-- ft-config-table:start -->")[1].split("<!-- ft-config-table:end -->")[0]
+    assert block.strip() == config_table_markdown().strip(), "regenerate with scripts/gen_config_table.py"
