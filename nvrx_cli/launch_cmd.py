@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import sys
+import warnings
 from typing import Any
 
 import click
@@ -103,6 +104,9 @@ def launch(ctx: click.Context, **raw: Any) -> int:
 
 def _run_agent(cfg: Any, events: Any) -> int:
     """Run the agent and turn rendezvous problems into one line on stderr."""
+    # The agent imports torch only for TCPStore; torch's import-time notice about a missing numpy
+    # is noise on the agent's terminal (ranks still see their own warnings).
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     from launcher.agent import Agent
     from launcher.store import EndpointUnreachable, PortInUse, RendezvousError, RendezvousMismatch
 

@@ -220,7 +220,8 @@ def test_no_first_heartbeat_kills_rank(h: Harness) -> None:
 
 
 def test_heartbeat_timeout_kills_rank(h: Harness) -> None:
-    h.start_monitor(initial_rank_heartbeat_timeout=5.0, rank_heartbeat_timeout=1.0)
+    # a long check interval must not delay detection: the monitor wakes by the shortest timeout
+    h.start_monitor(initial_rank_heartbeat_timeout=5.0, rank_heartbeat_timeout=1.0, workload_check_interval=30.0)
     _assert_killed(h, h.rank("init", "hb:5@0.1", "hang"), "heartbeat_timeout", 1.0)
     assert h.events("first_heartbeat")
 
