@@ -273,8 +273,13 @@ def _parse_args(argv: list[str]) -> tuple[int, int]:
 
 def _import_template() -> None:
     """Everything a rank would otherwise import itself; nothing that starts threads or CUDA."""
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
+    import warnings
+
+    # torch's notice about a missing numpy would land on the agent's terminal once per server start.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+        import torch  # noqa: F401
+        import torch.distributed  # noqa: F401
 
     # Keep the collector off the template's objects in every child: scanning them would
     # copy-on-write most of the heap (a forked rank's exit took ~3x longer without this).
