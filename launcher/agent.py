@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Iterator
 
 from launcher.config import LaunchConfig
+from launcher.monitor_procs import MonitorGroup
 from launcher.workers import RankExit, RankSpec, WorkerGroup
 from monitors.events import EventLog
 
@@ -44,11 +45,13 @@ class _StopWatch:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-def build_rank_env(cfg: LaunchConfig, result: Any, local_rank: int) -> dict[str, str]:
-    """The torchrun environment for one rank of this round."""
+def build_rank_env(cfg: LaunchConfig, result: Any, local_rank: int,
+                   extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The torchrun environment for one rank of this round (plus e.g. where its monitor listens)."""
     w = cfg.workers
     rank = result.rank_offset + local_rank
     env = dict(w.base_env)
+    env.update(extra or {})
     env.update(
         RANK=str(rank),
         LOCAL_RANK=str(local_rank),
@@ -82,6 +85,8 @@ class Agent:
         self.cfg = cfg
         self.events = events
         self.workers = WorkerGroup(cfg.workers, events, cfg.run_log_dir, console_out, console_err)
+        self.monitors = (MonitorGroup(cfg.ft, cfg.workers.nproc_per_node, cfg.run_log_dir, events,
+                                      dict(cfg.workers.base_env)) if cfg.ft is not None else None)
         self.failures: list[dict[str, Any]] = []  # one entry per fault stop, for the final report
         self._sig_r, self._sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._pending_signal: int | None = None
@@ -97,6 +102,8 @@ class Agent:
         """Run the job; return the agent's exit code. Raises RendezvousError for user-fixable setup errors."""
         t0 = time.monotonic()
         self.workers.prepare()  # the fork server imports torch while we do the same below
+        if self.monitors is not None:
+            self.monitors.start()  # once: monitors outlive rank restarts
         self._install_signal_handlers()
         try:
             return self._run(t0)
@@ -139,7 +146,7 @@ class Agent:
 
     def _run_round(self, result: Any) -> int | None:
         """Start and supervise the ranks of one round. None means: go to the next round."""
-        specs = [RankSpec(lr, result.rank_offset + lr, build_rank_env(self.cfg, result, lr))
+        specs = [RankSpec(lr, result.rank_offset + lr, build_rank_env(self.cfg, result, lr, self._monitor_env(lr)))
                  for lr in range(self.cfg.workers.nproc_per_node)]
         self.workers.start(specs, attempt=result.restart_count)
         watch = self._watch_stop(result.round)
@@ -174,7 +181,10 @@ class Agent:
         forwarded = self._forwarded = False
         try:
             while True:
-                exits = self.workers.wait([wake_fd, self._sig_r], timeout=None)
+                monitor_fds = self.monitors.fds() if self.monitors is not None else []
+                exits = self.workers.wait([wake_fd, self._sig_r, *monitor_fds], timeout=None)
+                if self.monitors is not None:
+                    self.monitors.restart_dead()
                 if self._drain_signal_pipe() and not forwarded:
                     forwarded = self._forwarded = True  # a signal wins over exits it may have caused
                     self._forward_signal(result)
@@ -191,10 +201,19 @@ class Agent:
         finally:
             os.close(wake_fd)
 
+    def _monitor_env(self, local_rank: int) -> dict[str, str]:
+        return self.monitors.rank_env(local_rank) if self.monitors is not None else {}
+
     def _failure_detail(self, result: Any, ex: RankExit) -> dict[str, Any]:
+        hang = self.monitors.hang_reason(ex.local_rank, ex.pid) if self.monitors is not None else None
+        describe = ex.describe()
+        if hang:
+            where = f" in section {hang['section']!r}" if hang.get("section") else ""
+            describe += (f" by its monitor: {str(hang.get('reason')).replace('_', ' ')}{where} after "
+                         f"{float(hang.get('elapsed') or 0):.1f} s (timeout {hang.get('timeout')} s)")
         return {"rank": ex.global_rank, "local_rank": ex.local_rank, "group_rank": result.group_rank,
                 "pid": ex.pid, "exitcode": ex.exitcode, "signal": ex.signal, "abandoned": ex.abandoned,
-                "tail": list(ex.tail), "describe": ex.describe(), "round": result.round}
+                "tail": list(ex.tail), "describe": describe, "round": result.round, "hang": hang}
 
     def _forward_signal(self, result: Any) -> None:
         """First handled signal: pass it to the ranks once and tell the other nodes to stop too."""
@@ -288,6 +307,8 @@ class Agent:
         """Leave nothing running: ranks, fork server, stores."""
         try:
             self.workers.close()
+            if self.monitors is not None:
+                self.monitors.close()
         finally:
             for closer in (self._rdzv, self._rs):
                 if closer is not None:

@@ -269,7 +269,7 @@ class RankMonitor:
         return 0
 
     def close(self) -> None:
-        log.info("rank monitor stopping: %s", self.stopping)
+        log.debug("rank monitor stopping: %s", self.stopping)
         self.events.emit("monitor_exit", rank=self.rank, reason=self.stopping or "error")
         for conn in list(self.conns.values()):
             self._drop(conn)
