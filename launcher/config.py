@@ -7,6 +7,7 @@ environment on its own, so every decision about a value is made here, once.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import ipaddress
 import os
@@ -212,17 +213,24 @@ def parse_ranks_filter(value: str | None) -> frozenset[int] | None:
         raise ConfigError(f"--local-ranks-filter {value!r}: expected comma-separated local ranks, e.g. 0,1") from None
 
 
-def parse_signal(name: str | int) -> signal.Signals:
-    """'SIGTERM', 'TERM', 'term' or '15' -> signal.Signals."""
+SIGNAL_HINT = "use a name like SIGKILL or SIGTERM (or TERM, or a number like 15)"
+
+
+def parse_signal(name: str | int, where: str = "--signals-to-handle") -> signal.Signals:
+    """'SIGTERM', 'TERM', 'term' or '15' -> signal.Signals; the one signal parser of the project."""
     text = str(name).strip().upper()
-    try:
-        if text.isdigit():
+    if text.isdigit():
+        try:
             return signal.Signals(int(text))
-        if not text.startswith("SIG"):
-            text = "SIG" + text
+        except ValueError:
+            raise ConfigError(f"{where}: {name!r} is not a signal number on this system; {SIGNAL_HINT}") from None
+    text = text if text.startswith("SIG") else "SIG" + text
+    try:
         return signal.Signals[text]
-    except (KeyError, ValueError):
-        raise ConfigError(f"unknown signal {name!r}; use a name like SIGTERM or a number like 15") from None
+    except KeyError:
+        guess = difflib.get_close_matches(text, [s.name for s in signal.Signals], n=1, cutoff=0.6)
+        tip = f"did you mean {guess[0]}? " if guess else ""
+        raise ConfigError(f"{where}: unknown signal {name!r}; {tip}{SIGNAL_HINT}") from None
 
 
 def parse_signals(value: str) -> tuple[signal.Signals, ...]:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Collection, Iterator, Mapping
 
 import yaml
 
-from launcher.config import ConfigError
+from launcher.config import SIGNAL_HINT, ConfigError, parse_signal
 
 log = logging.getLogger(__name__)
 
@@ -175,25 +175,12 @@ POSITIVE_FACTOR = _float_kind(optional=False, unit="times")
 
 
 def _parse_signal(value: Any, where: str) -> signal.Signals:
-    hint = "use a name like SIGKILL or SIGTERM (or TERM, or a number like 15)"
     if isinstance(value, signal.Signals):
         sig = value
     elif isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise _error(f"{where}: {value!r} is not a signal; {hint}")
+        raise _error(f"{where}: {value!r} is not a signal; {SIGNAL_HINT}")
     else:
-        text = str(value).strip().upper()
-        try:
-            if re.fullmatch(r"\d+", text):
-                sig = signal.Signals(int(text))
-            else:
-                sig = signal.Signals[text if text.startswith("SIG") else "SIG" + text]
-        except ValueError:
-            raise _error(f"{where}: {value!r} is not a signal number on this system; {hint}") from None
-        except KeyError:
-            names = [s.name for s in signal.Signals]
-            guess = _closest(text if text.startswith("SIG") else "SIG" + text, names)
-            tip = f"did you mean {guess}? " if guess else ""
-            raise _error(f"{where}: unknown signal {value!r}; {tip}{hint}") from None
+        sig = parse_signal(value, where)
     if sig in _NON_TERMINATING:
         raise _error(f"{where}: {sig.name} does not terminate a process; use SIGKILL or SIGTERM")
     return sig

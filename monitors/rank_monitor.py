@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import psutil
 
@@ -37,6 +37,7 @@ from monitors.control import LineBuffer, ProtocolError, encode, ensure_private_d
 from monitors.events import EventLog
 from monitors.heartbeat import Slot, SlotSnapshot
 from monitors.sections import SectionRegistry, SectionStats
+from monitors.ft_config import FaultToleranceConfig
 from monitors.timeouts import (HeartbeatStats, TimeoutTracker, Timeouts, last_hang_file, load_json,
                                save_json_atomic, state_file)
 
@@ -51,72 +52,12 @@ MAX_PENDING_CONNS = 16
 # ------------------------------------------------------------------ settings
 
 
-def _parse_signal(value: Any) -> signal.Signals:
-    if isinstance(value, str):
-        name = value.split(".")[-1].upper()
-        if name.isdigit():
-            return signal.Signals(int(name))
-        return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
-    return signal.Signals(int(value))
-
-
-def _parse_level(value: Any) -> int:
-    if isinstance(value, str) and not value.isdigit():
-        level = logging.getLevelName(value.upper())
-        if not isinstance(level, int):
-            raise ValueError(f"unknown log level {value!r}")
-        return level
-    return int(value)
-
-
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-@dataclass(frozen=True)
-class MonitorSettings:
-    """The FaultToleranceConfig fields the monitor uses, normalised."""
-
-    workload_check_interval: float = 5.0
-    initial_rank_heartbeat_timeout: float | None = 3600.0
-    rank_heartbeat_timeout: float | None = 2700.0
-    safety_factor: float = 5.0
-    rank_termination_signal: signal.Signals = signal.SIGKILL
-    log_level: int = logging.INFO
-    rank_section_timeouts: Mapping[str, float | None] = field(default_factory=dict)
-    rank_out_of_section_timeout: float | None = None
-
-    @classmethod
-    def from_config_dict(cls, d: Mapping[str, Any]) -> "MonitorSettings":
-        """Validate D with FaultToleranceConfig when available, then normalise the fields we use."""
-        try:
-            from monitors.ft_config import FaultToleranceConfig  # type: ignore[import-not-found]
-        except ModuleNotFoundError:
-            FaultToleranceConfig = None  # noqa: N806 - written by another issue; not there yet
-        src: Any = FaultToleranceConfig.from_dict(dict(d)) if FaultToleranceConfig is not None else None
-        get: Callable[[str, Any], Any] = (lambda k, dflt: getattr(src, k, dflt)) if src is not None else d.get
-        base = cls()
-        out = cls(
-            workload_check_interval=float(get("workload_check_interval", base.workload_check_interval)),
-            initial_rank_heartbeat_timeout=_opt_float(get("initial_rank_heartbeat_timeout",
-                                                          base.initial_rank_heartbeat_timeout)),
-            rank_heartbeat_timeout=_opt_float(get("rank_heartbeat_timeout", base.rank_heartbeat_timeout)),
-            safety_factor=float(get("safety_factor", base.safety_factor)),
-            rank_termination_signal=_parse_signal(get("rank_termination_signal", base.rank_termination_signal)),
-            log_level=_parse_level(get("log_level", base.log_level)),
-            rank_section_timeouts={str(k): _opt_float(v) for k, v in
-                                   dict(get("rank_section_timeouts", {}) or {}).items()},
-            rank_out_of_section_timeout=_opt_float(get("rank_out_of_section_timeout", None)),
-        )
-        if not out.workload_check_interval > 0:
-            raise ValueError("workload_check_interval must be > 0")
-        return out
-
-    def timeouts(self) -> Timeouts:
-        return Timeouts.from_dict({"initial_heartbeat": self.initial_rank_heartbeat_timeout,
-                                   "heartbeat": self.rank_heartbeat_timeout,
-                                   "sections": self.rank_section_timeouts,
-                                   "out_of_section": self.rank_out_of_section_timeout})
+def timeouts_from_config(cfg: FaultToleranceConfig) -> Timeouts:
+    """The configured timeouts in the tracker's terms (None = learn at run time)."""
+    return Timeouts.from_dict({"initial_heartbeat": cfg.initial_rank_heartbeat_timeout,
+                               "heartbeat": cfg.rank_heartbeat_timeout,
+                               "sections": dict(cfg.rank_section_timeouts),
+                               "out_of_section": cfg.rank_out_of_section_timeout})
 
 
 # ------------------------------------------------------------------ detection
@@ -202,7 +143,7 @@ class Session:
 class RankMonitor:
     """Serves the control socket and watches one rank's heartbeat slot."""
 
-    def __init__(self, rank: int, settings: MonitorSettings, state_dir: Path, socket_path: Path,
+    def __init__(self, rank: int, settings: FaultToleranceConfig, state_dir: Path, socket_path: Path,
                  shm_path: Path, token: str, events: EventLog, parent_pid: int) -> None:
         self.rank = rank
         self.settings = settings
@@ -213,7 +154,7 @@ class RankMonitor:
         self.events = events
         self.parent_pid = parent_pid
         self.registry = SectionRegistry(settings.rank_section_timeouts)
-        self.tracker = TimeoutTracker(settings.timeouts(), settings.safety_factor)
+        self.tracker = TimeoutTracker(timeouts_from_config(settings), settings.safety_factor)
         self.session: Session | None = None
         self.generation = 0
         self.stopping: str | None = None
@@ -583,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         config = json.loads(args.config_json)
         if not isinstance(config, dict):
             raise ValueError("--config-json must be a JSON object")
-        settings = MonitorSettings.from_config_dict(config)
+        settings = FaultToleranceConfig.from_dict(config, source="--config-json")
     except Exception as exc:  # ConfigError, ValueError...: one line, exit 2
         print(f"rank_monitor: bad --config-json: {exc}", file=sys.stderr)
         return 2
