@@ -40,6 +40,7 @@ class AgentSignal(Exception):
 class _StopWatch:
     """Runs Rendezvous.wait_stop in a thread and wakes the main loop through a pipe."""
 
+    wake_fd: int
     record: Any = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -158,9 +159,8 @@ class Agent:
         return self._conclude(result, record)
 
     def _watch_stop(self, round_no: int) -> _StopWatch:
-        watch = _StopWatch()
         wake_r, wake_w = os.pipe2(os.O_CLOEXEC)
-        watch.wake_fd = wake_r  # type: ignore[attr-defined]
+        watch = _StopWatch(wake_fd=wake_r)
 
         def run() -> None:
             try:
@@ -176,7 +176,7 @@ class Agent:
 
     def _supervise(self, result: Any, watch: _StopWatch) -> Any:
         """Wait for: a local rank failing, the round's stop record, or a signal. Returns the stop record."""
-        wake_fd = watch.wake_fd  # type: ignore[attr-defined]
+        wake_fd = watch.wake_fd
         succeeded_reported = False
         forwarded = self._forwarded = False
         try:

@@ -16,11 +16,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _tagged(token: str) -> list[psutil.Process]:
+def tagged_processes(token: str) -> list[psutil.Process]:
+    """Live (non-zombie) processes whose environment carries NVRX_TEST_TOKEN=token."""
     found = []
     for proc in psutil.process_iter(["pid"]):
         try:
-            if proc.environ().get("NVRX_TEST_TOKEN") == token:
+            if proc.environ().get("NVRX_TEST_TOKEN") == token and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except (psutil.Error, OSError):
             continue
@@ -63,7 +64,7 @@ class Launcher:
         """Processes from this test still alive after `wait` seconds (ranks die asynchronously)."""
         deadline = time.monotonic() + wait
         while True:
-            left = [p for p in _tagged(self.token) if p.status() != psutil.STATUS_ZOMBIE]
+            left = tagged_processes(self.token)
             if not left or time.monotonic() > deadline:
                 return left
             time.sleep(0.1)
@@ -73,7 +74,7 @@ class Launcher:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        for p in _tagged(self.token):
+        for p in tagged_processes(self.token):
             try:
                 p.send_signal(signal.SIGKILL)
             except psutil.Error:

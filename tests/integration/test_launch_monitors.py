@@ -62,6 +62,18 @@ def test_hang_is_detected_and_job_restarts_with_reason(launcher, tmp_path):
     assert launcher.leftovers() == []
 
 
+def _monitor_children(pid: int) -> list[psutil.Process]:
+    """Live rank-monitor children of the agent (a killed one is a zombie until the agent reaps it)."""
+    found = []
+    for p in psutil.Process(pid).children():
+        try:
+            if "monitors.rank_monitor" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
 def test_killed_monitor_is_restarted_by_the_agent(launcher, tmp_path):
     script = write_script(tmp_path / "hang.py", HANG_SCRIPT)
     out = tmp_path / "out"
@@ -71,14 +83,13 @@ def test_killed_monitor_is_restarted_by_the_agent(launcher, tmp_path):
     deadline = time.monotonic() + 60
     while not (out / "ready.0.0").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    monitors = [p for p in psutil.Process(proc.pid).children() if "monitors.rank_monitor" in " ".join(p.cmdline())]
+    monitors = _monitor_children(proc.pid)
     assert len(monitors) == 1
     monitors[0].send_signal(signal.SIGKILL)
     deadline = time.monotonic() + 10
     new = []
     while time.monotonic() < deadline and not new:
-        new = [p for p in psutil.Process(proc.pid).children()
-               if "monitors.rank_monitor" in " ".join(p.cmdline()) and p.pid != monitors[0].pid]
+        new = [p for p in _monitor_children(proc.pid) if p.pid != monitors[0].pid]
         time.sleep(0.05)
     assert new, "the agent did not restart the killed monitor"
     _, err = proc.communicate(timeout=60)

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from tests.conftest import tagged_processes
 import pytest
 
 ft_config = pytest.importorskip("monitors.ft_config")
@@ -80,17 +82,6 @@ proc = subprocess.Popen(sys.argv[1:])
 print(proc.pid, flush=True)
 time.sleep(60)
 '''
-
-
-def _tagged(tag: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.environ().get("NVRX_TEST_TOKEN") == tag and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.Error, OSError):
-            continue
-    return found
 
 
 class Harness:
@@ -177,10 +168,10 @@ class Harness:
                 proc.kill()
             proc.communicate()
         deadline = time.monotonic() + 3
-        left = _tagged(self.tag)
+        left = tagged_processes(self.tag)
         while left and time.monotonic() < deadline:
             time.sleep(0.05)
-            left = _tagged(self.tag)
+            left = tagged_processes(self.tag)
         for p in left:
             p.kill()
         return left
