@@ -226,9 +226,14 @@ def test_unmodified_torchrun_script_gives_same_results(launcher, tmp_path):
     ours = launcher.run("--nproc-per-node", "2", "--standalone", str(script))
     assert ours.returncode == 0, ours.stderr
     peer_env = launcher.env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # the peer's most reliable mode
-    theirs = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                             str(script)], cwd=tmp_path, env=peer_env, capture_output=True, text=True,
-                            timeout=120)
+    # torchrun itself sometimes aborts (SIGABRT in gloo teardown) on a loaded 2-core machine; that is the
+    # peer's flakiness, not what this test checks, so the peer gets up to three tries.
+    for _ in range(3):
+        theirs = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                 "--standalone", str(script)], cwd=tmp_path, env=peer_env, capture_output=True,
+                                text=True, timeout=120)
+        if theirs.returncode == 0:
+            break
     assert theirs.returncode == 0, theirs.stderr
 
     def pick(text: str, tag: str) -> str:
