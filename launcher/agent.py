@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Iterator
 
+from launcher import exit_codes
 from launcher.config import LaunchConfig
 from launcher.monitor_procs import MonitorGroup
 from launcher.workers import RankExit, RankSpec, WorkerGroup
@@ -23,9 +24,9 @@ from monitors.events import EventLog
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
+EXIT_OK = exit_codes.OK
+EXIT_FAILED = exit_codes.FAILED
+EXIT_USAGE = exit_codes.USAGE
 
 
 class AgentSignal(Exception):
