@@ -88,7 +88,8 @@ class Agent:
         self.events = events
         self.workers = WorkerGroup(cfg.workers, events, cfg.run_log_dir, console_out, console_err)
         self.monitors = (MonitorGroup(cfg.ft, cfg.workers.nproc_per_node, cfg.run_log_dir, events,
-                                      dict(cfg.workers.base_env)) if cfg.ft is not None else None)
+                                      dict(cfg.workers.base_env), cfg.state_dir / cfg.node_name, cfg.node_name)
+                         if cfg.ft is not None else None)
         self.failures: list[dict[str, Any]] = []  # one entry per fault stop, for the final report
         self._sig_r, self._sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._pending_signal: int | None = None
@@ -104,8 +105,6 @@ class Agent:
         """Run the job; return the agent's exit code. Raises RendezvousError for user-fixable setup errors."""
         t0 = time.monotonic()
         self.workers.prepare()  # the fork server imports torch while we do the same below
-        if self.monitors is not None:
-            self.monitors.start()  # once: monitors outlive rank restarts
         self._install_signal_handlers()
         try:
             return self._run(t0)
@@ -151,6 +150,10 @@ class Agent:
         specs = [RankSpec(lr, result.rank_offset + lr, build_rank_env(self.cfg, result, lr, self._monitor_env(lr)))
                  for lr in range(self.cfg.workers.nproc_per_node)]
         self.workers.start(specs, attempt=result.restart_count)
+        if self.monitors is not None and not self.monitors.started:
+            # Once, after the first ranks: monitors outlive rank restarts, and ranks attach to them in
+            # the background, so starting them here keeps them off the ranks' start-up critical path.
+            self.monitors.start()
         watch = self._watch_stop(result.round)
         self._rdzv.start_keepalive(result)
         try:

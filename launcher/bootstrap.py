@@ -23,13 +23,24 @@ import signal
 import stat
 import sys
 import threading
+import time
 import types
 from typing import NoReturn
+
+# Imported before the launcher's root leaves sys.path (below): ranks attach to their monitor with these.
+from monitors import client as monitor_client
+from monitors.progress_watchdog import ProgressWatchdog
 
 # Set by the agent when it put the launcher's root on PYTHONPATH so `-m launcher.*` imports from
 # any working directory; undone below before user code can see it.
 INJECT_ENV = "NVRX_BOOTSTRAP_INJECTED"
 FULL_EXIT_ENV = "NVRX_FULL_EXIT"  # "1": end ranks through the full interpreter teardown
+MONITOR_ENV = "NVRX_MONITOR_SOCKET"  # set by the agent when this rank has a monitor (see monitors.client)
+# Our packages are unlisted before user code runs (a user package may share a name), except the
+# rank-side modules whose state the bootstrap sets up for user code.
+_OWN_PACKAGES = ("launcher", "monitors")
+_KEEP_MODULES = frozenset({"launcher.job_control", "monitors.client", "monitors.control", "monitors.heartbeat",
+                           "monitors.sections", "monitors.progress_watchdog"})
 
 # Frames of these files sit between the interpreter and the user's code; tracebacks skip them.
 _LAUNCHER_FILES = frozenset(os.path.abspath(f) for f in (__file__, importlib.util.__file__) if f)
@@ -88,11 +99,14 @@ def _sync_sys_path_with_env() -> None:
 
 
 def _forget_launcher_modules() -> None:
-    """Unlist our own package so a user package that is also called `launcher` imports normally."""
-    ours = os.path.dirname(os.path.abspath(__file__))
-    for name in [n for n in sys.modules if n == "launcher" or n.startswith("launcher.")]:
-        paths = [getattr(sys.modules[name], "__file__", None) or "", *(getattr(sys.modules[name], "__path__", None) or ())]
-        if any(p and (os.path.abspath(p) + os.sep).startswith(ours + os.sep) for p in paths):
+    """Unlist our own packages so a user package that is also called `launcher`/`monitors` imports normally."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in list(sys.modules):
+        if name.split(".")[0] not in _OWN_PACKAGES or name in _KEEP_MODULES:
+            continue
+        module = sys.modules[name]
+        paths = [getattr(module, "__file__", None) or "", *(getattr(module, "__path__", None) or ())]
+        if any(p and os.path.abspath(p).startswith(root + os.sep) for p in paths):
             del sys.modules[name]
 
 
@@ -214,8 +228,23 @@ def _system_exit_code(exc: SystemExit) -> int:
     return 1
 
 
+def _attach_to_monitor(started: float) -> None:
+    """Connect this rank to its monitor before user code runs (in the background: no start-up delay)."""
+    if not os.environ.get(MONITOR_ENV):
+        return
+    interval = os.environ.get(monitor_client.ENV_AUTO_HEARTBEAT)
+
+    def on_attached(link: monitor_client.MonitorLink) -> None:
+        if interval:
+            link.arm(())
+            ProgressWatchdog(link.writer.auto_beat, float(interval)).start()
+
+    monitor_client.attach_in_background(os.environ, started=started, on_attached=on_attached)
+
+
 def run_user_code(entry: str, args: list[str], module: bool) -> int:
     """Run ENTRY as ``__main__`` in this process; return its exit code (``-signum`` = die by signal)."""
+    _attach_to_monitor(time.monotonic())
     _sync_sys_path_with_env()
     _forget_launcher_modules()
     _line_buffer_stdout()

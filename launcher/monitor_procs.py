@@ -13,14 +13,15 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from monitors.client import ENV_AUTO_HEARTBEAT
 from monitors.events import EventLog
+from monitors.progress_watchdog import watchdog_interval
 from monitors.timeouts import last_hang_file
 
 log = logging.getLogger(__name__)
@@ -31,24 +32,27 @@ TOKEN_ENV = "NVRX_MONITOR_TOKEN"
 class MonitorGroup:
     """Starts, watches (pidfds), restarts and stops the rank monitors of one node."""
 
-    def __init__(self, ft: Any, nproc: int, run_log_dir: Path, events: EventLog, base_env: dict[str, str]) -> None:
+    def __init__(self, ft: Any, nproc: int, run_log_dir: Path, events: EventLog, base_env: dict[str, str],
+                 state_dir: Path, node_name: str) -> None:
         self.ft = ft
         self.nproc = nproc
         self.events = events
         self.base_env = dict(base_env)
-        node = f"{socket.gethostname()}-{os.getpid()}"
-        self.state_dir = run_log_dir / "ft_state" / socket.gethostname()
+        node = f"{node_name}-{os.getpid()}"
+        self.state_dir = state_dir  # this node's: learned timeouts survive jobs when it is kept across them
         self.events_dir = run_log_dir
         self.node = node
         self.private = Path(tempfile.mkdtemp(prefix="nvrx-mon-"))  # 0700 by mkdtemp
         self.tokens = [secrets.token_hex(16) for _ in range(nproc)]
         self.procs: list[subprocess.Popen | None] = [None] * nproc
         self.pidfds: dict[int, int] = {}  # pidfd -> local rank
+        self.started = False
 
     def paths(self, local_rank: int) -> tuple[Path, Path]:
         return self.private / f"rank{local_rank}.sock", self.private / f"rank{local_rank}.slot"
 
     def start(self) -> None:
+        self.started = True
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.events_dir.mkdir(parents=True, exist_ok=True)
         for lr in range(self.nproc):
@@ -72,8 +76,10 @@ class MonitorGroup:
     def rank_env(self, local_rank: int) -> dict[str, str]:
         """What the rank's RankMonitorClient needs to find its monitor."""
         sock, shm = self.paths(local_rank)
-        return {"NVRX_MONITOR_SOCKET": str(sock), "NVRX_MONITOR_SHM": str(shm),
-                TOKEN_ENV: self.tokens[local_rank]}
+        env = {"NVRX_MONITOR_SOCKET": str(sock), "NVRX_MONITOR_SHM": str(shm), TOKEN_ENV: self.tokens[local_rank]}
+        if self.ft.auto_heartbeat:
+            env[ENV_AUTO_HEARTBEAT] = f"{watchdog_interval(self.ft.rank_heartbeat_timeout):g}"
+        return env
 
     def fds(self) -> list[int]:
         return list(self.pidfds)

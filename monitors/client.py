@@ -1,11 +1,15 @@
 """RankMonitorClient: the rank's side of fault-tolerance monitoring.
 
-Environment (set by ``nvrx launch`` for every rank; missing variables mean "not started by nvrx"):
+Under ``nvrx launch`` the bootstrap attaches each rank to its monitor before user code runs (in a
+background thread, so the rank's start is not delayed): the monitor then knows the rank's pid and start
+time, and ``RankMonitorClient()`` reuses that connection. A client created outside the bootstrap connects
+itself, from the environment the agent sets:
 
   ``NVRX_MONITOR_SOCKET``           path of this rank's monitor control socket (Unix, JSON lines)
   ``NVRX_MONITOR_TOKEN``            secret token proving the rank belongs to this launch
   ``NVRX_MONITOR_SHM``              path of this rank's heartbeat slot (mmap'd, see monitors.heartbeat)
   ``NVRX_MONITOR_CONNECT_TIMEOUT``  optional; seconds to wait for the monitor to listen (default 30)
+  ``NVRX_AUTO_HEARTBEAT``           optional; the bootstrap heartbeats automatically at this interval
 
 Usage::
 
@@ -18,15 +22,19 @@ Usage::
     client.shutdown_workload_monitoring()
 
 ``send_heartbeat``/``start_section``/``end_section`` only store into shared memory (no syscall); the
-first use of a section name unknown to the monitor costs one request to register it.
+first use of a section name unknown to the monitor costs one request to register it. If the monitor
+dies and the agent restarts it, the link re-attaches and carries the run's record into the new slot.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
+import threading
+import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from monitors.control import Channel, MonitorError
 from monitors.heartbeat import Slot, SlotWriter
@@ -38,95 +46,265 @@ ENV_SOCKET = "NVRX_MONITOR_SOCKET"
 ENV_TOKEN = "NVRX_MONITOR_TOKEN"
 ENV_SHM = "NVRX_MONITOR_SHM"
 ENV_CONNECT_TIMEOUT = "NVRX_MONITOR_CONNECT_TIMEOUT"
+ENV_AUTO_HEARTBEAT = "NVRX_AUTO_HEARTBEAT"  # seconds between automatic heartbeats (bootstrap); unset = off
+REATTACH_TIMEOUT = 60.0  # how long a rank waits for the agent to restart a dead monitor
 
 
-class RankMonitorClient:
-    """Connects a rank to its rank monitor; mirrors the NVRx client API names."""
+class MonitorLink:
+    """This process's connection to its rank monitor: the control channel plus the heartbeat slot."""
 
-    def __init__(self) -> None:
+    def __init__(self, socket_path: Path, shm_path: Path, token: str, connect_timeout: float = 30.0) -> None:
+        self.socket_path, self.shm_path = Path(socket_path), Path(shm_path)
+        self._token = token
+        self.connect_timeout = connect_timeout
+        self._lock = threading.RLock()
         self._channel: Channel | None = None
-        self._writer: SlotWriter | None = None
-        self._ids: dict[str, int] = {}
+        self.writer: SlotWriter | None = None
+        self.ids: dict[str, int] = {}
         self.rank: int | None = None
         self.timeouts: dict[str, Any] = {}
+        self.monitor_pid: int | None = None
+        self.started: float | None = None
+        self.armed = False
+        self.owner: object | None = None  # the RankMonitorClient that initialized monitoring
 
-    @property
-    def is_initialized(self) -> bool:
-        return self._writer is not None
-
-    def init_workload_monitoring(self, sections: Iterable[str] = ()) -> None:
-        """Connect to the monitor named by the environment and start a monitored run."""
-        if self._writer is not None:
-            raise RuntimeError("workload monitoring is already initialized")
-        env = {name: os.environ.get(name) for name in (ENV_SOCKET, ENV_TOKEN, ENV_SHM)}
-        missing = sorted(name for name, value in env.items() if not value)
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "MonitorLink":
+        values = {name: env.get(name) for name in (ENV_SOCKET, ENV_TOKEN, ENV_SHM)}
+        missing = sorted(name for name, value in values.items() if not value)
         if missing:
             raise RuntimeError(f"no rank monitor for this process ({', '.join(missing)} not set): "
                                "start the script with `nvrx launch`")
+        timeout = float(env.get(ENV_CONNECT_TIMEOUT) or 30.0)
+        return cls(Path(values[ENV_SOCKET]), Path(values[ENV_SHM]), values[ENV_TOKEN], timeout)
+
+    # ---- connecting
+    def attach(self, started: float | None, armed: bool, timeout: float | None = None) -> None:
+        """Register this process with the monitor (``armed``: start checking deadlines now)."""
+        reply = self._connect("attach", timeout, started=started, armed=armed, resume=False)
+        self.started = started
+        self.armed = armed
+        log.debug("attached to rank monitor (rank %s, pid %s)", self.rank, self.monitor_pid)
+
+    def arm(self, sections: Iterable[str] = ()) -> dict[str, Any]:
+        """Start a monitored run (``init``); on an attached link the run counts from the rank's start."""
         names = [validate_section_name(n) for n in sections]
-        timeout = float(os.environ.get(ENV_CONNECT_TIMEOUT) or 30.0)
-        channel = Channel.connect(Path(env[ENV_SOCKET]), connect_timeout=timeout)
+        with self._lock:
+            if self._channel is None:
+                reply = self._connect("init", None, sections=names)
+            else:
+                reply = self._request_locked("init", token=self._token, pid=os.getpid(), sections=names)
+                self._adopt(reply)
+            self.armed = True
+            return reply
+
+    def _connect(self, op: str, timeout: float | None, **fields: Any) -> dict[str, Any]:
+        channel = Channel.connect(self.socket_path, connect_timeout=self.connect_timeout if timeout is None else timeout)
         try:
-            reply = channel.request("init", token=env[ENV_TOKEN], pid=os.getpid(), sections=names)
-            writer = SlotWriter(Slot.attach(Path(env[ENV_SHM])))
+            reply = channel.request(op, token=self._token, pid=os.getpid(), **fields)
+            slot = Slot.attach(self.shm_path)
         except MonitorError as exc:
             channel.close()
             raise RuntimeError(f"the rank monitor refused this rank: {exc}") from None
         except BaseException:
             channel.close()
             raise
-        self._channel, self._writer = channel, writer
-        self._ids = dict(reply["sections"])
+        with self._lock:
+            old, self._channel = self._channel, channel
+            if self.writer is None:
+                self.writer = SlotWriter(slot)
+            else:
+                self.writer.rebind(slot)
+            self._adopt(reply)
+        if old is not None:
+            old.close()
+        return reply
+
+    def _adopt(self, reply: Mapping[str, Any]) -> None:
+        if "sections" in reply:
+            self.ids = dict(reply["sections"])
+        self.rank = reply.get("rank", self.rank)
+        self.timeouts = reply.get("timeouts", self.timeouts)
+        self.monitor_pid = reply.get("monitor_pid", self.monitor_pid)
+
+    # ---- requests
+    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        with self._lock:
+            return self._request_locked(op, **fields)
+
+    def _request_locked(self, op: str, **fields: Any) -> dict[str, Any]:
+        if self._channel is None:
+            raise RuntimeError(f"not connected to the rank monitor ({op})")
+        return self._channel.request(op, **fields)
+
+    # ---- surviving a monitor restart
+    def watch(self) -> None:
+        """Re-attach (in a daemon thread) whenever the monitor process dies and the agent restarts it."""
+        threading.Thread(target=self._watch_loop, name="nvrx-monitor-watch", daemon=True).start()
+
+    def _watch_loop(self) -> None:
+        while self.monitor_pid is not None:
+            try:
+                pidfd = os.pidfd_open(self.monitor_pid)
+            except ProcessLookupError:
+                pidfd = None
+            if pidfd is not None:
+                try:
+                    select.select([pidfd], [], [])
+                finally:
+                    os.close(pidfd)
+            if not self._reattach():
+                return
+
+    def _reattach(self) -> bool:
+        names = [name for name, _ in sorted(self.ids.items(), key=lambda kv: kv[1])]
+        deadline = time.monotonic() + REATTACH_TIMEOUT
+        while time.monotonic() < deadline:
+            try:
+                before = dict(self.ids)
+                self._connect("attach", deadline - time.monotonic(), started=self.started, armed=self.armed,
+                              resume=True, sections=names)
+                if any(self.ids.get(n) != sid for n, sid in before.items()):
+                    log.warning("the restarted rank monitor numbered sections differently; stats may be off")
+                log.info("re-attached to the restarted rank monitor (pid %s)", self.monitor_pid)
+                return True
+            except (OSError, ConnectionError, RuntimeError) as exc:
+                log.debug("re-attach failed, retrying: %s", exc)
+                time.sleep(0.1)
+        log.warning("the rank monitor did not come back within %.0f s; this rank is no longer monitored",
+                    REATTACH_TIMEOUT)
+        return False
+
+    def close(self) -> None:
+        with self._lock:
+            channel, self._channel = self._channel, None
+            self.monitor_pid = None
+        if channel is not None:
+            channel.close()
+
+
+# ---- the process-wide link made by the bootstrap
+
+_shared: MonitorLink | None = None
+_shared_done = threading.Event()
+_shared_error: str | None = None
+_shared_pending = False
+
+
+def attach_in_background(env: Mapping[str, str], started: float,
+                         on_attached: Callable[[MonitorLink], None] | None = None) -> None:
+    """Bootstrap side: attach this rank to its monitor without delaying user code."""
+    global _shared_error, _shared_pending
+    _shared_pending = True
+    try:
+        link = MonitorLink.from_env(env)
+    except RuntimeError as exc:
+        _shared_error = str(exc)
+        _shared_done.set()
+        return
+
+    def run() -> None:
+        global _shared, _shared_error
+        try:
+            link.attach(started=started, armed=False)
+            if on_attached is not None:
+                on_attached(link)
+            link.watch()
+            _shared = link
+        except Exception as exc:  # monitoring is best effort here; the client reports it if used
+            _shared_error = str(exc)
+            log.warning("cannot attach to the rank monitor: %s", exc)
+        finally:
+            _shared_done.set()
+
+    threading.Thread(target=run, name="nvrx-monitor-attach", daemon=True).start()
+
+
+def shared_link(timeout: float = 30.0) -> MonitorLink | None:
+    """The bootstrap's link once its attach finished; None outside the bootstrap or if it failed."""
+    if not _shared_pending:
+        return None
+    _shared_done.wait(timeout)
+    return _shared
+
+
+class RankMonitorClient:
+    """Connects a rank to its rank monitor; mirrors the NVRx client API names."""
+
+    def __init__(self) -> None:
+        self._link: MonitorLink | None = None
+        self.rank: int | None = None
+        self.timeouts: dict[str, Any] = {}
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._link is not None
+
+    def init_workload_monitoring(self, sections: Iterable[str] = ()) -> None:
+        """Start a monitored run on this rank's monitor connection."""
+        if self._link is not None:
+            raise RuntimeError("workload monitoring is already initialized")
+        link = shared_link()
+        if link is None:
+            link = MonitorLink.from_env(os.environ)
+        elif isinstance(link.owner, RankMonitorClient) and link.owner.is_initialized:
+            raise RuntimeError("workload monitoring is already initialized by another RankMonitorClient")
+        try:
+            reply = link.arm(sections)
+        except MonitorError as exc:
+            raise RuntimeError(f"the rank monitor refused this rank: {exc}") from None
+        link.owner = self
+        self._link = link
         self.rank = reply.get("rank")
         self.timeouts = reply.get("timeouts", {})
-        log.debug("connected to rank monitor (rank %s, run %s)", self.rank, reply.get("generation"))
+        log.debug("monitoring rank %s (run %s)", self.rank, reply.get("generation"))
 
-    # ---- hot path
+    # ---- hot path: stores into the shared slot, nothing else
     def send_heartbeat(self) -> None:
         """Tell the monitor this rank is alive (a few memory stores)."""
-        writer = self._writer
-        if writer is None:
+        link = self._link
+        if link is None:
             raise RuntimeError("call init_workload_monitoring() before send_heartbeat()")
-        writer.beat()
+        link.writer.beat()  # type: ignore[union-attr]
 
     def start_section(self, name: str) -> None:
         """Open section NAME; its timeout (if any) replaces the heartbeat timeout while it is open."""
-        writer = self._writer
-        if writer is None:
+        link = self._link
+        if link is None:
             raise RuntimeError("call init_workload_monitoring() before start_section()")
-        sid = self._ids.get(name)
+        sid = link.ids.get(name)
         if sid is None:
             sid = self._register(name)
         try:
-            writer.open_section(sid)
+            link.writer.open_section(sid)  # type: ignore[union-attr]
         except ValueError:
             raise ValueError(f"section {name!r} is already open") from None
 
     def end_section(self, name: str) -> None:
         """Close section NAME. ValueError if it was never started or is not open."""
-        writer = self._writer
-        if writer is None:
+        link = self._link
+        if link is None:
             raise RuntimeError("call init_workload_monitoring() before end_section()")
-        sid = self._ids.get(name)
+        sid = link.ids.get(name)
         if sid is None:
             raise ValueError(f"end_section({name!r}): section {name!r} was never started")
         try:
-            writer.close_section(sid)
+            link.writer.close_section(sid)  # type: ignore[union-attr]
         except ValueError:
             raise ValueError(f"end_section({name!r}): the section is not open (start_section first)") from None
 
     def _register(self, name: str) -> int:
         validate_section_name(name)
         reply = self._request("sections", names=[name])
-        self._ids = dict(reply["sections"])
-        return self._ids[name]
+        self._link.ids = dict(reply["sections"])  # type: ignore[union-attr]
+        return self._link.ids[name]  # type: ignore[union-attr]
 
     # ---- control requests
     def _request(self, op: str, **fields: Any) -> dict[str, Any]:
-        if self._channel is None:
+        if self._link is None:
             raise RuntimeError(f"call init_workload_monitoring() before {op}")
         try:
-            return self._channel.request(op, **fields)
+            return self._link.request(op, **fields)
         except MonitorError as exc:
             raise ValueError(str(exc)) from None
 
@@ -148,13 +326,14 @@ class RankMonitorClient:
 
     def shutdown_workload_monitoring(self) -> None:
         """End this rank's monitored run; the monitor stays up for a restarted rank."""
-        channel, writer = self._channel, self._writer
-        self._channel = self._writer = None
-        if channel is not None:
-            try:
-                channel.request("shutdown")
-            except (OSError, MonitorError) as exc:
-                log.debug("shutdown request failed: %s", exc)
-            channel.close()
-        if writer is not None:
-            writer.close()
+        link, self._link = self._link, None
+        if link is None:
+            return
+        link.owner = None
+        try:
+            link.request("shutdown")
+        except (OSError, MonitorError, RuntimeError) as exc:
+            log.debug("shutdown request failed: %s", exc)
+        link.armed = False
+        if link is not _shared:
+            link.close()

@@ -9,6 +9,7 @@ following a live run never sees a torn line except at a crash, which readers ski
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -56,14 +57,27 @@ class EventLog:
                 self._fd = None
 
 
+def decode_event(raw: bytes | str) -> dict[str, Any]:
+    """One line -> one event; ValueError (with a short reason) if it is not a valid event."""
+    try:
+        record = json.loads(raw)
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if not isinstance(record, dict) or not isinstance(record.get("ev"), str):
+        raise ValueError("not an event object")
+    t = record.get("t")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        raise ValueError("event without a valid time 't'")
+    return record
+
+
 def read_events(path: Path) -> Iterator[dict[str, Any] | str]:
     """Yield each parsed event, or an error string for a line that is not a valid event."""
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
             try:
-                record = json.loads(raw)
-                if not isinstance(record, dict) or "ev" not in record:
-                    raise ValueError("not an event object")
-                yield record
+                yield decode_event(raw)
             except ValueError as exc:
                 yield f"{path}:{lineno}: skipped a corrupt line ({exc})"

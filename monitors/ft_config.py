@@ -218,6 +218,23 @@ LOG_LEVEL = Kind(label="log level name or number", parse=_parse_log_level, dump=
                  show=lambda v: str(_dump_log_level(v)))
 
 
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+_FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+
+
+def _parse_bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE_WORDS | _FALSE_WORDS:
+        return value.strip().lower() in _TRUE_WORDS
+    raise _error(f"{where}: {value!r} is not a boolean; use true or false")
+
+
+BOOL = Kind(label="true or false", parse=_parse_bool, dump=lambda v: v, show=lambda v: "on" if v else "off")
+
+
 class SectionTimeouts(Mapping[str, "float | None"]):
     """Read-only, hashable, picklable mapping of section name -> timeout (None = deduce)."""
 
@@ -333,6 +350,9 @@ class FaultToleranceConfig:
     rank_out_of_section_timeout: float | None = _setting(
         OPTIONAL_SECONDS, "Sections API: timeout (seconds) for time spent outside any section. "
         "null = deduce at run time.", None)
+    auto_heartbeat: bool = _setting(
+        BOOL, "Heartbeat automatically while the rank's main thread keeps executing Python bytecode, so an "
+        "unmodified script gets hang detection (a call that blocks the interpreter stops the beats).", False)
 
     def __post_init__(self) -> None:
         for f in fields(self):

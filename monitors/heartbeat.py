@@ -15,9 +15,12 @@ Layout (word index -> meaning)::
     0 magic             1 seq               2 heartbeat count     3 last heartbeat time
     4 first hb time     5 first hb delay    6 max hb interval     7 open-section bitmask
     8 sections opened   9 sections closed  10 last section end   11 max out-of-section time
-   12 run start        13 generation       14-15 reserved
+   12 run start        13 generation       14 auto heartbeat time   15 reserved
    16 + i: start time of section i          48 + i: max duration of section i
    80 + i: last duration of section i      112 + i: close count of section i   (i < MAX_SECTIONS)
+
+Word 14 is written outside the seqlock, by the progress watchdog (one 8-byte store of the time the
+main thread last ran Python bytecode); a single aligned store cannot tear.
 
 Heartbeat intervals are measured from the later of the last heartbeat and the last moment all sections
 were closed, the same reference the monitor uses for the heartbeat deadline.
@@ -39,7 +42,7 @@ MAX_SECTIONS = 32
 W_MAGIC, W_SEQ, W_HB_COUNT, W_LAST_HB = 0, 1, 2, 3
 W_FIRST_HB, W_FIRST_DELAY, W_MAX_INTERVAL, W_OPEN_MASK = 4, 5, 6, 7
 W_OPEN_COUNT, W_CLOSE_COUNT, W_LAST_SEC_END, W_MAX_OOS = 8, 9, 10, 11
-W_RUN_START, W_GENERATION = 12, 13
+W_RUN_START, W_GENERATION, W_AUTO_HB = 12, 13, 14
 W_SEC_START = 16
 W_SEC_MAX = W_SEC_START + MAX_SECTIONS
 W_SEC_LAST = W_SEC_MAX + MAX_SECTIONS
@@ -70,6 +73,7 @@ class SlotSnapshot:
     max_out_of_section: float
     run_start: float
     generation: int
+    auto_hb: float
     section_start: tuple[float, ...]
     section_max: tuple[float, ...]
     section_last: tuple[float, ...]
@@ -165,7 +169,7 @@ def _decode(raw: bytes) -> SlotSnapshot:
         hb_count=qv[W_HB_COUNT], last_hb=dv[W_LAST_HB], first_hb=dv[W_FIRST_HB],
         first_delay=dv[W_FIRST_DELAY], max_interval=dv[W_MAX_INTERVAL], open_mask=qv[W_OPEN_MASK],
         open_count=qv[W_OPEN_COUNT], close_count=qv[W_CLOSE_COUNT], last_section_end=dv[W_LAST_SEC_END],
-        max_out_of_section=dv[W_MAX_OOS], run_start=dv[W_RUN_START], generation=qv[W_GENERATION],
+        max_out_of_section=dv[W_MAX_OOS], run_start=dv[W_RUN_START], generation=qv[W_GENERATION], auto_hb=dv[W_AUTO_HB],
         section_start=tuple(dv[W_SEC_START:W_SEC_START + n]), section_max=tuple(dv[W_SEC_MAX:W_SEC_MAX + n]),
         section_last=tuple(dv[W_SEC_LAST:W_SEC_LAST + n]), section_closes=tuple(qv[W_SEC_CLOSES:W_SEC_CLOSES + n]),
     )
@@ -253,6 +257,25 @@ class SlotWriter:
 
     def is_open(self, sid: int) -> bool:
         return bool(self._q[W_OPEN_MASK] >> sid & 1)
+
+    def auto_beat(self) -> None:
+        """Record that the main thread ran Python bytecode just now (the progress watchdog's beat)."""
+        self._d[W_AUTO_HB] = _monotonic()
+
+    def rebind(self, slot: Slot) -> None:
+        """Continue in the slot of a restarted monitor, carrying this run's record over.
+
+        The old mapping stays alive (a beat in flight on another thread may still store into it).
+        """
+        old, new = self._q, slot.q
+        generation = new[W_GENERATION]
+        new[W_SEQ] = self._seq + 1  # odd while copying
+        for i in range(W_HB_COUNT, USED_WORDS):
+            new[i] = old[i]
+        new[W_GENERATION] = generation
+        new[W_SEQ] = self._seq + 2
+        self._seq += 2
+        self._slot, self._q, self._d = slot, new, slot.d
 
     def close(self) -> None:
         self._slot.close()

@@ -88,12 +88,13 @@ def next_deadline(snap: SlotSnapshot, timeouts: Timeouts, name_of: Callable[[int
             found.append(Deadline(start + limit, "section_timeout", limit, start, name))
     if not timed_open:
         end = snap.last_section_end
-        if snap.hb_count == 0 and timeouts.initial_heartbeat is not None:
+        beaten = snap.hb_count > 0 or snap.auto_hb > 0
+        if not beaten and timeouts.initial_heartbeat is not None:
             since = max(snap.run_start, end)
             found.append(Deadline(since + timeouts.initial_heartbeat, "no_first_heartbeat",
                                   timeouts.initial_heartbeat, since))
-        elif snap.hb_count > 0 and timeouts.heartbeat is not None:
-            since = max(snap.last_hb, end)
+        elif beaten and timeouts.heartbeat is not None:
+            since = max(snap.last_hb, snap.auto_hb, end)
             found.append(Deadline(since + timeouts.heartbeat, "heartbeat_timeout", timeouts.heartbeat, since))
     if not open_ids and timeouts.out_of_section is not None:
         since = snap.last_section_end
@@ -131,6 +132,7 @@ class Session:
     conn: Conn
     proc: psutil.Process
     generation: int
+    armed: bool = True  # False: attached by the bootstrap, deadlines not checked until init
     first_hb_reported: bool = False
     terminated: bool = False
     next_stats: float = 0.0
@@ -236,6 +238,8 @@ class RankMonitor:
             return interval
         if not sess.proc.is_running():
             self._end_session("rank_exited")
+            return interval
+        if not sess.armed:
             return interval
         snap = self.slot.snapshot()
         self.tracker.set_run_observations(*run_observations(snap, self.registry))
@@ -382,7 +386,8 @@ class RankMonitor:
     def _handle(self, conn: Conn, msg: dict[str, Any]) -> None:
         op = msg.get("op")
         if not conn.authed:
-            handler = {"init": self._op_init, "stop_monitor": self._op_stop_monitor}.get(op)
+            handler = {"init": self._op_init, "attach": self._op_attach,
+                       "stop_monitor": self._op_stop_monitor}.get(op)
         else:
             handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) and op.isidentifier() else None
         if handler is None:
@@ -410,33 +415,69 @@ class RankMonitor:
         self._drop(conn)
         return False
 
-    def _op_init(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
-        if not self._check_token(conn, msg):
-            return None
+    def _verified_proc(self, conn: Conn, msg: dict[str, Any]) -> psutil.Process:
+        """The process behind CONN, which must be the pid the message claims and our own user."""
         pid = msg.get("pid")
         peer_pid, peer_uid, _ = peer_credentials(conn.sock)
         if not isinstance(pid, int) or pid != peer_pid or peer_uid != os.getuid():
             raise ValueError(f"pid {pid!r} does not match the connecting process (pid {peer_pid}, uid {peer_uid})")
-        proc = psutil.Process(pid)
-        names = [str(n) for n in msg.get("sections") or []]
-        for name in names:
-            self.registry.register(name)
+        return psutil.Process(pid)
+
+    def _open_session(self, conn: Conn, proc: psutil.Process, armed: bool, started: float | None) -> Session:
+        """A new rank run on CONN; the previous one (a restarted rank's predecessor) ends."""
         if self.session is not None:
             old = self.session
             self._end_session("replaced")
             if old.conn is not conn:
                 self._drop(old.conn)
+        now = time.monotonic()
         self.generation += 1
-        self.slot.reset(self.generation, time.monotonic())
+        start = started if isinstance(started, (int, float)) and 0 < started <= now else now
+        self.slot.reset(self.generation, start)
         self.tracker.reset_run()
         conn.authed = True
-        self.session = Session(conn, proc, self.generation)
-        timeouts = self.tracker.in_force()
-        self.events.emit("monitor_connect", rank=self.rank, pid=pid, generation=self.generation,
-                         timeouts=timeouts.to_dict())
-        log.info("rank %d connected (pid %d, run %d)", self.rank, pid, self.generation)
+        self.session = Session(conn, proc, self.generation, armed=armed)
+        return self.session
+
+    def _session_reply(self) -> dict[str, Any]:
         return {"rank": self.rank, "generation": self.generation, "sections": self.registry.mapping(),
-                "timeouts": timeouts.to_dict()}
+                "timeouts": self.tracker.in_force().to_dict(), "monitor_pid": os.getpid()}
+
+    def _register_sections(self, msg: dict[str, Any]) -> None:
+        for name in msg.get("sections") or []:
+            self.registry.register(str(name))
+
+    def _op_attach(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """The bootstrap registers a rank at its start (or again after this monitor was restarted)."""
+        if not self._check_token(conn, msg):
+            return None
+        proc = self._verified_proc(conn, msg)
+        self._register_sections(msg)
+        sess = self._open_session(conn, proc, bool(msg.get("armed")), msg.get("started"))
+        self.events.emit("monitor_attach", rank=self.rank, pid=proc.pid, generation=sess.generation,
+                         armed=sess.armed, reattach=bool(msg.get("resume")))
+        if sess.armed:
+            self._emit_connect(sess)
+        return self._session_reply()
+
+    def _op_init(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """Start a monitored run: arm the attached session of this connection, or open a new one."""
+        if not self._check_token(conn, msg):
+            return None
+        proc = self._verified_proc(conn, msg)
+        self._register_sections(msg)
+        sess = self.session
+        if sess is not None and sess.conn is conn and sess.proc.pid == proc.pid and not sess.terminated:
+            sess.armed = True
+        else:
+            sess = self._open_session(conn, proc, True, None)
+        self._emit_connect(sess)
+        return self._session_reply()
+
+    def _emit_connect(self, sess: Session) -> None:
+        self.events.emit("monitor_connect", rank=self.rank, pid=sess.proc.pid, generation=sess.generation,
+                         timeouts=self.tracker.in_force().to_dict())
+        log.info("rank %d monitored (pid %d, run %d)", self.rank, sess.proc.pid, sess.generation)
 
     def _op_stop_monitor(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
         if not self._check_token(conn, msg):

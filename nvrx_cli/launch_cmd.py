@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import warnings
 from typing import Any
@@ -15,7 +14,8 @@ from launcher.config import DEFAULT_SIGNALS, ConfigError, build_launch_config
 
 # (option names, click kwargs). Underscore spellings are accepted as torchrun accepts them.
 _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
-    (("--nnodes",), dict(default="1", show_default=True, help="Number of nodes, or MIN:MAX for an elastic job.")),
+    (("--nnodes",), dict(default=None, help="Number of nodes, or MIN:MAX for an elastic job [default: 1, or the "
+                                           "nodes of the Slurm step].")),
     (("--nproc-per-node", "--nproc_per_node"), dict(default="1", show_default=True,
                                                     help="Ranks per node: a number, or cpu/auto.")),
     (("--node-rank", "--node_rank"), dict(default=None, help="Fixed rank of this node (needs a fixed --nnodes).")),
@@ -36,6 +36,8 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("-m", "--module"), dict(is_flag=True, help="Run the script as a module, like python -m.")),
     (("--no-python", "--no_python"), dict(is_flag=True, help="Run the script as a program, not with python.")),
     (("--log-dir", "--log_dir"), dict(default=None, help="Directory for event logs and rank output files.")),
+    (("--state-dir", "--state_dir"), dict(default=None, help="Where rank monitors keep learned timeouts across jobs "
+                                         "(env NVRX_STATE_DIR; default <log dir>/<run id>/ft_state).")),
     (("-r", "--redirects"), dict(default=None, help="Send rank streams to files: 0-3 or LOCAL_RANK:N,...")),
     (("-t", "--tee"), dict(default=None, help="Files and console, lines prefixed with the rank: 0-3 or LOCAL_RANK:N,...")),
     (("--local-ranks-filter", "--local_ranks_filter"), dict(default=None, help="Show only these local ranks on the console.")),
@@ -97,7 +99,7 @@ def launch(ctx: click.Context, **raw: Any) -> int:
     except ConfigError as err:
         raise click.UsageError(str(err)) from None
     _setup_logging(raw["log_level"])
-    events = EventLog(cfg.run_log_dir / f"agent-{socket.gethostname()}-{os.getpid()}.jsonl", source="agent")
+    events = EventLog(cfg.run_log_dir / f"agent-{cfg.node_name}-{os.getpid()}.jsonl", source="agent")
     events.subscribe(StatusPrinter(quiet=raw["quiet"]))
     return _run_agent(cfg, events)
 

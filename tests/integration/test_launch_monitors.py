@@ -95,3 +95,144 @@ def test_killed_monitor_is_restarted_by_the_agent(launcher, tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert launcher.leftovers() == []
+
+
+AUTO_SCRIPT = r'''
+import os, sys, time
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+deadline = time.monotonic() + 2.0
+while time.monotonic() < deadline:   # busy Python work: the progress watchdog beats
+    sum(range(1000))
+if attempt == 0 and os.environ["RANK"] == "1":
+    open(os.path.join(sys.argv[1], "hanging"), "w").close()
+    time.sleep(1000)                 # blocks the interpreter: no bytecode, no automatic heartbeat
+'''
+
+
+def test_auto_heartbeat_gives_an_unmodified_script_hang_detection(launcher, tmp_path):
+    script = write_script(tmp_path / "auto.py", AUTO_SCRIPT)
+    res = launcher.run("--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-id", "auto",
+                       "--ft-param-auto-heartbeat", "true", "--ft-param-rank-heartbeat-timeout", "1",
+                       str(script), str(tmp_path), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "hanging").exists()
+    hangs = [e for e in _events(tmp_path / "nvrx_logs" / "auto", "monitor-") if e["ev"] == "hang_detected"]
+    assert [h["reason"] for h in hangs] == ["heartbeat_timeout"], hangs  # only the blocked rank, only once
+    assert "by its monitor: heartbeat timeout" in res.stderr
+    assert launcher.leftovers() == []
+
+
+LATE_INIT_SCRIPT = r'''
+import os, sys, time
+from monitors import RankMonitorClient
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if attempt == 0:
+    time.sleep(float(sys.argv[1]))       # a slow start, before any monitoring call
+c = RankMonitorClient()
+c.init_workload_monitoring()
+if attempt == 0:
+    time.sleep(30)                      # would never heartbeat
+for _ in range(3):
+    c.send_heartbeat()
+c.shutdown_workload_monitoring()
+'''
+
+
+def test_first_heartbeat_timeout_counts_from_rank_start_once_monitoring_starts(launcher, tmp_path):
+    """The bootstrap attaches ranks at start: no deadline before init, but the initial timeout covers the start."""
+    script = write_script(tmp_path / "late.py", LATE_INIT_SCRIPT)
+    res = launcher.run("--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-id", "late",
+                       "--ft-param-initial-rank-heartbeat-timeout", "1.5", "--ft-param-workload-check-interval", "0.2",
+                       str(script), "2.5", timeout=120)
+    assert res.returncode == 0, res.stderr
+    events = _events(tmp_path / "nvrx_logs" / "late", "monitor-")
+    attach = [e for e in events if e["ev"] == "monitor_attach"]
+    assert attach and attach[0]["armed"] is False
+    hangs = [e for e in events if e["ev"] == "hang_detected"]
+    assert len(hangs) == 1 and hangs[0]["reason"] == "no_first_heartbeat", hangs
+    assert hangs[0]["elapsed"] >= 2.5  # measured from the rank's start, not from init; not killed before init
+    assert launcher.leftovers() == []
+
+
+REATTACH_SCRIPT = r'''
+import os, sys, time
+from monitors import RankMonitorClient
+out = sys.argv[1]
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+c = RankMonitorClient()
+c.init_workload_monitoring()
+open(os.path.join(out, f"ready.{attempt}"), "w").write(str(os.getpid()))
+while attempt == 0 and not os.path.exists(os.path.join(out, "hang-now")):
+    c.send_heartbeat()
+    time.sleep(0.05)
+if attempt == 0:
+    time.sleep(1000)   # hang after the monitor was replaced: only a re-attached rank is still watched
+c.send_heartbeat()
+c.shutdown_workload_monitoring()
+'''
+
+
+def test_rank_reattaches_to_a_restarted_monitor_and_stays_watched(launcher, tmp_path):
+    script = write_script(tmp_path / "reattach.py", REATTACH_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = launcher.start("--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-id", "reattach",
+                          "--ft-param-rank-heartbeat-timeout", "1", str(script), str(out))
+    deadline = time.monotonic() + 60
+    while not (out / "ready.0").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first = _monitor_children(proc.pid)
+    assert len(first) == 1
+    first[0].send_signal(signal.SIGKILL)
+    run_dir = tmp_path / "nvrx_logs" / "reattach"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not any(
+            e["ev"] == "monitor_attach" and e.get("reattach") for e in _events(run_dir, "monitor-")):
+        time.sleep(0.05)
+    (out / "hang-now").touch()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    events = _events(run_dir, "monitor-")
+    assert any(e["ev"] == "monitor_attach" and e.get("reattach") and e["armed"] for e in events)
+    hangs = [e for e in events if e["ev"] == "hang_detected"]
+    assert len(hangs) == 1 and hangs[0]["reason"] == "heartbeat_timeout"
+    assert (out / "ready.1").exists()
+    assert launcher.leftovers() == []
+
+
+LEARN_SCRIPT = r'''
+import json, os, sys, time
+from monitors import RankMonitorClient
+c = RankMonitorClient()
+c.init_workload_monitoring()
+print("TIMEOUTS_AT_START", json.dumps(c.timeouts), flush=True)
+if sys.argv[1] == "learn":
+    for _ in range(8):
+        c.send_heartbeat()
+        time.sleep(0.1)
+    c.calculate_and_set_timeouts()
+    print("TIMEOUTS_LEARNED", json.dumps(c.timeouts), flush=True)
+c.shutdown_workload_monitoring()
+'''
+
+
+def _printed(stdout: str, tag: str) -> dict:
+    line = next(line for line in stdout.splitlines() if tag in line)
+    return json.loads(line.split(tag, 1)[1])
+
+
+def test_second_job_starts_with_the_timeouts_the_first_learned(launcher, tmp_path):
+    script = write_script(tmp_path / "learn.py", LEARN_SCRIPT)
+    state = tmp_path / "state"
+    first = launcher.run("--nproc-per-node", "1", "--rdzv-id", "job1", "--state-dir", str(state),
+                         "--ft-param-rank-heartbeat-timeout", "null", str(script), "learn", timeout=120)
+    assert first.returncode == 0, first.stderr
+    learned = _printed(first.stdout, "TIMEOUTS_LEARNED")
+    assert learned["heartbeat"] is not None and 0.5 <= learned["heartbeat"] <= 5 * 0.1 * 3  # ~0.1 s x factor 5
+    second = launcher.run("--nproc-per-node", "1", "--rdzv-id", "job2", "--state-dir", str(state),
+                          "--ft-param-rank-heartbeat-timeout", "null", str(script), "use", timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert _printed(second.stdout, "TIMEOUTS_AT_START")["heartbeat"] == learned["heartbeat"]
+    loaded = [e for e in _events(tmp_path / "nvrx_logs" / "job2", "monitor-") if e["ev"] == "timeouts_loaded"]
+    assert loaded and loaded[0]["timeouts"]["heartbeat"] == learned["heartbeat"]
+    assert launcher.leftovers() == []

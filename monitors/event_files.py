@@ -1,0 +1,195 @@
+"""Find a run's JSON-lines event files and read them incrementally, tolerating damage.
+
+A log dir holds one run (``<log-dir>/<run-id>/``) or several (a resume chain: one run dir per job,
+plus the resume driver's ``resume.jsonl``). Files are read in bounded chunks from a remembered
+offset, so the same reader serves a one-shot report and ``--follow`` on a live run. Lines that are
+not valid events (torn by a crash, truncated, binary garbage) are counted and described, never raised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+_AGENT_RE = re.compile(r"^agent-(?P<node>.+)\.jsonl$")
+_MONITOR_RE = re.compile(r"^monitor-(?P<node>.+)-(?P<lr>\d+)\.jsonl$")
+_RESUME_RE = re.compile(r"^resume.*\.jsonl$")
+MAX_DEPTH = 4            # a chain dir -> run dirs -> (attempt_N/...): event files are never deeper
+CHUNK = 1 << 20          # bytes read per call; bounds memory and the time one --follow poll takes
+MAX_LINE = 1 << 20       # a "line" longer than this without a newline is garbage, not an event
+_EV_KEY = b'"ev":"'
+
+
+class NotARun(Exception):
+    """The given path holds nothing `nvrx inspect` can read; the message says what to pass instead."""
+
+
+@dataclass
+class EventFile:
+    """One event file and how far it has been read."""
+
+    path: Path
+    kind: str                  # agent | monitor | resume | other
+    node: str | None = None    # "<host>-<agent pid>": ties a monitor file to its agent file
+    local_rank: int | None = None
+    offset: int = 0
+    lineno: int = 0
+    pending: bytes = b""       # a trailing line without its newline yet (a live writer mid-line)
+    size: int = 0
+
+    @property
+    def run_dir(self) -> Path:
+        return self.path.parent
+
+
+def classify(path: Path) -> EventFile | None:
+    """An EventFile for PATH if its name is one of ours (agent-*, monitor-*-N, resume*), else None."""
+    name = path.name
+    m = _AGENT_RE.match(name)
+    if m:
+        return EventFile(path, "agent", node=m["node"])
+    m = _MONITOR_RE.match(name)
+    if m:
+        return EventFile(path, "monitor", node=m["node"], local_rank=int(m["lr"]))
+    if _RESUME_RE.match(name):
+        return EventFile(path, "resume")
+    return None
+
+
+def _walk(root: Path) -> Iterator[Path]:
+    base_depth = len(root.parts)
+    for dirpath, dirnames, filenames in os.walk(root, onerror=None):
+        if len(Path(dirpath).parts) - base_depth >= MAX_DEPTH:
+            dirnames[:] = []
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if name.endswith(".jsonl"):
+                yield Path(dirpath) / name
+
+
+def _looks_like_events(path: Path) -> bool:
+    """An unknown *.jsonl is ours if its first line is an event object (src + ev)."""
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline(MAX_LINE)
+        rec = json.loads(first)
+    except (OSError, ValueError):
+        return False
+    return isinstance(rec, dict) and "ev" in rec and "src" in rec
+
+
+def discover(paths: list[Path]) -> list[EventFile]:
+    """Every event file under PATHS (dirs are searched a few levels deep). Raises NotARun."""
+    found: dict[Path, EventFile] = {}
+    for given in paths:
+        if not given.exists():
+            raise NotARun(f"{given}: no such file or directory (give a run's log dir, e.g. nvrx_logs/<run-id>)")
+        if given.is_file():
+            ef = classify(given) or (EventFile(given, "other") if _looks_like_events(given) else None)
+            if ef is None:
+                raise NotARun(f"{given}: not an nvrx event file (expected agent-*.jsonl, monitor-*.jsonl "
+                              "or resume*.jsonl)")
+            found[given.resolve()] = ef
+            continue
+        if not os.access(given, os.R_OK | os.X_OK):
+            raise NotARun(f"{given}: permission denied")
+        any_entry = False
+        for path in _walk(given):
+            any_entry = True
+            ef = classify(path) or (EventFile(path, "other") if _looks_like_events(path) else None)
+            if ef is not None:
+                found.setdefault(path.resolve(), ef)
+        if not any_entry and not any(given.iterdir()):
+            raise NotARun(f"{given}: empty directory, nothing to inspect (give the --log-dir of a run "
+                          "or <log-dir>/<run-id>)")
+    files = list(found.values())
+    if not files:
+        shown = ", ".join(str(p) for p in paths)
+        raise NotARun(f"{shown}: no nvrx event files here (agent-*.jsonl, monitor-*.jsonl); give the "
+                      "--log-dir of a run or <log-dir>/<run-id>")
+    return files
+
+
+def event_name(raw: bytes) -> bytes | None:
+    """The ``ev`` value of a raw line without parsing it (None if the key is not where we write it)."""
+    i = raw.find(_EV_KEY)
+    if i < 0:
+        return None
+    i += len(_EV_KEY)
+    j = raw.find(b'"', i)
+    return raw[i:j] if j > 0 else None
+
+
+def read_lines(ef: EventFile, final: bool, limit: int = CHUNK) -> Iterator[tuple[int, bytes]]:
+    """New complete lines of EF as (line number, raw bytes), at most ~LIMIT bytes per call.
+
+    FINAL: the writer is done, so a last line without a newline is returned too (it is usually torn).
+    """
+    try:
+        with open(ef.path, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if st.st_size < ef.offset:  # truncated or replaced under us: start over
+                ef.offset, ef.pending, ef.lineno = 0, b"", 0
+            ef.size = st.st_size
+            fh.seek(ef.offset)
+            data = fh.read(limit)
+    except OSError:
+        return
+    ef.offset += len(data)
+    buf = ef.pending + data if ef.pending else data
+    start = 0
+    while True:
+        nl = buf.find(b"\n", start)
+        if nl < 0:
+            break
+        ef.lineno += 1
+        yield ef.lineno, buf[start:nl]
+        start = nl + 1
+    rest = buf[start:]
+    if len(rest) > MAX_LINE or (rest and final and ef.offset >= ef.size):
+        ef.lineno += 1
+        ef.pending = b""
+        yield ef.lineno, rest
+    else:
+        ef.pending = rest
+
+
+def more_to_read(ef: EventFile) -> bool:
+    return ef.offset < ef.size
+
+
+def first_event_time(ef: EventFile) -> float | None:
+    """The ``t`` of the first valid event in EF (used to order files before reading them whole)."""
+    try:
+        with open(ef.path, "rb") as fh:
+            for _ in range(16):
+                raw = fh.readline(MAX_LINE)
+                if not raw:
+                    return None
+                try:
+                    rec = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("t"), (int, float)):
+                    return float(rec["t"])
+    except OSError:
+        return None
+    return None
+
+
+@dataclass
+class Damage:
+    """Lines skipped because they were not valid events: a count and the first few, described."""
+
+    count: int = 0
+    first: list[str] = field(default_factory=list)
+    keep: int = 5
+
+    def add(self, ef: EventFile, lineno: int, why: str) -> None:
+        self.count += 1
+        if len(self.first) < self.keep:
+            self.first.append(f"{ef.path}:{lineno}: {why}")
