@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 EXIT_OK = exit_codes.OK
 EXIT_FAILED = exit_codes.FAILED
 EXIT_USAGE = exit_codes.USAGE
+# Forwarded signals that ranks using launcher.job_control.should_stop() turn into a graceful stop.
+GRACEFUL_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
 
 
 class AgentSignal(Exception):
@@ -72,6 +74,7 @@ def build_rank_env(cfg: LaunchConfig, result: Any, local_rank: int,
         TORCHELASTIC_USE_AGENT_STORE=str(bool(result.agent_hosts_pg_store)),
         NVRX_RUN_LOG_DIR=str(cfg.run_log_dir),
         NVRX_ROUND=str(result.round),
+        NVRX_GRACEFUL_SIGNALS=",".join(s.name for s in cfg.signals_to_handle if s in GRACEFUL_SIGNALS),
     )
     env.setdefault("OMP_NUM_THREADS", "1")
     if not w.fast_exit:
@@ -215,9 +218,13 @@ class Agent:
             where = f" in section {hang['section']!r}" if hang.get("section") else ""
             describe += (f" by its monitor: {str(hang.get('reason')).replace('_', ' ')}{where} after "
                          f"{float(hang.get('elapsed') or 0):.1f} s (timeout {hang.get('timeout')} s)")
-        return {"rank": ex.global_rank, "local_rank": ex.local_rank, "group_rank": result.group_rank,
-                "pid": ex.pid, "exitcode": ex.exitcode, "signal": ex.signal, "abandoned": ex.abandoned,
-                "tail": list(ex.tail), "describe": describe, "round": result.round, "hang": hang}
+        detail = {"rank": ex.global_rank, "local_rank": ex.local_rank, "group_rank": result.group_rank,
+                  "pid": ex.pid, "exitcode": ex.exitcode, "signal": ex.signal, "abandoned": ex.abandoned,
+                  "tail": list(ex.tail), "describe": describe, "round": result.round, "hang": hang}
+        if ex.exitcode in exit_codes.STEERING_CODES:
+            # The rank asks the resume logic for something a restart in place cannot give: end the job with its code.
+            detail.update(no_restart=True, steer=ex.exitcode)
+        return detail
 
     def _forward_signal(self, result: Any) -> None:
         """First handled signal: pass it to the ranks once and tell the other nodes to stop too."""
@@ -238,12 +245,13 @@ class Agent:
                 self.workers.signal_all(signum)
             self._let_ranks_finish(self.cfg.workers.term_timeout)
             self.workers.stop(grace=0.0)
-            return 128 + signum
+            return exit_codes.interrupted(signum)
         self.workers.stop()
         if record.kind in ("failed", "node_left"):
             self.failures.append({"round": record.round, "kind": record.kind, **record.detail})
         if record.give_up:
-            return EXIT_FAILED
+            steer = record.detail.get("steer")
+            return steer if steer in exit_codes.STEERING_CODES else EXIT_FAILED
         return None
 
     def _let_ranks_finish(self, grace: float) -> None:

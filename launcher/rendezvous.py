@@ -441,7 +441,7 @@ class Rendezvous:
         stop_key = self.keys.r(r, "stop")
         if store.add(self.keys.r(r, "stop_claim"), 1) == 1:
             count = int(store.add(self.keys.restarts, 1 if kind in FAULT_KINDS else 0))
-            give_up = kind in FAULT_KINDS and count > self.max_restarts
+            give_up = kind in FAULT_KINDS and (count > self.max_restarts or bool(detail.get("no_restart")))
             rec = StopRecord(r, kind, self.node_id, dict(detail), count, give_up)
             if give_up or kind == "succeeded":
                 store.set(self.keys.finished, rec.to_json())  # before the stop: whoever sees it sees this
