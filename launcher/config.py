@@ -19,7 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from launcher.slurm_env import SlurmEnvError, SlurmTopology, slurm_topology
+
 DEFAULT_RDZV_PORT = 29400
+STATE_DIR_ENV = "NVRX_STATE_DIR"  # state kept across the jobs of an auto-resume chain (--state-dir)
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 
@@ -100,6 +103,9 @@ class LaunchConfig:
     signals_to_handle: tuple[signal.Signals, ...]
     run_log_dir: Path  # where this run's JSON-lines event files go
     ft: Any = None  # monitors.ft_config.FaultToleranceConfig, built by the caller (layered sources)
+    node_name: str = field(default_factory=socket.gethostname)  # per-node names/paths (Slurm: SLURMD_NODENAME)
+    slurm: SlurmTopology | None = None  # set when the topology came from the Slurm environment
+    state_dir: Path | None = None  # learned timeouts etc., kept across jobs (default <run_log_dir>/ft_state)
 
 
 # ---------------------------------------------------------------- parsing helpers
@@ -271,6 +277,44 @@ def free_port_socket(host: str) -> socket.socket:
     return sock
 
 
+# ---------------------------------------------------------------- Slurm
+
+
+RDZV_FLAGS = ("rdzv_endpoint", "standalone", "master_addr")
+
+
+def apply_slurm_env(raw: Mapping[str, Any], env: Mapping[str, str]) -> tuple[dict[str, Any], SlurmTopology | None]:
+    """Inside a Slurm job with no rendezvous flags: fill nnodes, node rank, endpoint and run id from Slurm.
+
+    Only values the user did not give are filled (explicit flags win). One node needs no
+    endpoint: it runs like --standalone, with the job id as run id.
+    """
+    if any(raw.get(k) for k in RDZV_FLAGS):
+        return dict(raw), None
+    try:
+        topo = slurm_topology(env)
+    except SlurmEnvError as err:
+        raise ConfigError(str(err)) from None
+    if topo is None:
+        return dict(raw), None
+    if topo.tasks_per_node > 1:
+        raise ConfigError(f"one nvrx launch per node: use srun --ntasks-per-node=1 nvrx launch ... (this step runs "
+                          f"{topo.tasks_per_node} tasks per node; nvrx starts --nproc-per-node ranks on each node itself)")
+    out = dict(raw)
+    if not out.get("nnodes"):
+        if not topo.in_step and topo.nnodes > 1:
+            raise ConfigError(f"nvrx launch is running in the batch script of a {topo.nnodes}-node job: start one agent "
+                              "per node with srun --ntasks-per-node=1 nvrx launch ... (or pass --nnodes 1)")
+        out["nnodes"] = str(topo.nnodes)
+    out["rdzv_id"] = out.get("rdzv_id") or topo.job_id
+    lo, hi = parse_nnodes(out["nnodes"])
+    if out.get("node_rank") is None and lo == hi == topo.nnodes:
+        out["node_rank"] = str(topo.node_rank)
+    if hi > 1:
+        out["rdzv_endpoint"] = f"{topo.rdzv_host}:{topo.rdzv_port}"
+    return out, topo
+
+
 # ---------------------------------------------------------------- the builder
 
 
@@ -279,6 +323,7 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str], ft: Any 
 
     Raises ConfigError with a one-line message for anything the user must fix.
     """
+    raw, slurm = apply_slurm_env(raw, env)
     entry = raw.get("training_script")
     if not entry:
         raise ConfigError("missing the training script: nvrx launch [OPTIONS] SCRIPT [ARGS]... (or -m MODULE)")
@@ -386,5 +431,8 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str], ft: Any 
         monitor_interval=positive_float(raw.get("monitor_interval", 0.1), "--monitor-interval"),
         signals_to_handle=parse_signals(raw.get("signals_to_handle") or DEFAULT_SIGNALS),
         run_log_dir=run_log_dir,
+        state_dir=Path(raw.get("state_dir") or env.get(STATE_DIR_ENV) or run_log_dir / "ft_state").expanduser().resolve(),
         ft=ft,
+        node_name=(slurm.node_name if slurm else None) or socket.gethostname(),
+        slurm=slurm,
     )
