@@ -37,7 +37,8 @@ class Launcher:
         self.procs: list[subprocess.Popen] = []
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        env = dict(os.environ)
+        # A test run inside a Slurm job must not hand the job's topology to these single-machine launches.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
         env["NVRX_TEST_TOKEN"] = self.token
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         env.update(extra or {})
