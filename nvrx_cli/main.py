@@ -10,6 +10,7 @@ import click
 
 from launcher.config import ConfigError
 from nvrx_cli.launch_cmd import launch, split_ft_args
+from nvrx_cli.resume_cmd import resume
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -19,6 +20,7 @@ def cli() -> None:
 
 
 cli.add_command(launch)
+cli.add_command(resume)
 
 
 def main(argv: list[str] | None = None) -> None:
