@@ -1,0 +1,40 @@
+"""Asynchronous checkpointing in the torch.distributed.checkpoint (DCP) format.
+
+User API (module-level functions act on one process-wide ``AsyncCheckpointer``)::
+
+    ckpt.async_save(state_dict, "ckpts/step_100")   # returns after the copy; writes in the background
+    ckpt.maybe_finalize()                           # each step: publish saves that are durable on all ranks
+    ckpt.wait()                                     # block until every pending save is published
+    ckpt.async_torch_save(obj, "rng_rank0.pt")      # torch.save-style, for non-distributed state
+    ckpt.resume("ckpts", state_dict)                # load the newest complete, verified checkpoint
+    ckpt.finalize_before_exit()                     # graceful stop: publish pending saves, stop the writer
+
+The spec's layers are in ``ckpt.async_ckpt`` (``state_dict_saver``, ``filesystem_async``, ``core``).
+Names are imported lazily: importing ``ckpt`` (as the rank bootstrap does) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AsyncCheckpointer": "ckpt.api", "configure": "ckpt.api", "checkpointer": "ckpt.api", "async_save": "ckpt.api",
+    "async_torch_save": "ckpt.api", "maybe_finalize": "ckpt.api", "wait": "ckpt.api", "resume": "ckpt.api",
+    "finalize_before_exit": "ckpt.api",
+    "CheckpointInfo": "ckpt.loader", "list_checkpoints": "ckpt.loader", "find_latest_checkpoint": "ckpt.loader",
+    "verify_checkpoint": "ckpt.loader", "load_latest": "ckpt.loader", "load_metadata": "ckpt.loader",
+    "CheckpointError": "ckpt.errors", "CheckpointWriteError": "ckpt.errors",
+    "start_persistent_writer": "ckpt.async_ckpt.writer_process",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

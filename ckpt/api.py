@@ -1,0 +1,141 @@
+"""The short user API: ``async_save`` / ``maybe_finalize`` / ``wait`` on top of the three-stage save.
+
+A typical training loop (every rank runs the same calls)::
+
+    import ckpt
+    from launcher import job_control
+
+    info = ckpt.resume("ckpts", state)            # newest complete checkpoint, verified; None on a fresh start
+    for step in range(start, total):
+        train_step()
+        ckpt.maybe_finalize()                    # cheap; publishes saves whose writes are durable
+        if step % 100 == 0:
+            ckpt.async_save(state, f"ckpts/step_{step:07d}")   # blocks only for the copy
+        if job_control.should_stop(step):        # SIGTERM / preemption: the step all ranks agreed on
+            ckpt.async_save(state, f"ckpts/step_{step:07d}")
+            ckpt.finalize_before_exit()          # every pending save published, writer stopped
+            break
+    ckpt.finalize_before_exit()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ckpt.async_ckpt.core import AsyncCallsQueue
+from ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
+from ckpt.async_ckpt.state_dict_saver import CheckpointMetadataCache, async_request, save_state_dict_async_plan
+from ckpt.async_ckpt.writer_process import WriterProcess
+from ckpt.loader import CheckpointInfo, load_latest, load_metadata
+from ckpt.torch_save_async import torch_save_request
+
+log = logging.getLogger("nvrx.ckpt")
+
+
+class AsyncCheckpointer:
+    """Asynchronous checkpoints of one training process: a queue on the persistent writer and a plan cache.
+
+    PROCESS_GROUP: the (CPU/gloo) group that saves together (default: the world). FILES_PER_RANK:
+    files each rank writes in parallel. KEEP_LAST: older complete checkpoints kept next to a new one
+    (None keeps all). RETRIES / SKIP_FAILED: what a failed write does (see ``AsyncCallsQueue``).
+    """
+
+    def __init__(self, *, process_group: Any = None, files_per_rank: int = 2, keep_last: int | None = None,
+                 enable_cache: bool = True, retries: int = 0, skip_failed: bool = False,
+                 writer: WriterProcess | None = None) -> None:
+        self.process_group = process_group
+        self.files_per_rank = files_per_rank
+        self.keep_last = keep_last
+        self.enable_cache = enable_cache
+        self.cache = CheckpointMetadataCache()
+        self.queue = AsyncCallsQueue(writer, retries=retries, skip_failed=skip_failed)
+
+    def async_save(self, state_dict: dict[str, Any], path: str | os.PathLike, *, update_latest: bool = True) -> int:
+        """Save STATE_DICT as a DCP checkpoint directory PATH; returns once the values are copied (collective)."""
+        writer = FileSystemWriterAsync(path, files_per_rank=self.files_per_rank, keep_last=self.keep_last,
+                                       update_latest=update_latest)
+        planned = save_state_dict_async_plan(state_dict, writer, self.process_group, enable_cache=self.enable_cache,
+                                             metadata_cache=self.cache)
+        return self.queue.schedule_async_request(async_request(*planned))
+
+    def async_torch_save(self, obj: Any, path: str | os.PathLike, *, update_latest: bool = False) -> int:
+        """``torch.save(obj, path)`` in the background, for state of this process only (not collective)."""
+        return self.queue.schedule_async_request(torch_save_request(obj, path, update_latest=update_latest))
+
+    def maybe_finalize(self) -> list[int]:
+        """Publish the saves that are durable on every rank, without waiting (collective while saves are pending)."""
+        return self.queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> list[int]:
+        """Wait until every pending save is published (or raise the reason it was not)."""
+        return self.queue.maybe_finalize_async_calls(blocking=True)
+
+    @property
+    def pending(self) -> int:
+        return self.queue.get_num_unfinalized_calls()
+
+    def resume(self, root: str | os.PathLike, state_dict: dict[str, Any], verify: str | None = "full") -> CheckpointInfo | None:
+        """Load the newest complete checkpoint under ROOT into STATE_DICT and seed the plan cache from it."""
+        info = load_latest(root, state_dict, process_group=self.process_group, verify=verify)
+        if info is not None and self.enable_cache:
+            self.cache.set_cached_global_metadata(load_metadata(info.path))
+        return info
+
+    def finalize_before_exit(self) -> None:
+        """Publish every pending save, then stop the writer process. Call it before the process exits."""
+        self.queue.close(stop_writer=True)
+
+    def close(self) -> None:
+        self.queue.close()
+
+
+_default: AsyncCheckpointer | None = None
+
+
+def configure(**options: Any) -> AsyncCheckpointer:
+    """Replace the process-wide checkpointer (options of ``AsyncCheckpointer``); pending saves are finalized first."""
+    global _default
+    if _default is not None and _default.pending:
+        _default.wait()
+    _default = AsyncCheckpointer(**options)
+    return _default
+
+
+def checkpointer() -> AsyncCheckpointer:
+    """The process-wide checkpointer used by the module-level functions."""
+    global _default
+    if _default is None:
+        _default = AsyncCheckpointer()
+    return _default
+
+
+def async_save(state_dict: dict[str, Any], path: str | os.PathLike, **kw: Any) -> int:
+    return checkpointer().async_save(state_dict, path, **kw)
+
+
+def async_torch_save(obj: Any, path: str | os.PathLike, **kw: Any) -> int:
+    return checkpointer().async_torch_save(obj, path, **kw)
+
+
+def maybe_finalize() -> list[int]:
+    return [] if _default is None else _default.maybe_finalize()
+
+
+def wait() -> list[int]:
+    return [] if _default is None else _default.wait()
+
+
+def resume(root: str | os.PathLike, state_dict: dict[str, Any], verify: str | None = "full") -> CheckpointInfo | None:
+    return checkpointer().resume(root, state_dict, verify=verify)
+
+
+def finalize_before_exit() -> None:
+    """Graceful stop: publish pending saves and stop the writer (no-op when nothing was saved)."""
+    global _default
+    if _default is not None:
+        try:
+            _default.finalize_before_exit()
+        finally:
+            _default = None

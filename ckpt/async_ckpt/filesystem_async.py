@@ -1,0 +1,327 @@
+"""``FileSystemWriterAsync``: a DCP storage writer whose writes happen in the persistent writer process.
+
+The training process only copies the data it must save into a staging buffer (``prepare_write_data``);
+the writer process turns the buffer into ``.distcp`` files (``files_per_rank`` per rank, written in
+parallel, fsynced) and reports offsets, sizes and checksums. The coordinator's ``finish`` writes
+the DCP ``.metadata`` and the manifest, and publishes the directory (see ``ckpt.publish``): the
+files are plain DCP, readable by ``torch.distributed.checkpoint.load`` into any world size.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import logging
+import os
+import pickle
+import time
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystem, _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckpt import manifest as manifest_mod
+from ckpt import publish
+from ckpt.async_ckpt import plan_codec
+from ckpt.async_ckpt.staging import StagingBuffer, StagingPool, align, default_pool
+from ckpt.errors import CheckpointError, CheckpointWriteError
+
+log = logging.getLogger("nvrx.ckpt.writer")
+
+DCP_VERSION = "1.0.0"
+_METADATA = ".metadata"
+_SUFFIX = ".distcp"
+
+
+def _item_nbytes(item: WriteItem) -> int:
+    td = item.tensor_data
+    assert td is not None
+    numel = 1
+    for s in td.chunk.sizes:
+        numel *= s
+    return numel * torch._utils._element_size(td.properties.dtype)
+
+
+def _split(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Spread items over BINS files: byte items round-robin, tensors (largest first) to the lightest file."""
+    bins = max(1, min(bins, len(items)))
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    loads = [0] * bins
+    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    tensors = sorted((i for i in items if i.type != WriteItemType.BYTE_IO), key=_item_nbytes, reverse=True)
+    for n, item in enumerate(byte_items):
+        buckets[n % bins].append(item)
+    for item in tensors:
+        k = loads.index(min(loads))
+        buckets[k].append(item)
+        loads[k] += _item_nbytes(item)
+    return [b for b in buckets if b]
+
+
+class FileSystemWriterAsync(StorageWriter):
+    """Write a DCP checkpoint directory through the writer process; publish it crash-safely.
+
+    PATH is the checkpoint directory (its parent holds ``latest`` and older checkpoints).
+    KEEP_LAST: after a successful publish, delete older complete checkpoints in the same parent
+    beyond this many (None keeps all). UPDATE_LATEST: point ``<parent>/latest`` at this one.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, files_per_rank: int = 2, sync_files: bool = True,
+                 keep_last: int | None = None, update_latest: bool = True,
+                 staging_pool: StagingPool | None = None) -> None:
+        super().__init__()
+        if keep_last is not None and keep_last < 1:
+            raise CheckpointError(f"keep_last={keep_last}: keep at least the checkpoint just written (1 or more), or None")
+        self.path = Path(os.path.abspath(path))
+        self.files_per_rank = max(1, int(files_per_rank))
+        self.sync_files = sync_files
+        self.keep_last = keep_last
+        self.update_latest = update_latest
+        self.pool = staging_pool or default_pool()
+        self.save_id = uuid.uuid4().hex
+        self.rank = 0
+        self.is_coordinator = True
+        self._objects: dict[str, bytes] = {}
+        self._buffer: StagingBuffer | None = None
+        self._job: dict[str, Any] | None = None
+        self._layout: list[list[tuple[WriteItem, str]]] = []
+        self._reply: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------ StorageWriter interface
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = Path(os.path.abspath(checkpoint_id))
+        self.save_id = uuid.uuid4().hex
+        self._objects.clear()
+        self._reply = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0) or 0)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return str(self.path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return FileSystem.validate_checkpoint_id(checkpoint_id)
+
+    @property
+    def partial_path(self) -> Path:
+        return publish.partial_path(self.path)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        publish.check_destination(self.path)
+        try:
+            self.partial_path.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"cannot save checkpoint {self.path}: cannot create {self.partial_path} "
+                                  f"({exc.strerror})") from None
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        import dataclasses
+
+        return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        raise CheckpointError("FileSystemWriterAsync writes through ckpt.async_save or save_state_dict_async_plan; "
+                              "for a blocking save use torch.distributed.checkpoint.FileSystemWriter")
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        raise CheckpointError("FileSystemWriterAsync is finalized by save_state_dict_async_finalize")
+
+    # ------------------------------------------------------------ staging (blocks the caller)
+
+    def serialize_objects(self, plan: SavePlan, planner: SavePlanner) -> None:
+        """Serialize every non-tensor value now: the checkpoint keeps the values of the save call."""
+        self._objects.clear()
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                self._serialize(item, planner)
+
+    def _serialize(self, item: WriteItem, planner: SavePlanner) -> None:
+        try:
+            data = planner.resolve_data(item)
+            raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+        except Exception as exc:
+            value = type(_lookup(planner, item)).__name__
+            raise CheckpointError(f"cannot save {item.index.fqn!r}: its {value} value cannot be serialised "
+                                  f"({exc}); store tensors or plain Python values, or leave it out of the state dict") from None
+        self._objects[item.index.fqn] = raw
+
+    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
+        """Copy this rank's share of the checkpoint into a staging buffer and describe the files to write."""
+        if plan.storage_data is None:
+            raise CheckpointError("the final save plan has no storage prefix; plan with save_state_dict_async_plan")
+        prefix = plan.storage_data.prefix
+        files, layout, offset = [], [], 0
+        for n, bucket in enumerate(_split(plan.items, self.files_per_rank)):
+            name = f"{prefix}{n}{_SUFFIX}"
+            specs, placed = [], []
+            for item in bucket:
+                if item.type == WriteItemType.BYTE_IO:
+                    if item.index.fqn not in self._objects:
+                        self._serialize(item, planner)
+                    nbytes = len(self._objects[item.index.fqn])
+                    specs.append({"kind": "bytes", "off": offset, "nbytes": nbytes})
+                    placed.append((item, "bytes"))
+                else:
+                    nbytes = _item_nbytes(item)
+                    props = item.tensor_data.properties  # type: ignore[union-attr]
+                    specs.append({"kind": "tensor", "off": offset, "nbytes": nbytes,
+                                  "dtype": plan_codec._name(props.dtype),
+                                  "shape": list(item.tensor_data.chunk.sizes)})  # type: ignore[union-attr]
+                    placed.append((item, "tensor"))
+                offset = align(offset + nbytes)
+            files.append({"name": name, "items": specs})
+            layout.append(placed)
+        buffer = self.pool.acquire(offset)
+        try:
+            for spec, placed in zip(files, layout):
+                for entry, (item, kind) in zip(spec["items"], placed):
+                    if kind == "bytes":
+                        buffer.copy_bytes(entry["off"], self._objects[item.index.fqn])
+                    else:
+                        tensor = planner.resolve_data(item)
+                        _check_tensor(item, tensor)
+                        buffer.copy_tensor(entry["off"], tensor)
+        except BaseException:
+            self.pool.release(buffer)
+            raise
+        self._objects.clear()
+        self._buffer, self._layout, self._reply = buffer, layout, None
+        self._job = {"op": "write", "dir": str(self.partial_path), "files": files, "fsync": self.sync_files}
+
+    # ------------------------------------------------------------ the write stage (writer process)
+
+    def write_job(self) -> tuple[dict[str, Any], StagingBuffer]:
+        """The job for the writer process and the buffer it reads (after ``prepare_write_data``)."""
+        if self._job is None or self._buffer is None:
+            raise CheckpointError("nothing staged: call save_state_dict_async_plan first")
+        return self._job, self._buffer
+
+    def record_reply(self, reply: dict[str, Any]) -> None:
+        """Keep the writer process's successful answer (file sizes, item offsets and checksums)."""
+        self._reply = reply
+
+    def release_staging(self) -> None:
+        if self._buffer is not None:
+            self.pool.release(self._buffer)
+        self._buffer, self._job = None, None
+
+    def local_results(self) -> dict[str, Any]:
+        """This rank's write results as JSON (sent to the coordinator at finalize)."""
+        if self._reply is None:
+            raise CheckpointError(f"checkpoint {self.path}: the write stage has not completed on rank {self.rank}")
+        files, results = [], []
+        for spec, placed in zip(self._reply["files"], self._layout):
+            files.append({"name": spec["name"], "size": spec["size"]})
+            for (item, kind), res in zip(placed, spec["items"]):
+                wr = WriteResult(index=item.index, size_in_bytes=res["length"],
+                                 storage_data=_storage_info(spec["name"], res["offset"], res["length"]))
+                results.append(plan_codec.encode_write_result(wr, res["crc32"], kind))
+        return {"files": files, "results": results}
+
+    def retrieve_write_results(self) -> list[WriteResult]:
+        return [plan_codec.decode_write_result(r) for r in self.local_results()["results"]]
+
+    # ------------------------------------------------------------ finalize (coordinator)
+
+    def finish_from_ranks(self, metadata: Metadata, per_rank: list[dict[str, Any]]) -> None:
+        """Write .metadata and the manifest, publish the directory, move ``latest``, prune older ones."""
+        md = copy.copy(metadata)
+        md.version = DCP_VERSION
+        md.storage_data = {}
+        files: dict[str, dict[str, Any]] = {}
+        for rank_data in per_rank:
+            for f in rank_data["files"]:
+                files[f["name"]] = {"size": f["size"], "items": []}
+            for r in rank_data["results"]:
+                wr = plan_codec.decode_write_result(r)
+                md.storage_data[wr.index] = wr.storage_data
+                files[r["file"]]["items"].append({"offset": r["offset"], "length": r["length"], "crc32": r["crc32"],
+                                                  "kind": r["kind"]})
+        md.storage_meta = self.storage_meta()
+        partial = self.partial_path
+        blob = pickle.dumps(md)  # the DCP metadata file format (read by torch's FileSystemReader)
+        _write_durable(partial / _METADATA, blob)
+        files[_METADATA] = {"size": len(blob), "items": [{"offset": 0, "length": len(blob), "crc32": zlib.crc32(blob),
+                                                          "kind": "bytes"}]}
+        for entry in os.listdir(partial):  # leftovers of an earlier, interrupted save to the same path
+            if entry not in files and entry != manifest_mod.MANIFEST:
+                (partial / entry).unlink(missing_ok=True)
+        manifest = {"format": manifest_mod.FORMAT, "kind": "dcp", "name": self.path.name, "save_id": self.save_id,
+                    "world_size": len(per_rank), "published_at_ns": time.time_ns(), "files": files}
+        _write_durable(partial / manifest_mod.MANIFEST, manifest_mod.encode(manifest))
+        publish.publish_dir(partial, self.path)
+        if self.update_latest:
+            publish.update_latest(self.path.parent, self.path.name)
+        if self.keep_last is not None:
+            prune(self.path.parent, self.keep_last, keep=self.path)
+
+    def discard_partial(self) -> None:
+        """Remove the unpublished directory of a failed save (coordinator, after every rank stopped writing)."""
+        try:
+            publish.discard(self.partial_path)
+        except OSError as exc:
+            log.debug("cannot remove %s: %s", self.partial_path, exc)
+
+
+def _lookup(planner: SavePlanner, item: WriteItem) -> Any:
+    try:
+        return planner.lookup_object(item.index)  # type: ignore[attr-defined]
+    except Exception:
+        return None
+
+
+def _check_tensor(item: WriteItem, tensor: Any) -> None:
+    td = item.tensor_data
+    if not isinstance(tensor, torch.Tensor) or td is None:
+        raise CheckpointError(f"{item.index.fqn!r}: the planner resolved a {type(tensor).__name__}, not a tensor")
+    if tuple(tensor.shape) != tuple(td.chunk.sizes) or tensor.dtype != td.properties.dtype:
+        raise CheckpointError(f"{item.index.fqn!r} changed while it was being saved: planned {tuple(td.chunk.sizes)} "
+                              f"{td.properties.dtype}, found {tuple(tensor.shape)} {tensor.dtype}")
+
+
+def _storage_info(name: str, offset: int, length: int) -> Any:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(name, offset, length)
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    with open(fd, "wb", closefd=True) as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def prune(root: Path, keep_last: int, keep: Path) -> None:
+    """Delete complete checkpoints in ROOT beyond the KEEP_LAST newest (never KEEP)."""
+    from ckpt.loader import list_checkpoints
+
+    for info in list_checkpoints(root)[keep_last:]:
+        if info.path != keep:
+            log.info("removing old checkpoint %s (keep_last=%d)", info.path, keep_last)
+            publish.discard(info.path)
+
+
+def describe_plans(local: list[SavePlan], central: list[SavePlan]) -> str:
+    """The plans of every rank as JSON (stored in the metadata so a resumed job can reuse them)."""
+    return json.dumps({"local": [plan_codec.encode_plan(p) for p in local],
+                       "central": [plan_codec.encode_plan(p) for p in central]}, separators=(",", ":"))

@@ -1,0 +1,213 @@
+"""Staging buffers: memfd-backed memory the training process copies checkpoint data into.
+
+A save blocks training only for the copy into a staging buffer; the writer process reads the
+same pages (the memfd is passed to it once) and writes them to disk. Buffers are kept and reused
+by later saves, so a warm save is a plain memory copy into pages that already exist. A buffer
+belongs to one pending save until that save is finalized (a retry re-writes from it).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import logging
+import mmap
+import os
+import threading
+from typing import Any
+
+log = logging.getLogger("nvrx.ckpt.staging")
+
+ALIGN = 64  # item offsets inside a buffer (cache-line aligned copies)
+_GRANULE = 2 << 20  # buffer sizes are rounded up to this
+_ids = itertools.count(1)
+_close_hooks: list[Any] = []  # weak methods called with a buffer before it is closed (the writer unmaps it)
+
+
+def add_close_hook(hook: Any) -> None:
+    """HOOK is a weakref.WeakMethod (or a callable returning a callable or None) run for each closed buffer."""
+    _close_hooks.append(hook)
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class StagingBuffer:
+    """One memfd mapped into this process; ``id`` names it to the writer process."""
+
+    def __init__(self, capacity: int) -> None:
+        self.id = next(_ids)
+        self.capacity = max(_GRANULE, (capacity + _GRANULE - 1) // _GRANULE * _GRANULE)
+        self.fd = os.memfd_create(f"nvrx-ckpt-staging-{self.id}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.capacity)
+            self.mm = mmap.mmap(self.fd, self.capacity, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._u8: Any = None
+        self.in_use = False
+
+    def bytes_view(self) -> Any:
+        """The whole buffer as a uint8 tensor (created once; views of it are cheap)."""
+        if self._u8 is None:
+            import torch
+
+            self._u8 = torch.frombuffer(self.mm, dtype=torch.uint8)
+        return self._u8
+
+    def copy_tensor(self, offset: int, tensor: Any) -> None:
+        """Copy TENSOR's values into [offset, offset+nbytes) (from any device, any strides)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            return
+        dst = self.bytes_view()[offset: offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        dst.copy_(tensor.detach())
+
+    def copy_bytes(self, offset: int, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        self.mm[offset: offset + len(view)] = view
+
+    def close(self) -> None:
+        for hook in list(_close_hooks):
+            fn = hook()
+            if fn is None:
+                _close_hooks.remove(hook)
+            else:
+                fn(self)
+        self._u8 = None
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes when it does
+            log.debug("staging buffer %d still referenced at close", self.id)
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+class StagingPool:
+    """Reusable staging buffers of one process. ``acquire`` prefers the smallest free buffer that fits."""
+
+    def __init__(self, keep_free: int = 1) -> None:
+        self.keep_free = keep_free
+        self._buffers: list[StagingBuffer] = []
+        self._lock = threading.Lock()
+
+    def acquire(self, nbytes: int) -> StagingBuffer:
+        with self._lock:
+            free = [b for b in self._buffers if not b.in_use]
+            fitting = sorted((b for b in free if b.capacity >= nbytes), key=lambda b: b.capacity)
+            if fitting:
+                buf = fitting[0]
+            else:
+                for small in free:  # a free buffer that is too small is replaced, not kept beside the new one
+                    self._drop(small)
+                buf = StagingBuffer(nbytes)
+                self._buffers.append(buf)
+                log.debug("new staging buffer %d of %d bytes", buf.id, buf.capacity)
+            buf.in_use = True
+            return buf
+
+    def release(self, buf: StagingBuffer) -> None:
+        with self._lock:
+            buf.in_use = False
+            free = [b for b in self._buffers if not b.in_use]
+            for extra in sorted(free, key=lambda b: b.capacity)[: max(0, len(free) - self.keep_free)]:
+                self._drop(extra)
+
+    def _drop(self, buf: StagingBuffer) -> None:
+        self._buffers.remove(buf)
+        buf.close()
+
+    def close(self) -> None:
+        with self._lock:
+            for buf in list(self._buffers):
+                self._drop(buf)
+
+    @property
+    def buffers(self) -> list[StagingBuffer]:
+        return list(self._buffers)
+
+
+class StagingFile(io.RawIOBase):
+    """A growable memfd written sequentially (a whole torch.save stream); the writer reads it through its fd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fd = os.memfd_create("nvrx-ckpt-file", os.MFD_CLOEXEC)
+        self.pos = 0
+        self.in_use = False
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], self.pos + done)
+        self.pos += done
+        return done
+
+    def rewind(self) -> None:
+        self.pos = 0
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+        super().close()
+
+
+class StagingFilePool:
+    """Reusable staging files (pages stay allocated between saves: warm saves do not fault them in again)."""
+
+    def __init__(self, keep_free: int = 1) -> None:
+        self.keep_free = keep_free
+        self._files: list[StagingFile] = []
+        self._lock = threading.Lock()
+
+    def acquire(self) -> StagingFile:
+        with self._lock:
+            for f in self._files:
+                if not f.in_use:
+                    break
+            else:
+                f = StagingFile()
+                self._files.append(f)
+            f.in_use = True
+            f.rewind()
+            return f
+
+    def release(self, f: StagingFile) -> None:
+        with self._lock:
+            f.in_use = False
+            free = [x for x in self._files if not x.in_use]
+            for extra in free[self.keep_free:]:
+                self._files.remove(extra)
+                extra.close()
+
+
+_default_pool: StagingPool | None = None
+_default_file_pool: StagingFilePool | None = None
+
+
+def default_file_pool() -> StagingFilePool:
+    global _default_file_pool
+    if _default_file_pool is None:
+        _default_file_pool = StagingFilePool()
+    return _default_file_pool
+
+
+def default_pool() -> StagingPool:
+    global _default_pool
+    if _default_pool is None:
+        _default_pool = StagingPool()
+    return _default_pool

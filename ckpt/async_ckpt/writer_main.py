@@ -1,0 +1,142 @@
+"""The persistent checkpoint writer process (``python -m ckpt.async_ckpt.writer_main FD PARENT_PID``).
+
+Started once per training process and reused for every save. It maps the staging buffers it is
+given (memfds), writes the files each job describes, fsyncs them and answers with sizes, offsets
+and checksums. It never publishes a checkpoint: that is the training processes' finalize step.
+
+It ignores the graceful-stop signals (the launcher signals the whole process group; the training
+process decides when its writer stops) and exits at once when the training process goes away
+(end of file on the control channel, or SIGKILL through PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+from ckpt.async_ckpt.control import Channel, ChannelClosed
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+class Writer:
+    """Maps buffers, runs jobs in order on one thread, replies on the channel."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.buffers: dict[int, tuple[mmap.mmap, memoryview]] = {}
+        self.jobs: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.send_lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run_jobs, name="nvrx-ckpt-jobs", daemon=True)
+
+    def reply(self, message: dict[str, Any]) -> None:
+        with self.send_lock:
+            try:
+                self.channel.send(message)
+            except OSError:
+                os._exit(0)  # the training process is gone
+
+    def attach(self, buf_id: int, size: int, fd: int) -> None:
+        try:
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.buffers[buf_id] = (mm, memoryview(mm))
+
+    def detach(self, buf_id: int) -> None:
+        entry = self.buffers.pop(buf_id, None)
+        if entry is not None:
+            mm, view = entry
+            view.release()
+            try:
+                mm.close()
+            except BufferError:
+                pass
+
+    def _run_jobs(self) -> None:
+        from ckpt.async_ckpt import file_writer
+
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if job["op"] == "detach":
+                self.detach(job["buf"])
+                continue
+            try:
+                if job["op"] == "write":
+                    view = self.buffers[job["buf"]][1]
+                    files = file_writer.write_files(view, job["dir"], job["files"], fsync=job.get("fsync", True))
+                    self.reply({"op": "done", "id": job["id"], "ok": True, "files": files})
+                else:  # "copy": a whole file staged in the memfd that came with the message
+                    info = file_writer.copy_to_file(job["_fd"], job["nbytes"], job["path"], fsync=job.get("fsync", True))
+                    self.reply({"op": "done", "id": job["id"], "ok": True, "files": [info]})
+            except Exception as exc:  # reported to the training process, which decides what to do
+                self.reply({"op": "done", "id": job["id"], "ok": False, "error": _describe(exc)})
+            finally:
+                if "_fd" in job:
+                    os.close(job["_fd"])
+
+    def serve(self) -> None:
+        self.thread.start()
+        self.reply({"op": "ready", "pid": os.getpid()})
+        while True:
+            try:
+                message = self.channel.recv()
+            except ChannelClosed:
+                os._exit(0)
+            op = message.get("op")
+            if op == "attach":
+                self.attach(message["buf"], message["size"], self.channel.take_fd())
+            elif op == "copy":
+                message["_fd"] = self.channel.take_fd()
+                self.jobs.put(message)
+            elif op in ("write", "detach"):
+                self.jobs.put(message)
+            elif op == "exit":
+                self.jobs.put(None)
+                self.thread.join()
+                os._exit(0)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _warm_up() -> None:
+    """Import torch early so the first save does not wait for it."""
+    import torch  # noqa: F401
+    import ckpt.async_ckpt.file_writer  # noqa: F401
+
+
+def main(argv: list[str]) -> None:
+    fd, parent_pid = int(argv[0]), int(argv[1])
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_IGN)
+    _die_with_parent(parent_pid)
+    channel = Channel(socket.socket(fileno=fd))
+    threading.Thread(target=_warm_up, name="nvrx-ckpt-warmup", daemon=True).start()
+    Writer(channel).serve()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,250 @@
+"""The training process's handle on its persistent checkpoint writer process.
+
+One writer per training process, started once (by ``nvrx launch --async-ckpt`` through the
+bootstrap, or on first use) and reused by every save: a save costs a message, not a fork. The
+writer is our own child, reached through a private socketpair; data goes through staging memfds.
+If it dies, the jobs it held fail with the reason and the next job starts a new one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+from ckpt.async_ckpt import staging
+from ckpt.async_ckpt.control import Channel, ChannelClosed
+
+log = logging.getLogger("nvrx.ckpt.writer")
+
+_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the `ckpt` package
+_live: "weakref.WeakSet[WriterProcess]" = weakref.WeakSet()
+
+
+class WriterProcess:
+    """Start, feed and watch one writer process. Not thread-safe: used from the training thread."""
+
+    def __init__(self, python: str = sys.executable) -> None:
+        self.python = python
+        self.proc: subprocess.Popen | None = None
+        self.channel: Channel | None = None
+        self.pid: int | None = None
+        self.starts = 0
+        self._ids = itertools.count(1)
+        self._attached: set[int] = set()
+        self._pending: set[int] = set()
+        self._results: dict[int, dict[str, Any]] = {}
+        self._death: str | None = None
+        staging.add_close_hook(weakref.WeakMethod(self.detach))
+
+    # ------------------------------------------------------------ life cycle
+
+    def start(self) -> None:
+        """Start the process (no-op if it runs). Returns at once; it imports torch in the background."""
+        if self.running():
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        cmd = [self.python, "-m", "ckpt.async_ckpt.writer_main", str(theirs.fileno()), str(os.getpid())]
+        try:
+            self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                         close_fds=True)
+        finally:
+            theirs.close()
+        self.channel = Channel(ours)
+        self.pid = self.proc.pid
+        self.starts += 1
+        self._attached.clear()
+        self._death = None
+        _live.add(self)
+        log.debug("checkpoint writer started, pid %d", self.pid)
+
+    def running(self) -> bool:
+        return self.proc is not None and self._death is None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Let the writer finish the job it holds, then end it (killed after TIMEOUT)."""
+        if self.proc is None:
+            return
+        if self.channel is not None and self._death is None:
+            try:
+                self.channel.send({"op": "exit"})
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("checkpoint writer pid %d did not exit in %.0fs; killing it", self.proc.pid, timeout)
+            self.proc.kill()
+            self.proc.wait()
+        self._close()
+
+    def kill(self) -> None:
+        """End the writer now (exit paths: nothing it holds will be published)."""
+        if self.proc is None:
+            return
+        if self.channel is not None:
+            self.channel.close()  # end of file: the writer exits at once
+        try:
+            self.proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._close()
+
+    def _close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.channel = None
+        self.proc = None
+        self._fail_pending("the checkpoint writer was stopped")
+        _live.discard(self)
+
+    def _close_in_fork_child(self) -> None:
+        """A forked child (e.g. a DataLoader worker) must not keep the writer's channel open."""
+        if self.channel is not None:
+            try:
+                self.channel.sock.close()
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------ jobs
+
+    def attach(self, buffer: Any) -> None:
+        if buffer.id in self._attached:
+            return
+        self._send({"op": "attach", "buf": buffer.id, "size": buffer.capacity}, (buffer.fd,))
+        self._attached.add(buffer.id)
+
+    def detach(self, buffer: Any) -> None:
+        if buffer.id in self._attached and self.running():
+            try:
+                self._send({"op": "detach", "buf": buffer.id})
+            except RuntimeError:
+                pass
+        self._attached.discard(buffer.id)
+
+    def submit(self, job: dict[str, Any], buffer: Any = None, fd: int | None = None) -> int:
+        """Hand JOB to the writer; it reads BUFFER (attached once) or FD (sent along). Returns the job id."""
+        if not self.running():
+            if self.proc is not None:
+                log.warning("checkpoint writer is gone (%s); starting a new one", self._death or "exited")
+                self._close()
+            self.start()
+        message = dict(job, id=next(self._ids))
+        if buffer is not None:
+            self.attach(buffer)
+            message["buf"] = buffer.id
+        self._send(message, (fd,) if fd is not None else ())
+        self._pending.add(message["id"])
+        return message["id"]
+
+    def _send(self, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+        assert self.channel is not None
+        try:
+            self.channel.send(message, fds)
+        except OSError as exc:
+            self._mark_dead(f"cannot reach it ({exc})")
+            raise RuntimeError(f"checkpoint writer process is gone: {self._death}") from None
+
+    def result(self, job_id: int, block: bool = False) -> dict[str, Any] | None:
+        """The writer's answer for JOB_ID ({"ok": ..., ...}), or None while it is still running."""
+        while job_id not in self._results:
+            if job_id not in self._pending:
+                raise KeyError(f"unknown checkpoint job {job_id}")
+            if not self._read(block):
+                return None
+        self._pending.discard(job_id)
+        return self._results.pop(job_id)
+
+    def _read(self, block: bool) -> bool:
+        """Take in messages; False if nothing arrived (non-blocking). Death fails every pending job."""
+        if self.channel is None or self._death is not None:
+            self._fail_pending(self._death or "the checkpoint writer is not running")
+            return True
+        try:
+            message = self.channel.recv(block=block)
+        except (ChannelClosed, ValueError) as exc:
+            self._mark_dead(self._exit_reason(str(exc)))
+            return True
+        if message is None:
+            return False
+        if message.get("op") == "done":
+            self._results[int(message["id"])] = message
+        return True
+
+    def _exit_reason(self, fallback: str) -> str:
+        if self.proc is None:
+            return fallback
+        try:
+            code = self.proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            return fallback
+        if code < 0:
+            return f"writer process {self.proc.pid} was killed by {signal.Signals(-code).name}"
+        return f"writer process {self.proc.pid} exited with code {code}"
+
+    def _mark_dead(self, reason: str) -> None:
+        if self._death is None:
+            self._death = reason
+            log.warning("checkpoint writer failed: %s", reason)
+        self._fail_pending(reason)
+
+    def _fail_pending(self, reason: str) -> None:
+        for job_id in list(self._pending):
+            self._results.setdefault(job_id, {"op": "done", "id": job_id, "ok": False, "error": reason})
+
+
+# ---------------------------------------------------------------- the process-wide writer
+
+_default: WriterProcess | None = None
+_default_lock = threading.Lock()
+
+
+def default_writer() -> WriterProcess:
+    """This process's writer, started on first use."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = WriterProcess()
+        if not _default.running() and _default.proc is None:
+            _default.start()
+        return _default
+
+
+def start_persistent_writer() -> WriterProcess:
+    """Start this process's writer now (the bootstrap calls this for ``nvrx launch --async-ckpt``)."""
+    return default_writer()
+
+
+def _after_fork_in_child() -> None:
+    global _default
+    for writer in list(_live):
+        writer._close_in_fork_child()
+        writer.channel = None
+        writer.proc = None
+    _live.clear()
+    _default = None
+
+
+def _stop_all_at_exit() -> None:
+    deadline = time.monotonic() + 5.0
+    for writer in list(_live):
+        if time.monotonic() < deadline:
+            writer.kill()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_stop_all_at_exit)

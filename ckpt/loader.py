@@ -1,0 +1,102 @@
+"""Find the newest complete checkpoint under a directory, verify it, load it.
+
+Complete means published (not a dot-name) with a manifest; ``verify`` compares sizes and
+checksums recorded at save time. A damaged newest checkpoint is skipped with a warning and
+the next older one is used, so a resume never starts from half-written data.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpt import manifest as manifest_mod
+from ckpt.errors import CheckpointError
+from ckpt.publish import is_hidden, read_latest
+
+log = logging.getLogger("nvrx.ckpt.loader")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint: where it is, what kind (``dcp`` directory or ``torch_save`` file), when published."""
+
+    path: Path
+    kind: str
+    published_at_ns: int
+    manifest: dict[str, Any]
+
+
+def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
+    """Complete checkpoints directly under ROOT, newest first (in-progress and deleted ones are hidden)."""
+    root = Path(root)
+    found = []
+    try:
+        entries = list(root.iterdir())
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise CheckpointError(f"cannot list checkpoints in {root}: {exc.strerror}") from None
+    for entry in entries:
+        if is_hidden(entry.name) or entry.name.endswith(manifest_mod.SIDECAR_SUFFIX):
+            continue
+        data = manifest_mod.read(entry)
+        if data is None or data.get("name") != entry.name:
+            continue
+        found.append(CheckpointInfo(entry, data.get("kind", "dcp"), int(data.get("published_at_ns", 0)), data))
+    latest = read_latest(root)
+    # newest first; on equal times the one `latest` names wins
+    found.sort(key=lambda c: (c.published_at_ns, c.path.name == latest), reverse=True)
+    return found
+
+
+def verify_checkpoint(path: str | Path, full: bool = True) -> None:
+    """Raise CheckpointError unless PATH is complete and its sizes (and, if FULL, checksums) match."""
+    manifest_mod.verify(Path(path), full=full)
+
+
+def find_latest_checkpoint(root: str | Path, verify: str | None = "full") -> CheckpointInfo | None:
+    """The newest complete checkpoint under ROOT that passes VERIFY ("full", "sizes" or None); None if there is none."""
+    if verify not in ("full", "sizes", None):
+        raise ValueError(f"verify must be 'full', 'sizes' or None, not {verify!r}")
+    for info in list_checkpoints(root):
+        if verify is None:
+            return info
+        try:
+            manifest_mod.verify(info.path, full=verify == "full")
+        except CheckpointError as exc:
+            log.warning("skipping %s", exc)
+            continue
+        return info
+    return None
+
+
+def load_latest(root: str | Path, state_dict: dict[str, Any], *, process_group: Any = None,
+                verify: str | None = "full") -> CheckpointInfo | None:
+    """Load the newest complete DCP checkpoint under ROOT into STATE_DICT (in place); None if there is none.
+
+    Every rank must call it (``torch.distributed.checkpoint.load`` is collective) and sees the same files.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    for info in list_checkpoints(root):
+        if info.kind != "dcp":
+            continue
+        if verify is not None:
+            try:
+                manifest_mod.verify(info.path, full=verify == "full")
+            except CheckpointError as exc:
+                log.warning("skipping %s", exc)
+                continue
+        dcp.load(state_dict, checkpoint_id=str(info.path), process_group=process_group)
+        return info
+    return None
+
+
+def load_metadata(path: str | Path) -> Any:
+    """The DCP metadata of checkpoint PATH (for ``init_checkpoint_metadata_cache``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(path)).read_metadata()

@@ -1,0 +1,66 @@
+"""An asynchronous ``torch.save`` for state that is not distributed (one process, one file).
+
+The object is serialized with ``torch.save`` into a reusable memfd during the call (so the file
+holds the values of that moment, and an object that cannot be serialized fails right there); the
+writer process copies it to ``.NAME.partial`` and fsyncs it; finalize renames it to NAME, then
+writes the sidecar manifest ``NAME.nvrx.json`` that marks it complete. ``torch.load(NAME)`` reads it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ckpt import manifest as manifest_mod
+from ckpt import publish
+from ckpt.async_ckpt.core import AsyncRequest
+from ckpt.async_ckpt.staging import default_file_pool
+from ckpt.errors import CheckpointError
+
+
+def torch_save_request(obj: Any, path: str | os.PathLike, *, update_latest: bool = False) -> AsyncRequest:
+    """Serialize OBJ now and return the request that writes and publishes it at PATH."""
+    import torch
+
+    final = Path(os.path.abspath(path))
+    publish.check_destination(final)
+    partial = publish.partial_path(final)
+    pool = default_file_pool()
+    staged = pool.acquire()
+    try:
+        torch.save(obj, staged)
+    except Exception as exc:
+        pool.release(staged)
+        raise CheckpointError(f"cannot save {final}: the object cannot be serialised ({type(exc).__name__}: {exc}); "
+                              "store tensors or plain Python values") from None
+    reply: dict[str, Any] = {}
+    sidecar = manifest_mod.sidecar_path(final)
+
+    def record(result: dict[str, Any]) -> None:
+        reply.update(result["files"][0])
+
+    def finalize() -> None:
+        try:
+            sidecar.unlink(missing_ok=True)  # an older sidecar must never vouch for the new data
+            publish.publish_file(partial, final)
+            entry = {"format": manifest_mod.FORMAT, "kind": "torch_save", "name": final.name, "size": reply["size"],
+                     "digest": reply["digest"], "published_at_ns": time.time_ns()}
+            publish.atomic_write(sidecar, manifest_mod.encode(entry))
+            if update_latest:
+                publish.update_latest(final.parent, final.name)
+        except OSError as exc:
+            from ckpt.errors import CheckpointWriteError
+
+            raise CheckpointWriteError(f"checkpoint {final} was not published: {exc}") from None
+        finally:
+            pool.release(staged)
+
+    def discard() -> None:
+        pool.release(staged)
+        partial.unlink(missing_ok=True)
+
+    job = {"op": "copy", "path": str(partial), "nbytes": staged.pos, "fsync": True}
+    return AsyncRequest(job=job, finalize_fns=[finalize], fd=staged.fd, on_result=record, on_discard=discard,
+                        description=str(final), destination=str(final))
