@@ -1,0 +1,66 @@
+"""The exceptions of the in-process restart Wrapper.
+
+``RestartInterrupt`` is what the Wrapper raises inside the wrapped function to stop it; it derives
+from ``BaseException`` so that ``except Exception`` in user code does not stop it. Everything else
+here is raised by the Wrapper itself and ends the Wrapper on the rank that raises it.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+
+class RestartInterrupt(BaseException):
+    """Raised asynchronously in the wrapped function: a fault happened (here or on another rank).
+
+    The wrapped function must let it propagate. The last instance is remembered (with the frame it
+    was raised in) so the Wrapper can report where a function swallowed it.
+    """
+
+    last: "RestartInterrupt | None" = None
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        frame = sys._getframe(1)
+        self.raised_in: tuple[str, int, str] | None = (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+        RestartInterrupt.last = self
+
+
+def swallow_location(exc: RestartInterrupt) -> str:
+    """Where a swallowed interrupt was raised and which frame caught it, as ``file:line (function)``."""
+    tb: types.TracebackType | None = exc.__traceback__
+    raised = exc.raised_in
+    where = f"raised at {raised[0]}:{raised[1]} ({raised[2]})" if raised else "raised at an unknown place"
+    if tb is None:
+        return where + ", suppressed before it left that frame"
+    code = tb.tb_frame.f_code
+    return f"{where}, suppressed in {code.co_filename}:{tb.tb_frame.f_lineno} ({code.co_name})"
+
+
+class InprocessError(Exception):
+    """Base class of the errors the Wrapper raises itself; the message is one line saying what to do."""
+
+
+class ConfigurationError(InprocessError, ValueError):
+    """A Wrapper argument or the environment it reads is invalid."""
+
+
+class StoreUnavailable(InprocessError):
+    """The Wrapper's distributed store cannot be reached (its host, rank 0 by default, is gone)."""
+
+
+class BarrierTimeout(InprocessError):
+    """A Wrapper barrier did not complete in time."""
+
+
+class HealthCheckError(InprocessError):
+    """This rank is not healthy enough to take part in another iteration."""
+
+
+class RankTerminated(InprocessError):
+    """This rank was removed from the job (timed out, excluded by rank assignment, or too late)."""
+
+
+class RetriesExhausted(BaseException):
+    """Raised by ``RetryController``: stop restarting. A BaseException so that it ends the Wrapper."""

@@ -1,0 +1,131 @@
+"""Unblock a gloo collective that waits on a peer, by shutting down gloo's TCP connections.
+
+Measured with torch 2.13 (CPU): ``ProcessGroupGloo.abort()``, ``.shutdown()`` and
+``destroy_process_group()`` all return at once, yet a rank blocked in ``all_reduce`` on a peer that is
+alive but not taking part stays blocked until the gloo timeout (30 min by default). What does end it
+at once is ``shutdown(2)`` on the gloo pair connection: the blocked call raises "Connection closed by
+peer" within milliseconds, on both ends of the connection.
+
+Which sockets are gloo's: every gloo device listens on a port of its own, and each pair connection is
+accepted on the listener of one of its two ranks. So this module shuts down the connections whose
+local port is a listener that appeared during the current iteration (the Wrapper records the sockets
+that existed before it, ``mark_iteration_start``), leaving alone the Wrapper's own store sockets and
+anything the program opened earlier. Connections this rank opened *to* a peer are closed by that
+peer's abort (every live rank aborts on every fault); a dead peer's kernel closes its side itself.
+
+Never shut down a gloo *listener*: gloo's accept thread treats the error as fatal and aborts the
+process (``listener.cc: accept: Invalid argument``, measured).
+
+Fallback where this cannot work (another OS, no /proc): give the gloo group a short timeout,
+``init_process_group("gloo", timeout=timedelta(seconds=...))``, so a blocked collective fails on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+TCP_LISTEN = "0A"
+_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+
+_lock = threading.Lock()
+_baseline: frozenset[int] | None = None
+
+
+@dataclass(frozen=True)
+class TcpSocket:
+    inode: int
+    fd: int
+    local_port: int
+    state: str
+
+
+def _own_socket_fds() -> dict[int, int]:
+    """inode -> one fd of this process for each socket it has open."""
+    found: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found.setdefault(int(target[8:-1]), int(name))
+    return found
+
+
+def own_tcp_sockets() -> list[TcpSocket]:
+    """This process's TCP sockets (IPv4 and IPv6) with their local port and state."""
+    fds = _own_socket_fds()
+    out: list[TcpSocket] = []
+    for table in _TABLES:
+        try:
+            with open(table) as fh:
+                lines = fh.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            if len(parts) < 10:
+                continue
+            inode = int(parts[9])
+            fd = fds.get(inode)
+            if fd is not None and inode:
+                out.append(TcpSocket(inode, fd, int(parts[1].rsplit(":", 1)[1], 16), parts[3]))
+    return out
+
+
+def mark_iteration_start() -> None:
+    """Remember the sockets open now; only listeners created after this count as gloo's."""
+    global _baseline
+    inodes = frozenset(_own_socket_fds())
+    with _lock:
+        _baseline = inodes
+
+
+def gloo_connections() -> list[TcpSocket]:
+    """Connections accepted on listeners opened since ``mark_iteration_start``."""
+    with _lock:
+        baseline = _baseline
+    if baseline is None:
+        return []
+    sockets = own_tcp_sockets()
+    new_ports = {s.local_port for s in sockets if s.state == TCP_LISTEN and s.inode not in baseline}
+    return [s for s in sockets if s.state != TCP_LISTEN and s.local_port in new_ports]
+
+
+def _shutdown(sock: TcpSocket) -> bool:
+    """shutdown(2) the socket behind SOCK.fd, unless that fd now names another socket."""
+    try:
+        dup = os.dup(sock.fd)
+    except OSError:
+        return False
+    try:
+        if os.fstat(dup).st_ino != sock.inode:
+            return False  # closed and reused since we listed it
+        with socket.socket(fileno=dup) as handle:
+            dup = -1
+            handle.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        if dup >= 0:
+            os.close(dup)
+
+
+def shutdown_gloo_connections() -> int:
+    """Shut down this iteration's gloo pair connections; returns how many were shut down."""
+    targets = gloo_connections()
+    done = sum(_shutdown(s) for s in targets)
+    if targets:
+        log.debug("shut down %d of %d gloo connection(s)", done, len(targets))
+    return done

@@ -1,0 +1,113 @@
+"""A rank of the in-process restart tests: `python workload.py` with the torchrun environment.
+
+NVRX_TEST_PLAN (JSON) says what to do: Wrapper arguments, the number of all_reduce steps, and
+faults to inject, keyed by iteration and initial rank. Every event is appended as a JSON line to
+NVRX_TEST_OUT/rank<initial rank>.jsonl, so the test can check pids, ranks and iterations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from launcher import inprocess
+from launcher.inprocess import rank_assignment as ra
+from launcher.inprocess import rank_filter as rf
+
+PLAN = json.loads(os.environ["NVRX_TEST_PLAN"])
+OUT = Path(os.environ["NVRX_TEST_OUT"])
+INITIAL_RANK = int(os.environ["RANK"])
+
+
+def record(event: str, **fields: object) -> None:
+    line = json.dumps({"event": event, "pid": os.getpid(), "initial_rank": INITIAL_RANK, "t": time.time(), **fields})
+    with open(OUT / f"rank{INITIAL_RANK}.jsonl", "a") as fh:
+        fh.write(line + "\n")
+
+
+def components() -> dict[str, object]:
+    """Wrapper keyword arguments that cannot travel as JSON."""
+    out: dict[str, object] = {}
+    assignment = PLAN.get("rank_assignment")
+    if assignment == "groups_of_2":
+        out["rank_assignment"] = inprocess.Compose(
+            ra.ShiftRanks(), ra.FilterGroupedByKey(key_or_fn=lambda rank, _: rank // 2, condition=lambda n: n == 2))
+    if PLAN.get("max_active"):
+        out["rank_filter"] = rf.MaxActiveWorldSize(PLAN["max_active"])
+    if PLAN.get("max_iterations"):
+        out["initialize"] = inprocess.initialize.RetryController(max_iterations=PLAN["max_iterations"])
+    return out
+
+
+def inject(action: str, call_wrapper: inprocess.CallWrapper) -> None:
+    record("inject", action=action, iteration=call_wrapper.iteration)
+    if action == "raise":
+        raise ValueError("injected fault")
+    if action == "exit":
+        os._exit(3)
+    if action == "sleep":  # blocking call that releases the GIL
+        time.sleep(120)
+    if action == "gil_hang":  # a C call that keeps the GIL: no Python thread of this process can run
+        ctypes.PyDLL(None).sleep(120)
+    if action == "swallow":
+        try:
+            time.sleep(120)
+        except BaseException as exc:  # the bug this action demonstrates
+            record("swallowed", kind=type(exc).__name__)
+    if action == "atomic":
+        with call_wrapper.atomic():
+            record("atomic_enter")
+            time.sleep(float(PLAN.get("atomic_seconds", 1.0)))
+            record("atomic_exit")
+        time.sleep(120)
+
+
+def train(call_wrapper: inprocess.CallWrapper) -> str:
+    iteration = call_wrapper.iteration
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PLAN.get("gloo_timeout", 60)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    record("start", iteration=iteration, rank=rank, world=world, env_rank=os.environ["RANK"],
+           timings=call_wrapper.restart_timings)
+    actions = PLAN.get("actions", {}).get(str(iteration), {}).get(str(INITIAL_RANK), {})
+    tensor = torch.ones(4)
+    try:
+        for step in range(PLAN.get("steps", 3)):
+            if actions.get("at_step") == step:
+                inject(actions["do"], call_wrapper)
+            dist.all_reduce(tensor)
+            time.sleep(PLAN.get("step_seconds", 0.01))
+    except inprocess.RestartInterrupt:
+        record("interrupted", iteration=iteration)
+        raise
+    except Exception as exc:
+        record("error", iteration=iteration, error=f"{type(exc).__name__}: {str(exc)[:120]}")
+        raise
+    record("done", iteration=iteration, rank=rank, world=world, value=float(tensor[0]))
+    dist.destroy_process_group()
+    return f"rank {rank} done"
+
+
+def main() -> int:
+    wrapper = inprocess.Wrapper(**PLAN.get("wrapper", {}), **components())
+    if PLAN.get("debug"):
+        import logging
+        logging.getLogger("launcher.inprocess").setLevel(logging.DEBUG)
+    try:
+        result = wrapper(train)()
+    except BaseException as exc:
+        record("wrapper_error", kind=type(exc).__name__, message=str(exc))
+        raise
+    record("returned", result=result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
