@@ -29,6 +29,9 @@ EXIT_FAILED = exit_codes.FAILED
 EXIT_USAGE = exit_codes.USAGE
 # Forwarded signals that ranks using launcher.job_control.should_stop() turn into a graceful stop.
 GRACEFUL_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
+# The same signal again within this many seconds is one request delivered twice (Slurm signals the batch
+# shell, `nvrx resume` and the agent alike), not a user's second Ctrl-C asking to kill now.
+DUPLICATE_SIGNAL_WINDOW = 2.0
 
 
 class AgentSignal(Exception):
@@ -98,6 +101,7 @@ class Agent:
         self._pending_signal: int | None = None
         self._raise_on_signal = False  # only while blocked in rendezvous; elsewhere signals wake the loop
         self._forwarded = False
+        self._signal_time = 0.0
         self._old_handlers: dict[int, Any] = {}
         self._rdzv: Any = None
         self._rs: Any = None
@@ -293,10 +297,13 @@ class Agent:
             self._pending_signal = signum
             raise AgentSignal(signum)
         if self._pending_signal is not None:
+            if signum == self._pending_signal and time.monotonic() - self._signal_time < DUPLICATE_SIGNAL_WINDOW:
+                return  # the same signal sent to every process of the step (Slurm): not a second request
             # A second signal while stopping: do not wait for the grace period any longer.
             self.workers.signal_all(signal.SIGKILL)
             return
         self._pending_signal = signum
+        self._signal_time = time.monotonic()
         try:
             os.write(self._sig_w, b"s")
         except BlockingIOError:

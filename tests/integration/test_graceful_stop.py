@@ -118,3 +118,19 @@ def test_steering_exit_code_ends_the_job_without_restart_in_place(launcher, tmp_
     assert res.returncode == code, res.stderr
     assert sorted(p.name for p in out.iterdir()) == ["attempt.0"]
     assert launcher.leftovers() == []
+
+
+def test_the_same_signal_delivered_twice_is_one_graceful_stop(launcher, tmp_path):
+    """Slurm signals every process of the step (and `nvrx resume` forwards): the ranks keep their grace period."""
+    script = write_script(tmp_path / "train.py", TRAIN)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = launcher.start("--nproc-per-node", "2", "--rdzv-id", "twice", str(script), str(out))
+    _wait_files(out, "running.*", 2)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    saved = _saved(out)
+    assert sorted(saved) == [0, 1] and saved[0]["step"] == saved[1]["step"], err
+    assert launcher.leftovers() == []
