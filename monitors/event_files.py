@@ -40,6 +40,7 @@ class EventFile:
     lineno: int = 0
     pending: bytes = b""       # a trailing line without its newline yet (a live writer mid-line)
     size: int = 0
+    error: str | None = None   # why the file could not be read (reported once)
 
     @property
     def run_dir(self) -> Path:
@@ -62,7 +63,7 @@ def classify(path: Path) -> EventFile | None:
 
 def _walk(root: Path) -> Iterator[Path]:
     base_depth = len(root.parts)
-    for dirpath, dirnames, filenames in os.walk(root, onerror=None):
+    for dirpath, dirnames, filenames in os.walk(root):
         if len(Path(dirpath).parts) - base_depth >= MAX_DEPTH:
             dirnames[:] = []
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -95,17 +96,15 @@ def discover(paths: list[Path]) -> list[EventFile]:
                               "or resume*.jsonl)")
             found[given.resolve()] = ef
             continue
-        if not os.access(given, os.R_OK | os.X_OK):
-            raise NotARun(f"{given}: permission denied")
-        any_entry = False
+        if not given.is_dir() or not os.access(given, os.R_OK | os.X_OK):
+            raise NotARun(f"{given}: cannot read this directory (permission denied or not a directory)")
+        if not any(given.iterdir()):
+            raise NotARun(f"{given}: empty directory, nothing to inspect (give the --log-dir of a run "
+                          "or <log-dir>/<run-id>)")
         for path in _walk(given):
-            any_entry = True
             ef = classify(path) or (EventFile(path, "other") if _looks_like_events(path) else None)
             if ef is not None:
                 found.setdefault(path.resolve(), ef)
-        if not any_entry and not any(given.iterdir()):
-            raise NotARun(f"{given}: empty directory, nothing to inspect (give the --log-dir of a run "
-                          "or <log-dir>/<run-id>)")
     files = list(found.values())
     if not files:
         shown = ", ".join(str(p) for p in paths)
@@ -124,42 +123,35 @@ def event_name(raw: bytes) -> bytes | None:
     return raw[i:j] if j > 0 else None
 
 
-def read_lines(ef: EventFile, final: bool, limit: int = CHUNK) -> Iterator[tuple[int, bytes]]:
-    """New complete lines of EF as (line number, raw bytes), at most ~LIMIT bytes per call.
+def read_chunk(ef: EventFile, final: bool, limit: int = CHUNK) -> tuple[int, list[bytes]]:
+    """New complete lines of EF (about LIMIT bytes at most) and the line number before the first one.
 
     FINAL: the writer is done, so a last line without a newline is returned too (it is usually torn).
+    A live writer's unfinished line is kept in ``ef.pending`` until its newline arrives.
     """
+    first = ef.lineno
     try:
         with open(ef.path, "rb") as fh:
             st = os.fstat(fh.fileno())
             if st.st_size < ef.offset:  # truncated or replaced under us: start over
                 ef.offset, ef.pending, ef.lineno = 0, b"", 0
+                first = 0
             ef.size = st.st_size
             fh.seek(ef.offset)
             data = fh.read(limit)
-    except OSError:
-        return
+    except OSError as exc:
+        ef.error = f"cannot read: {exc.strerror or exc}"
+        return first, []
     ef.offset += len(data)
     buf = ef.pending + data if ef.pending else data
-    start = 0
-    while True:
-        nl = buf.find(b"\n", start)
-        if nl < 0:
-            break
-        ef.lineno += 1
-        yield ef.lineno, buf[start:nl]
-        start = nl + 1
-    rest = buf[start:]
+    lines = buf.split(b"\n")
+    rest = lines.pop()
     if len(rest) > MAX_LINE or (rest and final and ef.offset >= ef.size):
-        ef.lineno += 1
-        ef.pending = b""
-        yield ef.lineno, rest
-    else:
-        ef.pending = rest
-
-
-def more_to_read(ef: EventFile) -> bool:
-    return ef.offset < ef.size
+        lines.append(rest)
+        rest = b""
+    ef.pending = rest
+    ef.lineno += len(lines)
+    return first, lines
 
 
 def first_event_time(ef: EventFile) -> float | None:

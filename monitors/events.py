@@ -57,14 +57,25 @@ class EventLog:
                 self._fd = None
 
 
+_scan_once = json.JSONDecoder().scan_once  # the C scanner: no encoding sniffing, no whitespace regex
+
+
 def decode_event(raw: bytes | str) -> dict[str, Any]:
     """One line -> one event; ValueError (with a short reason) if it is not a valid event."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode()
+        except UnicodeDecodeError:
+            raise ValueError("not UTF-8 text") from None
+    raw = raw.strip()
     try:
-        record = json.loads(raw)
-    except UnicodeDecodeError:
-        raise ValueError("not UTF-8 text") from None
+        record, end = _scan_once(raw, 0)
+    except StopIteration:
+        raise ValueError("not JSON") from None
     except RecursionError:
         raise ValueError("nested too deeply") from None
+    if end != len(raw):
+        raise ValueError(f"extra data after the JSON value at column {end + 1}")
     if not isinstance(record, dict) or not isinstance(record.get("ev"), str):
         raise ValueError("not an event object")
     t = record.get("t")

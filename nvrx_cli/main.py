@@ -9,6 +9,7 @@ import sys
 import click
 
 from launcher.config import ConfigError
+from nvrx_cli.inspect_cmd import inspect
 from nvrx_cli.launch_cmd import launch, split_ft_args
 from nvrx_cli.resume_cmd import resume
 
@@ -20,6 +21,7 @@ def cli() -> None:
 
 
 cli.add_command(launch)
+cli.add_command(inspect)
 cli.add_command(resume)
 
 

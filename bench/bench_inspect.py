@@ -1,0 +1,363 @@
+"""`nvrx inspect` on a ~100 MB log dir: wall time, MB/s, and ratios against grep and jq over the same files.
+
+    python bench/bench_inspect.py [--mb 100] [--runs 3] [--keep DIR] [--output bench/results/inspect.json]
+
+The log dir is generated with the real writer (``monitors.events.EventLog``, with explicit times) and the
+field names of the real emit calls: a resume chain of ``--jobs`` Slurm-style jobs (one run dir each, plus
+the resume driver's ``state/resume.jsonl``), ``--nodes`` agents x ``--nproc`` rank monitors per job,
+rounds of 5-40 simulated minutes ended by crashes, hangs (section timeouts), a node leaving and a
+preemption (SIGTERM) at the end of every job but the last; monitors log what the real ones log at their
+rate limits (section open/close every 10 s per section, heartbeat_stats every 30 s, checkpointing
+sections, computed timeouts). A few lines are damaged: a torn last line (a killed agent), binary garbage,
+a cut-off line in the middle of a monitor file.
+
+Peers, over exactly the same files: ``grep -c`` of the stop records (reads every byte, parses nothing)
+and ``jq -R 'fromjson? | select(.ev == "rdzv_stop")'`` (parses every line in C, skips corrupt ones).
+Each command runs ``--runs`` times, interleaved (run i of each before run i+1); the medians of wall time
+and of CPU time (user + system, less sensitive to other load on a shared machine) are reported, and the
+peak RSS of one ``nvrx inspect`` run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from monitors.events import EventLog  # noqa: E402
+
+T0 = 1_700_000_000.0
+STEP_S = 0.85               # simulated training step
+SECTION_PERIOD = 10.0       # monitors.rank_monitor.SECTION_EVENT_PERIOD
+STATS_PERIOD = 30.0         # monitors.rank_monitor.STATS_PERIOD
+CKPT_EVERY = 900.0
+
+
+class Chain:
+    """Writes one synthetic resume chain; sizes in bytes are tracked to stop at the target."""
+
+    def __init__(self, root: Path, args: argparse.Namespace) -> None:
+        self.root = root
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.t = T0
+        self.logs: list[EventLog] = []
+        self.resume = self._log(root / "state" / "resume.jsonl", "resume")
+
+    def _log(self, path: Path, src: str) -> EventLog:
+        log = EventLog(path, src)
+        self.logs.append(log)
+        return log
+
+    def size(self) -> int:
+        return sum(p.stat().st_size for p in self.root.rglob("*.jsonl"))
+
+    def run(self) -> None:
+        target = self.args.mb * 1_000_000
+        jobs = self.args.jobs
+        for j in range(jobs):
+            last = j == jobs - 1
+            job_id = str(4242 + j)
+            cmd = ["nvrx", "launch", "--nproc-per-node", str(self.args.nproc), "train.py"]
+            self.resume.emit("resume_start", t=self.t, mode="loop", pid=100 + j, job_id=job_id, node="gpu000",
+                             state_dir="/runs/state", finished_flag="/runs/state/finished.flag",
+                             limits={"max_attempts": 10, "max_failures": 3, "max_no_progress": 3}, submit="sbatch",
+                             command=cmd)
+            self.resume.emit("resume_attempt_start", t=self.t, attempt=j + 1, job_id=job_id, node="gpu000",
+                             command=cmd, progress=j * 1000)
+            start = self.t
+            code = self.job(j, target * (j + 1) // jobs, last)
+            cause = "clean_exit" if last else "interrupted"
+            self.resume.emit("resume_attempt_end", t=self.t, attempt=j + 1, exit_code=code, cause=cause,
+                             progress=(j + 1) * 1000, finished=last, job_id=job_id, node="gpu000", start=start,
+                             seconds=round(self.t - start, 3))
+            action, reason = (("finished", "the finished flag exists: training is complete") if last else
+                              ("continue", f"stopped by SIGTERM: interrupted (exit {code})"))
+            self.resume.emit("resume_decision", t=self.t + 0.2, action=action, reason=reason, new_job=not last,
+                             attempts=j + 1, failures=0, no_progress=0, last_progress=(j + 1) * 1000,
+                             last_cause=cause, excluded_nodes=[], state={"attempts": j + 1, "failures": 0})
+            if not last:
+                entry = {"method": "sbatch", "from_job": job_id, "t": self.t + 0.4,
+                         "command": ["sbatch", f"--dependency=afterany:{job_id}", "job.sbatch"], "exclude": [],
+                         "ok": True, "job_id": str(4243 + j)}
+                self.resume.emit("resume_submit", status="submitted", state={"attempts": j + 1}, **entry)
+            self.resume.emit("resume_end", t=self.t + 0.5, action=action, reason=reason,
+                             exit_code=0 if last else 3)
+            if not last:
+                self.t += self.rng.uniform(30, 120)  # queue time of the continuation job
+        for log in self.logs:
+            log.close()
+        self._damage()
+
+    def job(self, j: int, until_bytes: int, last: bool) -> int:
+        a = self.args
+        run_dir = self.root / str(4242 + j)
+        nodes = [f"gpu{j * a.nodes + n:03d}-{9000 + n}" for n in range(a.nodes)]
+        node_ids = [f"{n}-{self.rng.randrange(16 ** 6):06x}" for n in nodes]
+        agents = [self._log(run_dir / f"agent-{n}.jsonl", "agent") for n in nodes]
+        monitors = [[self._log(run_dir / f"monitor-{n}-{lr}.jsonl", f"monitor-{lr}") for lr in range(a.nproc)]
+                    for n in nodes]
+        ft = {"workload_check_interval": 5.0, "initial_rank_heartbeat_timeout": 600.0, "rank_heartbeat_timeout": 300.0,
+              "safety_factor": 5.0, "rank_termination_signal": "SIGKILL", "log_level": "INFO",
+              "rank_section_timeouts": {"step": 60.0, "checkpointing": 600.0}, "rank_out_of_section_timeout": None}
+        timeouts = {"initial_heartbeat": 600.0, "heartbeat": 300.0, "sections": {"step": 60.0, "checkpointing": 600.0},
+                    "out_of_section": None}
+        for g, ag in enumerate(agents):
+            ag.emit("agent_start", t=self.t + 0.01 * g, pid=9000 + g, nproc=a.nproc, nnodes=f"{a.nodes}:{a.nodes}",
+                    max_restarts=100, run_id=str(4242 + j))
+            ag.emit("ft_config", t=self.t + 0.01 * g, config=ft)
+            for lr in range(a.nproc):
+                ag.emit("monitor_spawned", t=self.t + 0.02, local_rank=lr, pid=20000 + lr)
+                monitors[g][lr].emit("monitor_start", t=self.t + 0.1, rank=lr, pid=20000 + lr, socket="/tmp/x.sock",
+                                     timeouts=timeouts, check_interval=5.0)
+        self.t += 0.5
+        r, restarts, pid = 0, 0, 30000
+        while True:
+            done = self.size() >= until_bytes
+            for g, ag in enumerate(agents):
+                ag.emit("rdzv_join", t=self.t, round=r, node_id=node_ids[g])
+                ag.emit("rdzv_round", t=self.t + 0.05, round=r, group_rank=g, nodes=node_ids, world_size=a.nodes * a.nproc,
+                        restart_count=restarts, waited=0.05)
+            start = self.t + 0.4
+            pids = {}
+            for g, ag in enumerate(agents):
+                for lr in range(a.nproc):
+                    pid += 1
+                    pids[g, lr] = pid
+                    ag.emit("rank_start", t=start + 0.001 * lr, local_rank=lr, rank=g * a.nproc + lr, pid=pid,
+                            attempt=restarts, how="fork", seconds=0.004)
+            length = self.rng.uniform(300, 2400)
+            end = start + length
+            kind = "interrupted" if done and not last else ("succeeded" if done else self.rng.choice(
+                ["failed", "failed", "hang", "node_left"]))
+            bad = (self.rng.randrange(a.nodes), self.rng.randrange(a.nproc))
+            for g in range(a.nodes):
+                for lr in range(a.nproc):
+                    self.session(monitors[g][lr], lr, pids[g, lr], start, end, hung=(kind == "hang" and (g, lr) == bad))
+            stop_t = end + (15.0 if kind == "node_left" else 0.02)  # node_left: after the keepalive timeout
+            if kind in ("failed", "hang"):
+                restarts += 1
+                g, lr = bad
+                hang = None
+                if kind == "hang":
+                    hang = {"rank": lr, "pid": pids[bad], "generation": r + 1, "reason": "section_timeout", "section": "step",
+                            "elapsed": 60.3, "timeout": 60.0, "timeouts": timeouts, "signal": "SIGKILL", "t": end}
+                sig = "SIGKILL" if hang else self.rng.choice(["SIGSEGV", None])
+                detail = {"rank": g * a.nproc + lr, "local_rank": lr, "group_rank": g, "pid": pids[bad],
+                          "exitcode": None if sig else 1, "signal": sig, "abandoned": False,
+                          "tail": [f"step {int(length / STEP_S)}: loss 2.{self.rng.randrange(1000):03d}"] * 3
+                                  + ["RuntimeError: CUDA error: an illegal memory access was encountered"],
+                          "describe": f"rank {g * a.nproc + lr} failed", "round": r, "hang": hang}
+                agents[g].emit("rank_exit", t=end, local_rank=lr, rank=g * a.nproc + lr, pid=pids[bad], exitcode=detail["exitcode"],
+                               signal=sig, attempt=restarts - 1, abandoned=False)
+                self.stop(agents, r, "failed", node_ids[0], detail, restarts, stop_t)
+            elif kind == "node_left":
+                restarts += 1
+                self.stop(agents, r, "node_left", node_ids[0], {"node": node_ids[-1], "group_rank": a.nodes - 1},
+                          restarts, stop_t)
+            elif kind == "interrupted":
+                for ag in agents:
+                    ag.emit("agent_signal", t=end, signal="SIGTERM", phase="running", round=r)
+                self.stop(agents, r, "interrupted", node_ids[0], {"signal": "SIGTERM", "signum": 15}, restarts, stop_t)
+            else:
+                self.stop(agents, r, "succeeded", node_ids[0], {"nodes": a.nodes}, restarts, stop_t)
+            self.t = stop_t + self.rng.uniform(1, 4)
+            if done:
+                code = 143 if kind == "interrupted" else 0
+                for g, ag in enumerate(agents):
+                    ag.emit("job_end", t=self.t, status="succeeded" if code == 0 else "failed", exit_code=code,
+                            seconds=round(self.t - T0, 3), failures=[])
+                for g in range(a.nodes):
+                    for lr in range(a.nproc):
+                        monitors[g][lr].emit("monitor_exit", t=self.t + 0.05, rank=lr, reason="signal SIGTERM")
+                return code
+            r += 1
+
+    def stop(self, agents: list[EventLog], r: int, kind: str, by: str, detail: dict, restarts: int, t: float) -> None:
+        for ag in agents:
+            ag.emit("rdzv_stop", t=t, round=r, kind=kind, by_node=by, detail=detail, restart_count=restarts,
+                    give_up=False)
+
+    def session(self, mon: EventLog, lr: int, pid: int, start: float, end: float, hung: bool) -> None:
+        """What one rank monitor logs over one round, at the real monitor's rate limits."""
+        timeouts = {"initial_heartbeat": 600.0, "heartbeat": 300.0, "sections": {"step": 60.0, "checkpointing": 600.0},
+                    "out_of_section": None}
+        mon.emit("monitor_connect", t=start + 2.0, rank=lr, pid=pid, generation=1, timeouts=timeouts)
+        mon.emit("first_heartbeat", t=start + 7.0, rank=lr, pid=pid, delay=4.8)
+        t, hb, closes, next_stats, next_ckpt, max_step = start + 7.0, 0, 0, start + 7.0, start + CKPT_EVERY, 0.0
+        stop_at = end - 60.3 if hung else end
+        rng = self.rng
+        while t < stop_at:
+            t += SECTION_PERIOD
+            n = int(SECTION_PERIOD / STEP_S)
+            hb += n
+            closes += n
+            last = STEP_S * rng.uniform(0.97, 1.05)
+            max_step = max(max_step, last)
+            mon.emit("section_open", t=t, rank=lr, section="step", open_for=round(rng.uniform(0, STEP_S), 6))
+            mon.emit("section_close", t=t + 0.000015, rank=lr, section="step", closes=n, last_duration=round(last, 6),
+                     max_duration=round(max_step, 6))
+            if t >= next_stats:
+                mon.emit("heartbeat_stats", t=t + 0.00003, rank=lr, count=hb, max_interval=round(STEP_S * 1.2, 6),
+                         since_last=round(rng.uniform(0, STEP_S), 6))
+                next_stats = t + STATS_PERIOD
+            if t >= next_ckpt:
+                mon.emit("section_open", t=t + 1, rank=lr, section="checkpointing", open_for=2.0)
+                mon.emit("section_close", t=t + 9, rank=lr, section="checkpointing", closes=1, last_duration=8.0,
+                         max_duration=8.0)
+                next_ckpt = t + CKPT_EVERY
+                if closes > 1000 and lr % 2 == 0:
+                    learned = {"initial_heartbeat": 24.0, "heartbeat": 5.1, "sections": {"step": 5.3, "checkpointing": 40.0},
+                               "out_of_section": 4.0}
+                    mon.emit("timeouts_set", t=t + 9.5, rank=lr, updated=True, timeouts=learned,
+                             path=f"/state/rank{lr}.timeouts.json")
+        if hung:
+            hang = {"rank": lr, "pid": pid, "generation": 1, "reason": "section_timeout", "section": "step",
+                    "elapsed": 60.3, "timeout": 60.0, "timeouts": timeouts, "signal": "SIGKILL"}
+            mon.emit("hang_detected", t=end, **hang)
+            mon.emit("rank_terminated", t=end + 0.001, rank=lr, pid=pid, signal="SIGKILL", reason="section_timeout")
+        mon.emit("heartbeat_stats", t=end + 0.01, rank=lr, count=hb, max_interval=round(STEP_S * 1.2, 6), since_last=0.1)
+        mon.emit("monitor_disconnect", t=end + 0.02, rank=lr, pid=pid, generation=1, reason="rank_disconnected")
+
+    def _damage(self) -> None:
+        """A torn last line, a NUL-filled block and a cut-off line mid-file: what crashes leave behind."""
+        agent = sorted(self.root.glob("4242/agent-*.jsonl"))[-1]
+        with open(agent, "ab") as fh:
+            fh.write(b'{"v":1,"t":1700000000.5,"src":"agent","ev":"rdzv_st')
+        mon = sorted(self.root.glob("4243/monitor-*.jsonl"))[0]
+        with open(mon, "ab") as fh:
+            fh.write(b"\0" * 64 + b"\n")
+        mon = sorted(self.root.glob("4242/monitor-*.jsonl"))[-1]
+        data = mon.read_bytes().split(b"\n")
+        data[len(data) // 2] = data[len(data) // 2][:40]
+        mon.write_bytes(b"\n".join(data))
+
+
+def run_once(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, bytes]:
+    """Wall seconds, CPU seconds (user + system of the child) and stdout of one run of CMD."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    seconds = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if proc.returncode not in (0, 1):  # grep -c exits 1 when a file has no match
+        raise SystemExit(f"{cmd[0]} failed ({proc.returncode}): {proc.stderr.decode()[-500:]}")
+    return seconds, cpu, proc.stdout
+
+
+def peak_rss_mb(cmd: list[str], env: dict[str, str]) -> float:
+    """Peak RSS of one run of CMD, measured by a fresh parent that has no other children."""
+    probe = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, check=True); "
+             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", probe, *cmd], env=env, stdout=subprocess.PIPE, check=True).stdout
+    return round(int(out) / 1024, 1)
+
+
+def interleaved(commands: dict[str, tuple[list[str], dict[str, str] | None]], runs: int) -> dict[str, Any]:
+    """Run i of every command before run i+1 of any, so load drift on a shared machine hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    cpus: dict[str, list[float]] = {name: [] for name in commands}
+    outs: dict[str, bytes] = {}
+    for _ in range(runs):
+        for name, (cmd, env) in commands.items():
+            seconds, cpu, outs[name] = run_once(cmd, env)
+            times[name].append(seconds)
+            cpus[name].append(cpu)
+    return {name: {"median_s": statistics.median(times[name]), "runs_s": times[name],
+                   "cpu_median_s": statistics.median(cpus[name]), "cpu_runs_s": cpus[name], "stdout": outs[name]}
+            for name in commands}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mb", type=float, default=100.0, help="size of the generated log dir (MB)")
+    p.add_argument("--jobs", type=int, default=3)
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--nproc", type=int, default=8)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--keep", type=Path, default=None, help="generate here and keep it (default: a temp dir, removed)")
+    p.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "inspect.json")
+    args = p.parse_args()
+
+    root = args.keep or Path(tempfile.mkdtemp(prefix="nvrx-bench-inspect-"))
+    if args.keep and root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    Chain(root, args).run()
+    gen_s = time.perf_counter() - t0
+    files = sorted(str(f) for f in root.rglob("*.jsonl"))
+    size = sum(os.path.getsize(f) for f in files)
+    lines = sum(1 for f in files for _ in open(f, "rb"))
+    print(f"generated {size / 1e6:.1f} MB, {lines} lines, {len(files)} files in {gen_s:.1f} s: {root}", file=sys.stderr)
+
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    nvrx_cmd = [sys.executable, "-m", "nvrx_cli.main", "inspect", "--json"]
+    commands: dict[str, tuple[list[str], dict[str, str] | None]] = {
+        "nvrx inspect --json": ([*nvrx_cmd, str(root)], env),
+        # --since before the first event turns the lazy path off: every line is parsed
+        "nvrx inspect --json (parse all)": ([*nvrx_cmd, "--since", "2000-01-01T00:00:00", str(root)], env),
+    }
+    rss_mb = peak_rss_mb(commands["nvrx inspect --json"][0], env)
+    if shutil.which("grep"):
+        commands["grep -c rdzv_stop"] = (["grep", "-c", '"ev":"rdzv_stop"', *files], None)
+    if shutil.which("jq"):
+        commands["jq -R fromjson? select"] = (["jq", "-c", "-R", 'fromjson? | select(.ev == "rdzv_stop")', *files], None)
+    results = interleaved(commands, args.runs)
+    nvrx = results["nvrx inspect --json"]
+    report = json.loads(nvrx["stdout"])
+    nvrx["max_rss_mb"] = rss_mb
+    for r in results.values():
+        r.pop("stdout")
+    base, base_cpu = nvrx["median_s"], nvrx["cpu_median_s"]
+    for name, r in results.items():
+        r["mb_per_s"] = round(size / 1e6 / r["median_s"], 1)
+        r["nvrx_over_this"] = round(base / r["median_s"], 3)
+        r["nvrx_over_this_cpu"] = round(base_cpu / r["cpu_median_s"], 3) if r["cpu_median_s"] > 0 else None
+
+    summary = {"jobs": len(report["jobs"]), "rounds": sum(len(j["rounds"]) for j in report["jobs"]),
+               "faults": len(report["faults"]), "corrupt_lines": report["corrupt"]["count"],
+               "goodput": report["goodput"]["ratio"], "goodput_method": report["goodput"]["method"]}
+    out = {"machine": {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": platform.python_version(),
+                       "platform": platform.platform(), "cpu_count": os.cpu_count(),
+                       "load_avg_at_start": list(os.getloadavg())},
+           "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+           "log_dir": {"bytes": size, "lines": lines, "files": len(files), "generate_s": round(gen_s, 2)},
+           "report_summary": summary,
+           "results": {k: {kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()}
+                       for k, v in results.items()}}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(out, indent=2) + "\n")
+
+    print(f"\n{size / 1e6:.1f} MB, {lines} lines, {len(files)} files; median of {args.runs} runs")
+    print(f"{'command':34} {'median s':>9} {'MB/s':>8} {'nvrx / this':>12} {'CPU s':>7} {'nvrx / this (CPU)':>18}")
+    for name, r in results.items():
+        cpu_ratio = f"{r['nvrx_over_this_cpu']:18.2f}" if r["nvrx_over_this_cpu"] is not None else f"{'-':>18}"
+        print(f"{name:34} {r['median_s']:9.2f} {r['mb_per_s']:8.1f} {r['nvrx_over_this']:12.2f} "
+              f"{r['cpu_median_s']:7.2f} {cpu_ratio}")
+    print(f"nvrx inspect peak RSS: {rss_mb} MB for {size / 1e6:.0f} MB of logs")
+    print(f"report: {summary}")
+    print(f"saved {args.output}")
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""`nvrx inspect LOG_DIR`: what happened in a run or a resume chain, from its JSON-lines event logs.
+
+Rich tables on a terminal, plain text when piped, ``--json`` for scripts, ``--follow`` for a live run.
+The analysis lives in ``monitors.timeline``; this module parses flags and renders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from monitors.event_files import NotARun, discover
+from monitors.run_report import Report, make_report
+from monitors.timeline import Filters, Timeline
+
+_REL = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)\s*d)?\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*m)?"
+                  r"\s*(?:(\d+(?:\.\d+)?)\s*s)?\s*(?:ago)?\s*$", re.I)
+_LEVEL_STYLE = {"error": "red", "warn": "yellow", "ok": "green", "info": ""}
+_LEVEL_MARK = {"error": "!!", "warn": "! ", "ok": "ok", "info": "  "}
+FOLLOW_BUDGET = 4 << 20  # bytes folded per file per --follow poll: a poll stays short on a huge backlog
+
+
+def parse_since(value: str | None, now: float | None = None) -> float | None:
+    """--since: an ISO date/time (local unless it says otherwise), HH:MM[:SS] today, or 90s/10m/2h/1d/1h30m ago."""
+    if value is None:
+        return None
+    now = time.time() if now is None else now
+    text = value.strip()
+    m = _REL.match(text)
+    if text and m and any(m.groups()):
+        d, h, mi, s = (float(g) if g else 0.0 for g in m.groups())
+        return now - (d * 86400 + h * 3600 + mi * 60 + s)
+    try:
+        if re.fullmatch(r"\d{1,2}:\d{2}(:\d{2}(\.\d+)?)?", text):
+            day = datetime.fromtimestamp(now).date().isoformat()
+            return datetime.fromisoformat(f"{day}T{text}").timestamp()
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: use an ISO time (2024-05-01T12:30:00), HH:MM[:SS] for today, "
+                                 "or a duration ago like 90s, 10m, 2h, 1d", param_hint="--since") from None
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("log_dir", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (with --follow: one JSON line per new entry).")
+@click.option("-f", "--follow", is_flag=True, help="Keep watching a live run: print new entries until Ctrl-C.")
+@click.option("--rank", type=click.IntRange(min=0), default=None, help="Only this global rank's faults and statistics.")
+@click.option("--since", default=None, help="Only from this time: ISO time, HH:MM[:SS] today, or 10m / 2h / 1d ago.")
+@click.option("--step-section", default="step", show_default=True,
+              help="The section whose time counts as training progress for goodput.")
+@click.option("--tail", "tail_lines", type=click.IntRange(min=0), default=10, show_default=True,
+              help="Last output lines of a failing rank to show.")
+@click.option("--interval", type=click.FloatRange(min=0.05, max=60), default=1.0, show_default=True,
+              help="Seconds between polls with --follow.")
+def inspect(log_dir: tuple[Path, ...], as_json: bool, follow: bool, rank: int | None, since: str | None,
+            step_section: str, tail_lines: int, interval: float) -> int:
+    """Tell what happened in a run: jobs, rounds, restarts and their causes, time lost, goodput,
+    heartbeats, sections and timeouts.
+
+    LOG_DIR is a run's dir (<log-dir>/<run-id>), a --log-dir holding several runs (a resume chain),
+    or event files; several may be given (e.g. also the resume state dir).
+    """
+    filters = Filters(rank=rank, since=parse_since(since), step_section=step_section)
+    paths = list(log_dir)
+    try:
+        if follow:
+            return _follow(paths, filters, as_json, tail_lines, interval)
+        tl = Timeline(filters)
+        try:
+            tl.add_files(discover(paths))
+        except NotARun as err:
+            raise click.UsageError(str(err)) from None
+        tl.read_all()
+        report = make_report(tl)
+        if as_json:
+            click.echo(json.dumps(report.to_dict(), indent=2, default=str))
+        elif sys.stdout.isatty():
+            _render_rich(report, tail_lines)
+        else:
+            click.echo(render_text(report, tail_lines), nl=False)
+        return 0
+    except BrokenPipeError:  # `nvrx inspect ... | head`: the reader is gone; that is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+# ------------------------------------------------------------------ follow
+
+
+def _follow(paths: list[Path], filters: Filters, as_json: bool, tail_lines: int, interval: float) -> int:
+    """Print entries as they appear; Ctrl-C (or SIGTERM) ends it with exit code 0."""
+    for p in paths:
+        if not p.exists():
+            raise click.UsageError(f"{p}: no such file or directory (give a run's log dir, e.g. nvrx_logs/<run-id>)")
+    stop = {"now": False}
+    old = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    tl = Timeline(filters)
+    tl.live = True
+    shown: set[tuple] = set()
+    emit = _json_line if as_json else _text_line(sys.stdout.isatty(), tail_lines)
+    waiting_said = False
+    caught_up = False  # the first pass reads everything there is, so the backlog prints in time order
+    try:
+        while not stop["now"]:
+            try:
+                tl.add_files(discover(paths))
+            except NotARun as err:
+                if not tl.files and not waiting_said:
+                    click.echo(f"nvrx inspect: waiting for event files ({err})", err=True)
+                    waiting_said = True
+            for ef in list(tl.files):
+                tl.consume(ef, final=False, budget=FOLLOW_BUDGET if caught_up else None)
+            caught_up = caught_up or bool(tl.files)
+            if tl.files:
+                report = make_report(tl)
+                for it in report.items:
+                    if it.key not in shown and it.kind != "job_open":
+                        shown.add(it.key)
+                        emit(it)
+                sys.stdout.flush()
+            if not any(ef.offset < ef.size for ef in tl.files):  # behind on a big burst: read on at once
+                _sleep(interval, stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    if tl.files and not as_json:
+        g = make_report(tl).goodput
+        ratio = f"{g['ratio'] * 100:.1f} %" if g.get("ratio") is not None else "n/a"
+        click.echo(f"stopped following; goodput so far {ratio}", err=True)
+    return 0
+
+
+def _sleep(seconds: float, stop: dict[str, bool]) -> None:
+    end = time.monotonic() + seconds
+    while not stop["now"]:
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.2))
+
+
+def _json_line(it: Any) -> None:
+    click.echo(json.dumps(it.to_dict(), default=str))
+
+
+def _text_line(rich: bool, tail_lines: int) -> Callable[[Any], None]:
+    console = _console() if rich else None
+
+    def emit(it: Any) -> None:
+        lines = [f"{_date_time(it.t)}  {_LEVEL_MARK.get(it.level, '  ')} {it.text}"]
+        lines += [f"{'':25}| {x}" for x in it.tail[-tail_lines:]] if tail_lines else []
+        if console is None:
+            click.echo("\n".join(lines))
+            return
+        from rich.markup import escape
+
+        style = _LEVEL_STYLE.get(it.level, "")
+        for i, line in enumerate(lines):
+            text = escape(line)
+            console.print(f"[{style}]{text}[/{style}]" if style and i == 0 else (f"[dim]{text}[/dim]" if i else text))
+
+    return emit
+
+
+# ------------------------------------------------------------------ plain text
+
+
+def _date_time(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def _clock(t: float | None, with_date: bool) -> str:
+    if t is None:
+        return "-"
+    fmt = "%Y-%m-%d %H:%M:%S.%f" if with_date else "%H:%M:%S.%f"
+    return datetime.fromtimestamp(t).strftime(fmt)[:-3]
+
+
+def _secs(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x >= 3600:
+        return f"{x / 3600:.2f} h"
+    if x >= 120:
+        return f"{x / 60:.1f} min"
+    if x >= 0.1 or x == 0:
+        return f"{x:.2f} s"
+    return f"{x * 1000:.3g} ms"
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def _multi_day(report: Report) -> bool:
+    s, e = report.span.get("start"), report.span.get("end")
+    return bool(s and e and datetime.fromtimestamp(s).date() != datetime.fromtimestamp(e).date())
+
+
+def _summary(report: Report) -> list[str]:
+    rounds = sum(len(j["rounds"]) for j in report.jobs)
+    faults = sum(1 for f in report.faults if f["kind"] in ("failed", "node_left"))
+    files = report.files
+    head = (f"{len(report.jobs)} job(s), {rounds} round(s), {faults} fault(s); {files['count']} event file(s), "
+            f"{_bytes(files['bytes'])}, {files['lines']} lines, {report.corrupt['count']} corrupt")
+    span = report.span
+    g = report.goodput
+    lines = [f"nvrx inspect: {', '.join(report.paths)}", head]
+    if span.get("start") is not None:
+        state = " (still running)" if span.get("running") else ""
+        lines.append(f"wall time {_secs(span['wall_s'])}: {_date_time(span['start'])} -> "
+                     f"{_date_time(span['end'])}{state}")
+    if g.get("ratio") is not None:
+        what = (f"in section {report.filters['step_section']!r}" if g["method"] == "step_sections"
+                else "with all ranks running")
+        lines.append(f"goodput {g['ratio'] * 100:.1f} %: {_secs(g['productive_s'])} {what} / {_secs(g['wall_s'])} wall")
+    f = report.filters
+    if f.get("rank") is not None or f.get("since") is not None:
+        lines.append("filters:" + (f" rank {f['rank']}" if f.get("rank") is not None else "")
+                     + (f" since {_date_time(f['since'])}" if f.get("since") is not None else ""))
+    return lines
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return ["  " + fmt(headers), "  " + fmt(["-" * w for w in widths])] + ["  " + fmt(r) for r in rows]
+
+
+def _fault_rows(report: Report, with_date: bool) -> list[list[str]]:
+    return [[str(f["job"]), str(f["round"]), _clock(f.get("t"), with_date), f["kind"], str(f.get("rank", "-")),
+             f["cause"], _secs(f.get("lost_s")) if f.get("lost_s") is not None else "not recovered"]
+            for f in report.faults]
+
+
+def _rank_rows(report: Report) -> list[list[str]]:
+    rows = []
+    for r in report.ranks:
+        secs = "; ".join(f"{n}: {s['closes']} x, max {_secs(s['max_s'])}, ~{_secs(s['total_s_est'])}"
+                         for n, s in r["sections"].items()) or "-"
+        rows.append([str(r["rank"]), ",".join(r["nodes"]), str(r["sessions"]), str(r["heartbeats"]),
+                     _secs(r["hb_max_interval_s"]), _secs(r["first_heartbeat_max_s"]), str(r["hangs"]), secs])
+    return rows
+
+
+def _fmt_timeouts(t: dict[str, Any] | None) -> str:
+    if not t:
+        return "-"
+    secs = t.get("sections") or {}
+    parts = [f"first hb {_num(t.get('initial_heartbeat'))}", f"hb {_num(t.get('heartbeat'))}"]
+    parts += [f"{n} {_num(v)}" for n, v in secs.items()]
+    parts.append(f"out-of-section {_num(t.get('out_of_section'))}")
+    return ", ".join(parts)
+
+
+def _num(v: Any) -> str:
+    return "-" if v is None else f"{v:g}" if isinstance(v, (int, float)) else str(v)
+
+
+def _configured(cfg: dict[str, Any] | None) -> str:
+    if not cfg:
+        return "not logged (no ft_config event)"
+    t = {"initial_heartbeat": cfg.get("initial_rank_heartbeat_timeout"), "heartbeat": cfg.get("rank_heartbeat_timeout"),
+         "sections": cfg.get("rank_section_timeouts") or {}, "out_of_section": cfg.get("rank_out_of_section_timeout")}
+    return (f"{_fmt_timeouts(t)}; check every {_num(cfg.get('workload_check_interval'))} s, "
+            f"safety factor {_num(cfg.get('safety_factor'))}, kill with {cfg.get('rank_termination_signal')}")
+
+
+def _timeout_rows(report: Report) -> list[list[str]]:
+    to = report.timeouts
+    keys = sorted(set(to["in_force"]) | set(to["computed"]), key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else k))
+    return [[k, _fmt_timeouts(to["in_force"].get(k)),
+             _fmt_timeouts((to["computed"].get(k) or {}).get("timeouts")) if k in to["computed"] else "-"]
+            for k in keys]
+
+
+FAULT_HEAD = ["job", "round", "at", "kind", "rank", "cause", "time lost"]
+RANK_HEAD = ["rank", "node", "runs", "heartbeats", "max hb gap", "first hb", "hangs", "sections: closes, max, ~total"]
+TIMEOUT_HEAD = ["rank", "in force (s)", "computed (s)"]
+
+
+def render_text(report: Report, tail_lines: int = 10) -> str:
+    """The report as plain text (no colours, no box drawing): what a pipe or a log file gets."""
+    with_date = _multi_day(report)
+    out = _summary(report) + ["", "Timeline"]
+    for it in report.items:
+        out.append(f"  {_clock(it.t, with_date)}  {_LEVEL_MARK.get(it.level, '  ')} {it.text}")
+        if tail_lines:
+            out += [f"  {'':14}  | {x}" for x in it.tail[-tail_lines:]]
+    if not report.items:
+        out.append("  (no entries)")
+    if report.faults:
+        out += ["", "Faults and stops"] + _table(FAULT_HEAD, _fault_rows(report, with_date))
+    if report.ranks:
+        out += ["", "Ranks"] + _table(RANK_HEAD, _rank_rows(report))
+    out += ["", "Timeouts", f"  configured: {_configured(report.timeouts['configured'])}"]
+    rows = _timeout_rows(report)
+    if rows:
+        out += _table(TIMEOUT_HEAD, rows)
+    out += _problems(report)
+    out.append(f"goodput: {report.goodput['definition']}")
+    return "\n".join(out) + "\n"
+
+
+def _problems(report: Report) -> list[str]:
+    out = []
+    c = report.corrupt
+    if c["count"]:
+        out += ["", f"Corrupt lines: {c['count']} skipped"] + [f"  {x}" for x in c["first"]]
+        if c["count"] > len(c["first"]):
+            out.append(f"  ... and {c['count'] - len(c['first'])} more")
+    if report.unknown_events:
+        total = sum(report.unknown_events.values())
+        out += ["", f"Unknown events: {total} counted, not interpreted"]
+        out += [f"  {k}: {v}" for k, v in report.unknown_events.items()]
+    return out + [""]
+
+
+# ------------------------------------------------------------------ rich
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=False)
+
+
+def _render_rich(report: Report, tail_lines: int) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = _console()
+    with_date = _multi_day(report)
+    head = _summary(report)
+    console.print(f"[bold]{escape(head[0])}[/bold]")
+    for line in head[1:]:
+        console.print(escape(line))
+    tbl = Table(title="Timeline", title_justify="left", show_header=False, box=None, pad_edge=False)
+    tbl.add_column("at", style="dim", no_wrap=True)
+    tbl.add_column("what")
+    for it in report.items:
+        style = _LEVEL_STYLE.get(it.level, "")
+        text = f"[{style}]{escape(it.text)}[/{style}]" if style else escape(it.text)
+        tail = it.tail[-tail_lines:] if tail_lines else []
+        if tail:
+            text += "\n" + "\n".join(f"[dim]| {escape(x)}[/dim]" for x in tail)
+        tbl.add_row(_clock(it.t, with_date), text)
+    console.print(tbl)
+    for title, headers, rows in (("Faults and stops", FAULT_HEAD, _fault_rows(report, with_date)),
+                                 ("Ranks", RANK_HEAD, _rank_rows(report)),
+                                 ("Timeouts in force and computed", TIMEOUT_HEAD, _timeout_rows(report))):
+        if not rows:
+            continue
+        t = Table(title=title, title_justify="left")
+        for h in headers:
+            t.add_column(h)
+        for r in rows:
+            t.add_row(*(escape(c) for c in r))
+        console.print(t)
+    console.print(f"configured timeouts: {escape(_configured(report.timeouts['configured']))}")
+    for line in _problems(report):
+        console.print(f"[yellow]{escape(line)}[/yellow]" if line else "")
+    console.print(f"[dim]goodput: {escape(report.goodput['definition'])}[/dim]")

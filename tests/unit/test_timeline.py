@@ -1,0 +1,377 @@
+"""monitors.timeline on event files written by the real writer (EventLog) with chosen times.
+
+Field names follow the emit calls in launcher/agent.py, rendezvous.py, workers.py, monitor_procs.py and
+monitors/rank_monitor.py, so these files look like what `nvrx launch` writes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from monitors.event_files import NotARun, discover
+from monitors.events import EventLog
+from monitors.run_report import build_report, make_report
+from monitors.timeline import Filters, Timeline
+from nvrx_cli.inspect_cmd import parse_since, render_text
+
+T = 1_700_000_000.0
+TIMEOUTS = {"initial_heartbeat": 600.0, "heartbeat": 300.0, "sections": {"step": 30.0}, "out_of_section": None}
+FT = {"workload_check_interval": 5.0, "initial_rank_heartbeat_timeout": 600.0, "rank_heartbeat_timeout": 300.0,
+      "safety_factor": 5.0, "rank_termination_signal": "SIGKILL", "log_level": "INFO",
+      "rank_section_timeouts": {"step": 30.0}, "rank_out_of_section_timeout": None}
+
+
+class Node:
+    """One node's agent file plus its rank monitors' files, written through EventLog."""
+
+    def __init__(self, run_dir: Path, host: str, pid: int, nproc: int = 2, node_id: str | None = None) -> None:
+        self.key = f"{host}-{pid}"
+        self.node_id = node_id or f"{self.key}-abcdef"
+        self.nproc = nproc
+        self.agent = EventLog(run_dir / f"agent-{self.key}.jsonl", "agent")
+        self.mons = [EventLog(run_dir / f"monitor-{self.key}-{lr}.jsonl", f"monitor-{lr}") for lr in range(nproc)]
+        self.next_pid = pid * 10
+
+    def start(self, t: float, run_id: str, max_restarts: int = 3, nnodes: str = "1:1") -> None:
+        self.agent.emit("agent_start", t=t, pid=1, nproc=self.nproc, nnodes=nnodes, max_restarts=max_restarts,
+                        run_id=run_id)
+        self.agent.emit("ft_config", t=t, config=FT)
+        for lr, m in enumerate(self.mons):
+            self.agent.emit("monitor_spawned", t=t, local_rank=lr, pid=500 + lr)
+            m.emit("monitor_start", t=t + 0.1, rank=lr, pid=500 + lr, socket="/x", timeouts=TIMEOUTS, check_interval=5.0)
+
+    def round(self, t: float, r: int, nodes: list[str], restarts: int, group_rank: int = 0,
+              run_at: float | None = None) -> list[int]:
+        self.agent.emit("rdzv_join", t=t, round=r, node_id=self.node_id)
+        self.agent.emit("rdzv_round", t=t, round=r, group_rank=group_rank, nodes=nodes,
+                        world_size=self.nproc * len(nodes), restart_count=restarts, waited=0.01)
+        pids = []
+        for lr in range(self.nproc):
+            self.next_pid += 1
+            pids.append(self.next_pid)
+            self.agent.emit("rank_start", t=run_at if run_at is not None else t + 1.0, local_rank=lr,
+                            rank=group_rank * self.nproc + lr, pid=self.next_pid, attempt=restarts, how="fork",
+                            seconds=0.004)
+        return pids
+
+    def stop(self, t: float, r: int, kind: str, detail: dict, restarts: int, give_up: bool = False) -> None:
+        self.agent.emit("rdzv_stop", t=t, round=r, kind=kind, by_node=self.node_id, detail=detail,
+                        restart_count=restarts, give_up=give_up)
+
+    def end(self, t: float, status: str, code: int) -> None:
+        self.agent.emit("job_end", t=t, status=status, exit_code=code, seconds=1.0, failures=[])
+
+    def steps(self, lr: int, pid: int, t0: float, t1: float, step_s: float, every: float = 10.0) -> None:
+        """A monitored run of local rank LR: step sections closed at the monitor's event rate."""
+        m = self.mons[lr]
+        m.emit("monitor_connect", t=t0, rank=lr, pid=pid, generation=1, timeouts=TIMEOUTS)
+        m.emit("first_heartbeat", t=t0 + 0.5, rank=lr, pid=pid, delay=0.5)
+        t, hb = t0, 0
+        while t + every <= t1:
+            t += every
+            n = int(every / step_s)
+            hb += n
+            m.emit("section_open", t=t, rank=lr, section="step", open_for=0.1)
+            m.emit("section_close", t=t, rank=lr, section="step", closes=n, last_duration=step_s, max_duration=step_s)
+            m.emit("heartbeat_stats", t=t, rank=lr, count=hb, max_interval=step_s + 0.01, since_last=0.0)
+        m.emit("monitor_disconnect", t=t1, rank=lr, pid=pid, generation=1, reason="rank_disconnected")
+
+    def close(self) -> None:
+        for log in (self.agent, *self.mons):
+            log.close()
+
+
+def _crash_run(run_dir: Path, signal: str | None = None, exitcode: int | None = 13) -> Node:
+    """Round 0 (ranks up at T+2) ends when rank 1 dies at T+50; round 1 runs from T+53 to T+100."""
+    n = Node(run_dir, "hostA", 7)
+    n.start(T, "job1")
+    pids = n.round(T + 1, 0, [n.node_id], 0, run_at=T + 2)
+    n.agent.emit("rank_exit", t=T + 50, local_rank=1, rank=1, pid=pids[1], exitcode=exitcode, signal=signal,
+                 attempt=0, abandoned=False)
+    n.stop(T + 50.5, 0, "failed", {"rank": 1, "local_rank": 1, "group_rank": 0, "pid": pids[1], "exitcode": exitcode,
+                                   "signal": signal, "abandoned": False, "tail": ["step 41: loss 0.5", "boom"],
+                                   "describe": "x", "round": 0, "hang": None}, 1)
+    n.round(T + 52, 1, [n.node_id], 1, run_at=T + 53)
+    n.stop(T + 100, 1, "succeeded", {"nodes": 1}, 1)
+    n.end(T + 100, "succeeded", 0)
+    n.close()
+    return n
+
+
+def test_crash_with_exit_code_cause_tail_and_time_lost(tmp_path):
+    _crash_run(tmp_path / "job1")
+    rep = build_report([tmp_path / "job1"])
+    assert len(rep.jobs) == 1 and rep.jobs[0]["status"] == "succeeded" and len(rep.jobs[0]["rounds"]) == 2
+    (f,) = rep.faults
+    assert f["rank"] == 1 and f["kind"] == "failed"
+    assert f["cause"] == "rank 1 exited with code 13"
+    assert f["tail"] == ["step 41: loss 0.5", "boom"]
+    assert f["t"] == T + 50                          # the failing rank's exit
+    assert f["lost_s"] == pytest.approx(3.0)         # to all ranks of round 1 running (T+53)
+    stop = [it for it in rep.timeline if it["kind"] == "failed"][0]
+    assert stop["rank"] == 1 and "restart 1" in stop["text"]
+
+
+def test_crash_by_signal(tmp_path):
+    _crash_run(tmp_path / "job1", signal="SIGSEGV", exitcode=None)
+    (f,) = build_report([tmp_path]).faults
+    assert f["cause"] == "rank 1 crashed with SIGSEGV" and f["signal"] == "SIGSEGV"
+
+
+def _hang_run(run_dir: Path, hang_in_detail: bool) -> None:
+    n = Node(run_dir, "hostA", 7)
+    n.start(T, "hang")
+    pids = n.round(T + 1, 0, [n.node_id], 0, run_at=T + 2)
+    hang = {"rank": 1, "pid": pids[1], "generation": 1, "reason": "section_timeout", "section": "step",
+            "elapsed": 31.0, "timeout": 30.0, "timeouts": TIMEOUTS, "signal": "SIGKILL"}
+    n.mons[1].emit("monitor_connect", t=T + 2.5, rank=1, pid=pids[1], generation=1, timeouts=TIMEOUTS)
+    n.mons[1].emit("hang_detected", t=T + 60, **hang)
+    n.mons[1].emit("rank_terminated", t=T + 60, rank=1, pid=pids[1], signal="SIGKILL", reason="section_timeout")
+    n.agent.emit("rank_exit", t=T + 60.1, local_rank=1, rank=1, pid=pids[1], exitcode=None, signal="SIGKILL",
+                 attempt=0, abandoned=False)
+    detail_hang = {**hang, "t": T + 60} if hang_in_detail else None
+    n.stop(T + 60.2, 0, "failed", {"rank": 1, "local_rank": 1, "group_rank": 0, "pid": pids[1], "exitcode": None,
+                                   "signal": "SIGKILL", "abandoned": False, "tail": ["in step 7"], "describe": "x",
+                                   "round": 0, "hang": detail_hang}, 1)
+    n.round(T + 61, 1, [n.node_id], 1, run_at=T + 62)
+    n.stop(T + 90, 1, "succeeded", {"nodes": 1}, 1)
+    n.end(T + 90, "succeeded", 0)
+    n.close()
+
+
+@pytest.mark.parametrize("hang_in_detail", [True, False], ids=["from-failure-detail", "from-monitor-event"])
+def test_hang_cause_names_section_elapsed_and_timeout(tmp_path, hang_in_detail):
+    _hang_run(tmp_path / "hang", hang_in_detail)
+    (f,) = build_report([tmp_path]).faults
+    assert f["cause"] == ("rank 1 hung in section 'step' after 31.0 s, timeout 30 s "
+                          "(killed with SIGKILL by its monitor)")
+    assert f["hang"]["reason"] == "section_timeout"
+    if hang_in_detail:  # the fault began at the last progress: detection time minus the elapsed time
+        assert f["t"] == pytest.approx(T + 60 - 31.0)
+        assert f["lost_s"] == pytest.approx(62 - 29.0)
+
+
+def test_node_left_counts_from_the_lost_nodes_last_event(tmp_path):
+    run = tmp_path / "two"
+    a, b = Node(run, "hostA", 7, nproc=1), Node(run, "hostB", 8, nproc=1)
+    nodes = [a.node_id, b.node_id]
+    a.start(T, "two", nnodes="1:2")
+    b.start(T + 0.2, "two", nnodes="1:2")
+    a.round(T + 1, 0, nodes, 0, group_rank=0, run_at=T + 2)
+    b.round(T + 1, 0, nodes, 0, group_rank=1, run_at=T + 2.5)
+    b.agent.emit("fork_server_ready", t=T + 20, seconds=1.0, pid=9, import_seconds=1.0, threads=1)  # its last sign of life
+    b.close()
+    a.stop(T + 35, 0, "node_left", {"node": b.node_id, "group_rank": 1}, 1)
+    a.round(T + 40, 1, [a.node_id], 1, run_at=T + 41)
+    a.stop(T + 60, 1, "succeeded", {"nodes": 1}, 1)
+    a.end(T + 60, "succeeded", 0)
+    a.close()
+    rep = build_report([run])
+    (f,) = rep.faults
+    assert f["kind"] == "node_left" and f["node"] == b.node_id
+    assert f["cause"].startswith(f"node {b.node_id} left")
+    assert f["t"] == T + 20 and f["lost_s"] == pytest.approx(21.0)
+    assert rep.jobs[0]["status"] == "succeeded"  # the node that left writes no job_end: not "still running"
+    assert rep.jobs[0]["rounds"][0]["ranks_running_at"] == T + 2.5  # all ranks of both nodes
+
+
+def test_interrupted_job_and_resume_chain(tmp_path):
+    a = Node(tmp_path / "1001", "hostA", 7)
+    a.start(T, "1001")
+    a.round(T + 1, 0, [a.node_id], 0, run_at=T + 2)
+    a.agent.emit("agent_signal", t=T + 30, signal="SIGTERM", phase="running", round=0)
+    a.stop(T + 30, 0, "interrupted", {"signal": "SIGTERM", "signum": 15}, 0)
+    a.end(T + 31, "failed", 143)
+    a.close()
+    resume = EventLog(tmp_path / "state" / "resume.jsonl", "resume")
+    resume.emit("resume_attempt_end", t=T + 32, attempt=1, exit_code=143)
+    resume.emit("resume_decision", t=T + 32.5, action="continue", reason="interrupted by SIGTERM", attempts=1, failures=0)
+    resume.emit("resume_submit", t=T + 33, job_id="1002")
+    resume.emit("resume_something_new", t=T + 34, x=1)
+    resume.close()
+    b = Node(tmp_path / "1002", "hostB", 9)
+    b.start(T + 100, "1002")
+    b.round(T + 101, 0, [b.node_id], 0, run_at=T + 104)
+    b.stop(T + 200, 0, "succeeded", {"nodes": 1}, 0)
+    b.end(T + 200, "succeeded", 0)
+    b.close()
+    rep = build_report([tmp_path])
+    assert [j["run_id"] for j in rep.jobs] == ["1001", "1002"]
+    assert rep.jobs[0]["status"] == "interrupted" and rep.jobs[0]["exit_code"] == 143
+    assert rep.jobs[0]["exit_meaning"] == "stopped on SIGTERM, resumable"
+    (f,) = rep.faults
+    assert f["kind"] == "interrupted" and "SIGTERM" in f["cause"]
+    assert f["lost_s"] == pytest.approx(74.0)      # to the next job's ranks running
+    texts = [it["text"] for it in rep.timeline]
+    assert "resume decision: continue: interrupted by SIGTERM (attempts 1, failures 0)" in texts
+    assert rep.unknown_events == {"resume/resume_something_new": 1}  # shown, counted, not fatal
+    assert rep.span["wall_s"] == pytest.approx(200.0)
+    ts = [it["t"] for it in rep.timeline]
+    assert ts == sorted(ts)
+
+
+def test_goodput_from_step_sections_and_from_running_time(tmp_path):
+    n = Node(tmp_path / "g", "hostA", 7)
+    n.start(T, "g")
+    pids = n.round(T, 0, [n.node_id], 0, run_at=T + 10)
+    for lr in range(2):
+        n.steps(lr, pids[lr], T + 10, T + 70, step_s=0.5)   # 6 batches x 20 closes x 0.5 s = 60 s in `step`
+    n.stop(T + 70, 0, "failed", {"rank": 0, "pid": pids[0], "exitcode": 1, "signal": None, "tail": [],
+                                 "group_rank": 0, "hang": None}, 1)
+    pids = n.round(T + 80, 1, [n.node_id], 1, run_at=T + 90)
+    for lr in range(2):
+        n.steps(lr, pids[lr], T + 90, T + 110, step_s=0.25)  # 2 batches x 40 x 0.25 s = 20 s
+    n.stop(T + 110, 1, "succeeded", {"nodes": 1}, 1)
+    n.end(T + 110, "succeeded", 0)
+    n.close()
+    rep = build_report([tmp_path])
+    g = rep.goodput
+    assert g["method"] == "step_sections"
+    assert g["productive_s"] == pytest.approx(80.0)
+    assert g["wall_s"] == pytest.approx(110.1, abs=0.2)   # monitor files end a moment later than the agent
+    assert g["ranks_running_s"] == pytest.approx(60.0 + 20.0)
+    r0 = rep.ranks[0]
+    assert r0["rank"] == 0 and r0["sessions"] == 2 and r0["heartbeats"] == 120 + 80
+    assert r0["sections"]["step"]["closes"] == 200 and r0["sections"]["step"]["max_s"] == 0.5
+    # without step sections: time all ranks were running
+    rep2 = build_report([tmp_path], Filters(step_section="nope"))
+    assert rep2.goodput["method"] == "ranks_running" and rep2.goodput["productive_s"] == pytest.approx(80.0)
+
+
+def test_rank_and_since_filters(tmp_path):
+    _hang_run(tmp_path / "hang", True)
+    assert build_report([tmp_path], Filters(rank=0)).faults == []
+    assert [f["rank"] for f in build_report([tmp_path], Filters(rank=1)).faults] == [1]
+    late = build_report([tmp_path], Filters(since=T + 61))
+    assert late.faults == [] and all(it["t"] >= T + 61 for it in late.timeline)
+    assert [it["kind"] for it in late.timeline] == ["round", "job_end"]
+
+
+def test_corrupt_lines_are_counted_and_skipped(tmp_path):
+    run = tmp_path / "job1"
+    _crash_run(run)
+    agent = next(run.glob("agent-*.jsonl"))
+    lines = agent.read_bytes().splitlines(keepends=True)
+    bad = [b'{"v":1,"t":17000', b"\x00" * 32, b"not json at all", b"[1,2,3]", b'{"v":1,"src":"agent","ev":"x"}',
+           b'{"v":1,"t":1700000001.0,"src":"agent","ev":"rdzv_round","round":"zero"}', b"\xff\xfe\xfd"]
+    agent.write_bytes(b"".join(lines[:3]) + b"\n".join(bad) + b"\n" + b"".join(lines[3:]) + b'{"v":1,"t":17')
+    mon = next(run.glob("monitor-*-0.jsonl"))
+    with open(mon, "ab") as fh:
+        fh.write(b'{"v":1,"t":1700000009.0,"src":"monitor-0","ev":"heartbeat_stats","rank":0,"cou\n')
+    rep = build_report([run])
+    assert rep.corrupt["count"] == len(bad) + 2
+    assert len(rep.corrupt["first"]) == 5 and "truncated line" in rep.corrupt["first"][0]
+    assert any("NUL" in x for x in rep.corrupt["first"])
+    (f,) = rep.faults  # the rest of the run is still read
+    assert f["cause"] == "rank 1 exited with code 13"
+    text = render_text(rep)
+    assert f"Corrupt lines: {len(bad) + 2} skipped" in text and "\x1b[" not in text
+
+
+def test_deferred_parsing_gives_the_same_report_as_parsing_everything(tmp_path):
+    """The fast path (heartbeat_stats/section_open parsed lazily) must not change any number."""
+    n = Node(tmp_path / "g", "hostA", 7)
+    n.start(T, "g")
+    pids = n.round(T, 0, [n.node_id], 0, run_at=T + 1)
+    n.steps(0, pids[0], T + 1, T + 200, step_s=0.3)
+    n.mons[1].emit("monitor_connect", t=T + 1, rank=1, pid=pids[1], generation=1, timeouts=TIMEOUTS)
+    n.mons[1].emit("section_open", t=T + 5, rank=1, section="checkpointing", open_for=4.0)  # still open at the end
+    n.mons[1].emit("heartbeat_stats", t=T + 6, rank=1, count=7, max_interval=2.0, since_last=0.0)
+    n.close()
+    fast = build_report([tmp_path]).to_dict()
+    slow = build_report([tmp_path], Filters(since=T - 1)).to_dict()  # --since disables the fast path
+    fast["filters"] = slow["filters"] = None
+    assert json.dumps(fast, sort_keys=True) == json.dumps(slow, sort_keys=True)
+    r1 = [r for r in fast["ranks"] if r["rank"] == 1][0]
+    assert r1["heartbeats"] == 7 and r1["open_sections"] == {"checkpointing": 4.0}
+
+
+def test_follow_reads_appended_lines_and_waits_for_a_partial_one(tmp_path):
+    run = tmp_path / "live"
+    n = Node(run, "hostA", 7)
+    n.start(T, "live")
+    n.round(T + 1, 0, [n.node_id], 0)
+    tl = Timeline()
+    tl.live = True
+    tl.add_files(discover([run]))
+    for ef in tl.files:
+        tl.consume(ef, final=False)
+    assert [it.kind for it in make_report(tl, now=T + 5).items] == ["job_start", "round", "job_open"]
+    agent = next(f for f in tl.files if f.kind == "agent")
+    line = json.dumps({"v": 1, "t": T + 9, "src": "agent", "ev": "rdzv_stop", "round": 0, "kind": "failed",
+                       "by_node": n.node_id, "detail": {"rank": 0, "exitcode": 2, "tail": []},
+                       "restart_count": 1, "give_up": True}).encode()
+    with open(agent.path, "ab") as fh:
+        fh.write(line[:30])           # a writer mid-line: not corrupt, just not there yet
+    tl.consume(agent, final=False)
+    assert tl.damage.count == 0 and make_report(tl, now=T + 9).faults == []
+    with open(agent.path, "ab") as fh:
+        fh.write(line[30:] + b"\n")
+    tl.consume(agent, final=False)
+    (f,) = make_report(tl, now=T + 9).faults
+    assert f["cause"] == "rank 0 exited with code 2" and f["give_up"] and tl.damage.count == 0
+    n.close()
+
+
+def test_jobs_in_one_run_dir_are_told_apart_by_time(tmp_path):
+    """`nvrx resume` inside one allocation relaunches with the same run id: same dir, two jobs."""
+    run = tmp_path / "same"
+    for i, t0 in enumerate((T, T + 100)):
+        n = Node(run, "hostA", 7 + i)
+        n.start(t0, "same")
+        n.round(t0 + 1, 0, [n.node_id], 0)
+        if i == 0:  # killed by the time limit: no stop, no job_end
+            n.close()
+            continue
+        n.stop(t0 + 50, 0, "succeeded", {"nodes": 1}, 0)
+        n.end(t0 + 50, "succeeded", 0)
+        n.close()
+    rep = build_report([run])
+    assert [j["status"] for j in rep.jobs] == ["no end record (agent killed, or still running)", "succeeded"]
+
+
+def test_bad_paths_raise_one_clear_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("hi")
+    (tmp_path / "other" / "data.jsonl").write_text('{"a": 1}\n')
+    with pytest.raises(NotARun, match="empty directory"):
+        discover([tmp_path / "empty"])
+    with pytest.raises(NotARun, match="no nvrx event files"):
+        discover([tmp_path / "other"])
+    with pytest.raises(NotARun, match="no such file"):
+        discover([tmp_path / "missing"])
+    with pytest.raises(NotARun, match="not an nvrx event file"):
+        discover([tmp_path / "other" / "notes.txt"])
+
+
+def test_parse_since():
+    now = 1_000_000.0
+    assert parse_since("10m", now) == now - 600
+    assert parse_since("1h30m", now) == now - 5400
+    assert parse_since("90s", now) == now - 90
+    assert parse_since("2d", now) == now - 2 * 86400
+    assert parse_since("2024-05-01T12:30:00+00:00", now) == 1714566600.0
+    import click
+
+    with pytest.raises(click.BadParameter, match="ISO time"):
+        parse_since("yesterday-ish", now)
+
+
+def test_steering_exit_code_ends_the_job_without_restart(tmp_path):
+    n = Node(tmp_path / "s", "hostA", 7)
+    n.start(T, "s")
+    pids = n.round(T + 1, 0, [n.node_id], 0)
+    n.stop(T + 9, 0, "failed", {"rank": 0, "local_rank": 0, "group_rank": 0, "pid": pids[0], "exitcode": 16,
+                                "signal": None, "tail": [], "hang": None, "no_restart": True, "steer": 16}, 1,
+           give_up=True)
+    n.end(T + 10, "failed", 16)
+    n.close()
+    rep = build_report([tmp_path])
+    (f,) = rep.faults
+    assert f["cause"] == "rank 0 exited with code 16 (resume on different hardware)"
+    assert "no restart in place" in f["text"] and f["lost_s"] is None
+    assert rep.jobs[0]["status"] == "stopped by a rank's exit code" and rep.jobs[0]["exit_code"] == 16
