@@ -28,6 +28,7 @@ from ckpt.async_ckpt.core import AsyncCallsQueue
 from ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from ckpt.async_ckpt.state_dict_saver import CheckpointMetadataCache, async_request, save_state_dict_async_plan
 from ckpt.async_ckpt.writer_process import WriterProcess
+from ckpt.errors import CheckpointWriteError
 from ckpt.loader import CheckpointInfo, load_latest, load_metadata
 from ckpt.torch_save_async import torch_save_request
 
@@ -54,6 +55,7 @@ class AsyncCheckpointer:
 
     def async_save(self, state_dict: dict[str, Any], path: str | os.PathLike, *, update_latest: bool = True) -> int:
         """Save STATE_DICT as a DCP checkpoint directory PATH; returns once the values are copied (collective)."""
+        self._refuse_pending(path)
         writer = FileSystemWriterAsync(path, files_per_rank=self.files_per_rank, keep_last=self.keep_last,
                                        update_latest=update_latest)
         planned = save_state_dict_async_plan(state_dict, writer, self.process_group, enable_cache=self.enable_cache,
@@ -62,7 +64,13 @@ class AsyncCheckpointer:
 
     def async_torch_save(self, obj: Any, path: str | os.PathLike, *, update_latest: bool = False) -> int:
         """``torch.save(obj, path)`` in the background, for state of this process only (not collective)."""
+        self._refuse_pending(path)
         return self.queue.schedule_async_request(torch_save_request(obj, path, update_latest=update_latest))
+
+    def _refuse_pending(self, path: str | os.PathLike) -> None:
+        if os.path.abspath(path) in self.queue.pending_destinations():
+            raise CheckpointWriteError(f"a save to {os.path.abspath(path)} is still pending; call wait() first "
+                                       "or save to another path")
 
     def maybe_finalize(self) -> list[int]:
         """Publish the saves that are durable on every rank, without waiting (collective while saves are pending)."""

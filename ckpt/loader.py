@@ -8,6 +8,7 @@ the next older one is used, so a resume never starts from half-written data.
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,9 @@ def load_latest(root: str | Path, state_dict: dict[str, Any], *, process_group: 
             except CheckpointError as exc:
                 log.warning("skipping %s", exc)
                 continue
-        dcp.load(state_dict, checkpoint_id=str(info.path), process_group=process_group)
+        with warnings.catch_warnings():  # torch warns that one process loads alone; that is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state_dict, checkpoint_id=str(info.path), process_group=process_group)
         return info
     return None
 

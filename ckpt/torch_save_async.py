@@ -57,9 +57,10 @@ def torch_save_request(obj: Any, path: str | os.PathLike, *, update_latest: bool
         finally:
             pool.release(staged)
 
-    def discard() -> None:
+    def discard(remove_files: bool) -> None:
         pool.release(staged)
-        partial.unlink(missing_ok=True)
+        if remove_files:
+            partial.unlink(missing_ok=True)
 
     job = {"op": "copy", "path": str(partial), "nbytes": staged.pos, "fsync": True}
     return AsyncRequest(job=job, finalize_fns=[finalize], fd=staged.fd, on_result=record, on_discard=discard,

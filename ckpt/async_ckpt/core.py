@@ -38,7 +38,7 @@ class AsyncRequest:
     fd: int | None = None
     dist_wrapper: Any = None
     on_result: Callable[[dict[str, Any]], None] | None = None
-    on_discard: Callable[[], None] | None = None
+    on_discard: Callable[[bool], None] | None = None  # free resources; True: also remove unpublished files
     description: str = "checkpoint"
     destination: str | None = None
 
@@ -79,7 +79,7 @@ class AsyncCallsQueue:
         """Start writing REQUEST in the writer process; returns its call index."""
         if request.destination is not None and request.destination in self.pending_destinations():
             if request.on_discard:
-                request.on_discard()
+                request.on_discard(False)  # the pending save owns the files at that path
             raise CheckpointWriteError(f"a save to {request.destination} is still pending; finalize it first "
                                        "(maybe_finalize_async_calls(blocking=True)) or save to another path")
         call = _Call(next(self._idx), request)
@@ -169,7 +169,7 @@ class AsyncCallsQueue:
             return True
         pending.remove(call)
         if call.request.on_discard:
-            call.request.on_discard()
+            call.request.on_discard(True)
         message = f"checkpoint {call.request.description} was not saved: {where}; the previous checkpoint is intact"
         if self.skip_failed:
             log.warning("%s (skipped; training continues)", message)
@@ -186,7 +186,7 @@ class AsyncCallsQueue:
                 fn()
         except CheckpointWriteError as exc:
             if request.on_discard:
-                request.on_discard()
+                request.on_discard(True)
             if self.skip_failed:
                 log.warning("%s (skipped; training continues)", exc)
                 return False
@@ -211,7 +211,7 @@ class AsyncCallsQueue:
         for call in self._collective + self._local:
             if call.request.on_discard:
                 try:
-                    call.request.on_discard()
+                    call.request.on_discard(True)
                 except Exception as exc:
                     log.debug("cleanup of %s failed: %s", call.request.description, exc)
         self._collective.clear()

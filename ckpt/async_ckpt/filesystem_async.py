@@ -219,9 +219,10 @@ class FileSystemWriterAsync(StorageWriter):
         self._reply = reply
 
     def release_staging(self) -> None:
+        """This save is over (published or dropped): free its staging buffer and forget its results."""
         if self._buffer is not None:
             self.pool.release(self._buffer)
-        self._buffer, self._job = None, None
+        self._buffer, self._job, self._reply, self._layout = None, None, None, []
 
     def local_results(self) -> dict[str, Any]:
         """This rank's write results as JSON (sent to the coordinator at finalize)."""

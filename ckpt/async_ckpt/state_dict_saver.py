@@ -155,7 +155,8 @@ def _exchange_plans(dw: DistWrapper, planner: SavePlanner, writer: FileSystemWri
     messages = dw.all_gather_json(message)
     errors = [f"rank {r}: {m['error']}" if dw.world_size > 1 else m["error"] for r, m in enumerate(messages) if m["error"]]
     if errors:
-        raise CheckpointError("checkpoint not saved: " + "; ".join(errors))
+        _discard_after_failed_plan(dw, writer)
+        raise CheckpointError("; ".join(errors) if dw.world_size == 1 else "checkpoint not saved: " + "; ".join(errors))
     global_md = None
     reply: dict[str, Any] = {}
     if dw.is_coordinator:
@@ -170,8 +171,15 @@ def _exchange_plans(dw: DistWrapper, planner: SavePlanner, writer: FileSystemWri
             reply = {"error": str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"}
     reply = dw.broadcast_json(reply)
     if "error" in reply:
+        _discard_after_failed_plan(dw, writer)
         raise CheckpointError(reply["error"] if reply["error"].startswith("state dict") else f"checkpoint not saved: {reply['error']}")
     return plan_codec.decode_plan(reply["plans"][dw.rank]), global_md
+
+
+def _discard_after_failed_plan(dw: DistWrapper, writer: FileSystemWriterAsync) -> None:
+    """Every rank is past creating the partial directory (it precedes the exchange): the coordinator removes it."""
+    if dw.is_coordinator:
+        writer.discard_partial()
 
 
 def save_state_dict_async_plan(state_dict: dict[str, Any], storage_writer: FileSystemWriterAsync,
@@ -277,9 +285,9 @@ def async_request(storage_writer: FileSystemWriterAsync, global_metadata: Metada
     """The request that writes the staged data in the writer process and then finalizes this save."""
     job, buffer = storage_writer.write_job()
 
-    def discard() -> None:
+    def discard(remove_files: bool) -> None:
         storage_writer.release_staging()
-        if dist_wrapper.is_coordinator:
+        if remove_files and dist_wrapper.is_coordinator:
             storage_writer.discard_partial()
 
     return AsyncRequest(job=job, buffer=buffer,
