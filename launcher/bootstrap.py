@@ -54,6 +54,10 @@ class _NotRunnable(Exception):
         self.code = code
 
 
+def _pythonpath_entries(value: str | None) -> list[str]:
+    return [os.path.abspath(p) for p in (value or "").split(os.pathsep) if p]
+
+
 def _undo_injection() -> str | None:
     """Restore the user's PYTHONPATH and sys.path; returns the PYTHONPATH sys.path was built from."""
     raw = os.environ.pop(INJECT_ENV, None)
@@ -68,6 +72,8 @@ def _undo_injection() -> str | None:
         os.environ.pop("PYTHONPATH", None)
     else:
         os.environ["PYTHONPATH"] = original
+    if os.path.abspath(root) in _pythonpath_entries(original):
+        return original  # the user's PYTHONPATH names the same directory: python kept one entry for both
     for i in range(1, len(sys.path)):  # PYTHONPATH entries follow sys.path[0]
         if sys.path[i] == root:
             del sys.path[i]
@@ -77,10 +83,6 @@ def _undo_injection() -> str | None:
 
 # The PYTHONPATH this interpreter's sys.path reflects; a forked rank may be given another one.
 _SYS_PATH_PYTHONPATH = _undo_injection()
-
-
-def _pythonpath_entries(value: str | None) -> list[str]:
-    return [os.path.abspath(p) for p in (value or "").split(os.pathsep) if p]
 
 
 def _sync_sys_path_with_env() -> None:

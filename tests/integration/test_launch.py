@@ -242,3 +242,14 @@ def test_unmodified_torchrun_script_gives_same_results(launcher, tmp_path):
     assert pick(ours.stdout, "PARAMS") == pick(theirs.stdout, "PARAMS")
     assert pick(ours.stdout, "ENVKEYS") == pick(theirs.stdout, "ENVKEYS")
     assert launcher.leftovers() == []
+
+
+def test_users_pythonpath_entry_survives_even_when_it_is_the_launcher_root(launcher, tmp_path):
+    """The launcher puts its root on PYTHONPATH for the bootstrap and takes it off again, but never the user's own entry."""
+    from tests.conftest import REPO
+
+    script = write_script(tmp_path / "path.py", "import sys\nprint('ROOT_ON_PATH', sys.argv[1] in sys.path)\n")
+    res = launcher.run("--nproc-per-node", "1", "--no-fork-server", str(script), str(REPO),
+                       env={"PYTHONPATH": str(REPO)}, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "ROOT_ON_PATH True" in res.stdout
