@@ -57,7 +57,7 @@ def main() -> None:
     cp.wait()
     out["after_identical"] = cp.cache.get_metadata_caching_status()
 
-    state["extra"] = torch.ones(2, 2) * (rank + 1)  # new key: the cache must be invalidated
+    state["extra"] = torch.full((2, 2), 3.0)  # new key (replicated, same on both ranks): the cache must be invalidated
     cp.async_save(state, f"{work}/root/step_3")
     cp.wait()
     out["after_changed"] = cp.cache.get_metadata_caching_status()
