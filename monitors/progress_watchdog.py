@@ -1,55 +1,87 @@
 """Automatic heartbeat: beat while the rank's main thread keeps executing Python bytecode.
 
-A daemon thread asks the interpreter to run a tiny callback in the main thread
-(``Py_AddPendingCall``). The interpreter runs pending calls only between bytecodes of the main
-thread, so the callback, which stores the time into the heartbeat slot, runs only while the main
-thread is executing Python code. A call that blocks the interpreter (a hung collective, even one that
-released the GIL) stops the beats, and the monitor's heartbeat timeout fires. A ``while True`` livelock
-still beats: that is what manual heartbeats and sections are for.
+A daemon thread asks the interpreter to run a tiny C call in the main thread (``Py_AddPendingCall``
+with libc's ``sem_post`` on a semaphore of ours) and waits on that semaphore. The interpreter runs
+pending calls only between bytecodes of the main thread, so the semaphore is posted only while the
+main thread is executing Python code; when it is, the daemon thread calls ``beat()`` and asks again
+after ``interval``. A call that blocks the interpreter (a hung collective, even one that released the
+GIL) stops the beats, and the monitor's heartbeat timeout fires. A ``while True`` livelock still beats:
+that is what manual heartbeats and sections are for.
+
+The pending call is C, not a Python callback: no Python code of ours runs in the main thread, so an
+asynchronous exception meant for the user's code (the in-process restart's) can never be raised, and
+lost, inside the watchdog. ``beat()`` therefore runs in the watchdog thread.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import threading
+import time
 from typing import Callable
 
 log = logging.getLogger("nvrx.progress_watchdog")
 
-_PENDING_CALL = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 _add_pending_call = ctypes.pythonapi.Py_AddPendingCall
 _add_pending_call.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 _add_pending_call.restype = ctypes.c_int
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_SEM_POST = ctypes.cast(_libc.sem_post, ctypes.c_void_p)  # int sem_post(sem_t *): 0 on success, as a pending call must
+_sem_init = _libc.sem_init
+_sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
+_sem_timedwait = _libc.sem_timedwait
+_sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+_SEM_SIZE = 64  # sizeof(sem_t) is 32 on 64-bit Linux; leave room
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+# A queued pending call may still run after its watchdog is gone: its semaphore must never be freed.
+_semaphores: list[ctypes.Array] = []
+
 
 class ProgressWatchdog:
-    """Every ``interval`` seconds, schedule one ``beat()`` in the main thread unless one is still queued."""
+    """Every ``interval`` seconds, queue one ``sem_post`` in the main thread; ``beat()`` when it ran."""
 
     def __init__(self, beat: Callable[[], None], interval: float) -> None:
         self._beat = beat
         self.interval = interval
-        self._queued = threading.Event()
         self._stop = threading.Event()
-        self._callback = _PENDING_CALL(self._in_main_thread)  # kept alive as long as we are
+        self._sem = ctypes.create_string_buffer(_SEM_SIZE)
+        _semaphores.append(self._sem)
+        if _sem_init(ctypes.addressof(self._sem), 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "sem_init failed")
         self._thread = threading.Thread(target=self._loop, name="nvrx-progress-watchdog", daemon=True)
 
-    def _in_main_thread(self, _arg: int) -> int:
-        self._queued.clear()
-        try:
-            self._beat()
-        except Exception:  # must never raise into the user's code
-            pass
-        return 0
+    def _ran(self, timeout: float) -> bool:
+        """Wait up to TIMEOUT for the main thread to run the queued call."""
+        deadline = time.time() + timeout
+        spec = _Timespec(int(deadline), int((deadline % 1) * 1e9))
+        while True:
+            if _sem_timedwait(ctypes.addressof(self._sem), ctypes.byref(spec)) == 0:
+                return True
+            if ctypes.get_errno() != errno.EINTR:
+                return False
 
     def _loop(self) -> None:
-        pointer = ctypes.cast(self._callback, ctypes.c_void_p)
-        while not self._stop.wait(self.interval):
-            if self._queued.is_set():
-                continue  # the main thread has not run bytecode since the last request: no beat
-            self._queued.set()
-            if _add_pending_call(pointer, None) != 0:
-                self._queued.clear()  # the interpreter's queue is full: try next time
+        sem = ctypes.c_void_p(ctypes.addressof(self._sem))
+        while not self._stop.is_set():
+            if _add_pending_call(_SEM_POST, sem) != 0:  # the interpreter's queue is full: try next time
+                self._stop.wait(self.interval)
+                continue
+            while not self._stop.is_set():  # queued; beat when the main thread gets to it
+                if self._ran(self.interval):
+                    try:
+                        self._beat()
+                    except Exception:  # a beat must never end the watchdog
+                        log.debug("beat failed", exc_info=True)
+                    break
+            self._stop.wait(self.interval)
 
     def start(self) -> "ProgressWatchdog":
         self._thread.start()

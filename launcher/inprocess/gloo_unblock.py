@@ -6,12 +6,14 @@ alive but not taking part stays blocked until the gloo timeout (30 min by defaul
 at once is ``shutdown(2)`` on the gloo pair connection: the blocked call raises "Connection closed by
 peer" within milliseconds, on both ends of the connection.
 
-Which sockets are gloo's: every gloo device listens on a port of its own, and each pair connection is
-accepted on the listener of one of its two ranks. So this module shuts down the connections whose
-local port is a listener that appeared during the current iteration (the Wrapper records the sockets
-that existed before it, ``mark_iteration_start``), leaving alone the Wrapper's own store sockets and
-anything the program opened earlier. Connections this rank opened *to* a peer are closed by that
-peer's abort (every live rank aborts on every fault); a dead peer's kernel closes its side itself.
+Which sockets are gloo's: every gloo device runs an epoll loop that watches its listening socket and
+all its pair connections (measured: one epoll per device, listener + one socket per peer, both the
+connections it accepted and those it opened). So this module looks for epoll instances of this
+process that watch a TCP listener created during the current iteration (the Wrapper records the
+sockets that existed before it, ``mark_iteration_start``) and shuts down the other TCP sockets that
+epoll watches. The Wrapper's own stores predate the iteration and are left alone, as is anything the
+program opened earlier; a TCP server started inside the wrapped function would be treated like gloo.
+Both ends of every connection fail at once, so one live rank's abort is enough to free its peers.
 
 Never shut down a gloo *listener*: gloo's accept thread treats the error as fatal and aborts the
 process (``listener.cc: accept: Invalid argument``, measured).
@@ -91,15 +93,45 @@ def mark_iteration_start() -> None:
         _baseline = inodes
 
 
+def _epoll_watch_lists() -> list[set[int]]:
+    """For each epoll instance of this process, the inodes of the files it watches (from fdinfo)."""
+    lists: list[set[int]] = []
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return lists
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") != "anon_inode:[eventpoll]":
+                continue
+            with open(f"/proc/self/fdinfo/{name}") as fh:
+                info = fh.read()
+        except OSError:
+            continue
+        inodes = set()
+        for line in info.splitlines():
+            if line.startswith("tfd:") and " ino:" in line:
+                inodes.add(int(line.split(" ino:", 1)[1].split()[0], 16))
+        lists.append(inodes)
+    return lists
+
+
 def gloo_connections() -> list[TcpSocket]:
-    """Connections accepted on listeners opened since ``mark_iteration_start``."""
+    """TCP connections watched by an epoll that also watches a listener opened since ``mark_iteration_start``."""
     with _lock:
         baseline = _baseline
     if baseline is None:
         return []
-    sockets = own_tcp_sockets()
-    new_ports = {s.local_port for s in sockets if s.state == TCP_LISTEN and s.inode not in baseline}
-    return [s for s in sockets if s.state != TCP_LISTEN and s.local_port in new_ports]
+    sockets = {s.inode: s for s in own_tcp_sockets()}
+    new_listeners = {i for i, s in sockets.items() if s.state == TCP_LISTEN and i not in baseline}
+    found: dict[int, TcpSocket] = {}
+    for watched in _epoll_watch_lists():
+        if watched & new_listeners:
+            for inode in watched:
+                sock = sockets.get(inode)
+                if sock is not None and sock.state != TCP_LISTEN:
+                    found[inode] = sock
+    return list(found.values())
 
 
 def _shutdown(sock: TcpSocket) -> bool:

@@ -1,8 +1,10 @@
 """The monitor process: a small daemon per rank that keeps watch when the rank itself cannot.
 
-It is started by the Wrapper as ``python -m launcher.inprocess.monitor_process`` and talks to it over
-pipes in JSON lines (configuration in, ``ready`` out, then ``watch``/``stop`` commands in). It opens its
-own connection to the store and every ``monitor_process_interval``:
+The Wrapper forks it when a call starts (before the Wrapper starts its own threads), so it costs
+milliseconds instead of a second interpreter importing torch. The child closes every descriptor it
+inherited except its two pipes, sends its output to ``monitor_process_logfile`` (or nowhere), and
+talks to the rank only in JSON lines (``ready`` out; ``watch``/``stop`` in): nothing is pickled. It opens
+its own connection to the store and every ``monitor_process_interval``:
 
 * beats for its rank in the store, and watches the other ranks' beats: a rank silent for
   ``heartbeat_timeout`` (its node or both its processes are gone) is recorded as terminated and as a fault;
@@ -12,78 +14,82 @@ own connection to the store and every ``monitor_process_interval``:
   SIGCONT+SIGTERM+SIGKILL. A rank that holds the GIL cannot be rescued by its own threads; this is the
   only way out, and such a rank does not rejoin.
 
-It logs only to ``monitor_process_logfile`` (nothing when that is not set) and exits with its rank.
+It exits when its rank ends or tells it to stop, without running the interpreter's teardown.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
 import select
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("launcher.inprocess.monitor_process")
 
-READY_TIMEOUT = 120.0  # importing torch on a loaded machine can take a while
-_LAUNCHER_ROOT = str(Path(__file__).resolve().parents[2])
+READY_TIMEOUT = 60.0
+_RESET_SIGNALS = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT")
 
 
 # ---------------------------------------------------------------- the rank's side
 
 
 class MonitorProcess:
-    """Start, command and stop the monitor process of this rank."""
+    """Fork, command and stop the monitor process of this rank."""
 
     def __init__(self, config: dict[str, Any], logfile: str | None) -> None:
         self.config = config
         self.logfile = logfile
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.pid: int | None = None
+        self._pidfd = -1
+        self._cmd = -1
+        self._replies: _Lines | None = None
 
     def start(self) -> "MonitorProcess":
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_LAUNCHER_ROOT, env.get("PYTHONPATH")) if p)
-        stderr: Any = subprocess.DEVNULL
-        if self.logfile:
-            stderr = open(self.logfile, "ab")
-        try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "launcher.inprocess.monitor_process"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=stderr, env=env, close_fds=True)
-        finally:
-            if stderr is not subprocess.DEVNULL:
-                stderr.close()
-        self.send(self.config)
+        cmd_r, cmd_w = os.pipe2(os.O_CLOEXEC)
+        rep_r, rep_w = os.pipe2(os.O_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:  # the monitor process: never returns
+            code = 70
+            try:
+                os.close(cmd_w)
+                os.close(rep_r)
+                code = _child_main(self.config, self.logfile, cmd_r, rep_w)
+            finally:
+                os._exit(code)
+        os.close(cmd_r)
+        os.close(rep_w)
+        self.pid, self._cmd, self._replies = pid, cmd_w, _Lines(rep_r)
+        self._pidfd = os.pidfd_open(pid)
         return self
 
     def send(self, message: dict[str, Any]) -> None:
-        if self.proc is None or self.proc.stdin is None or self.proc.poll() is not None:
+        if self._cmd < 0:
             return
         try:
-            self.proc.stdin.write(json.dumps(message).encode() + b"\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, ValueError, OSError):
+            os.write(self._cmd, json.dumps(message).encode() + b"\n")
+        except OSError:
             pass
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
         """Block until the monitor process connected to the store; RuntimeError with its reason if it failed."""
-        assert self.proc is not None and self.proc.stdout is not None
+        assert self._replies is not None
         deadline = time.monotonic() + timeout
-        fd = self.proc.stdout.fileno()
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError(f"the in-process monitor process did not start within {timeout:g} s")
-            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
-            if ready:
-                line = self.proc.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"the in-process monitor process exited during start-up "
-                                       f"(code {self.proc.wait()}){self._see_log()}")
+            ready, _, _ = select.select([self._replies.fd], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            lines = self._replies.read()
+            if lines is None:
+                raise RuntimeError(f"the in-process monitor process exited during start-up{self._see_log()}")
+            for line in lines:
                 reply = json.loads(line)
                 if reply.get("ready"):
                     return
@@ -93,33 +99,76 @@ class MonitorProcess:
         return f"; see {self.logfile}" if self.logfile else ""
 
     def stop(self, timeout: float = 2.0) -> None:
-        if self.proc is None:
+        """Tell it to stop and reap it (killed if it does not go within TIMEOUT)."""
+        if self.pid is None:
             return
         self.send({"cmd": "stop"})
-        for stream in (self.proc.stdin, self.proc.stdout):
+        for fd in (self._cmd, self._replies.fd if self._replies else -1):
+            if fd >= 0:
+                os.close(fd)
+        self._cmd, self._replies = -1, None
+        ready, _, _ = select.select([self._pidfd], [], [], timeout)
+        if not ready:
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        os.close(self._pidfd)
+        self.pid, self._pidfd = None, -1
+
+
+def _child_main(cfg: dict[str, Any], logfile: str | None, commands_fd: int, reply_fd: int) -> int:
+    """Become the monitor process: own signals, own descriptors, own store connection."""
+    gc.freeze()  # objects inherited from the rank are never finalised here (their descriptors are closed)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the rank; we end when it ends
+    for name in _RESET_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    _own_descriptors(logfile, keep=(commands_fd, reply_fd))
+    from launcher.inprocess.log_setup import set_context, setup_file_logging
+
+    setup_file_logging(logfile)
+    set_context(initial_rank=cfg.get("rank"))
+    try:
+        monitor = _Monitor(cfg, reply_fd)
+    except Exception as exc:
+        log.exception("start-up failed")
+        _reply(reply_fd, {"error": (str(exc).splitlines() or [type(exc).__name__])[0]})
+        return 1
+    code = monitor.run(_Lines(commands_fd))
+    logging.shutdown()
+    return code
+
+
+def _own_descriptors(logfile: str | None, keep: tuple[int, ...]) -> None:
+    """stdin from /dev/null, stdout/stderr to the log file (or /dev/null); close everything else."""
+    null = os.open(os.devnull, os.O_RDWR)
+    out = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if logfile else null
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    for fd in {null, out}:
+        if fd > 2 and fd not in keep:
+            os.close(fd)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
             try:
-                if stream is not None:
-                    stream.close()
+                os.close(fd)
             except OSError:
                 pass
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
+    for fd in keep:
+        os.set_inheritable(fd, False)
 
 
 # ---------------------------------------------------------------- the monitor process itself
 
 
 class _Monitor:
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        from launcher.inprocess.progress import read_progress  # noqa: F401  (imported before torch: fast failure)
+    def __init__(self, cfg: dict[str, Any], reply_fd: int) -> None:
         from launcher.inprocess.store import store_from_spec
         from monitors.heartbeat import Slot
 
         self.cfg = cfg
+        self.reply_fd = reply_fd
         self.rank = int(cfg["rank"])
         self.world_size = int(cfg["world_size"])
         self.pid = int(cfg["pid"])
@@ -136,7 +185,7 @@ class _Monitor:
 
     def run(self, commands: "_Lines") -> int:
         self.store.heartbeat(self.rank)
-        _reply({"ready": True})
+        _reply(self.reply_fd, {"ready": True})
         log.info("monitoring pid %d (interval %g s, heartbeat timeout %g s, hard timeout %g s)",
                  self.pid, self.interval, self.heartbeat_timeout, self.hard_timeout)
         next_tick = time.monotonic()
@@ -298,32 +347,8 @@ def _signal(pidfd: int, sig: int) -> None:
         pass
 
 
-def _reply(message: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
-
-
-def main() -> int:
-    commands = _Lines(sys.stdin.fileno())
-    line = commands.first()
-    if not line:
-        return 0
-    cfg = json.loads(line)
-    from launcher.inprocess.log_setup import set_context, setup_file_logging
-
-    setup_file_logging(cfg.get("logfile"))
-    set_context(initial_rank=cfg.get("rank"))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the rank; we end when it ends
+def _reply(fd: int, message: dict[str, Any]) -> None:
     try:
-        monitor = _Monitor(cfg)
-    except Exception as exc:
-        log.exception("start-up failed")
-        _reply({"error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__})
-        return 1
-    return monitor.run(commands)
-
-
-if __name__ == "__main__":
-    code = main()
-    logging.shutdown()
-    os._exit(code)  # skip the interpreter teardown of torch (0.5 s+): nothing is left to flush
+        os.write(fd, json.dumps(message).encode() + b"\n")
+    except OSError:
+        pass

@@ -56,7 +56,11 @@ class ProgressRecorder:
         self.writer = SlotWriter(self.slot)
         self._lock = threading.Lock()  # ping() may come from any thread; the slot has one writer at a time
         self.writer.auto_beat()
-        self.watchdog = ProgressWatchdog(self.writer.auto_beat, watchdog_interval).start()
+        self.watchdog = ProgressWatchdog(self.writer.auto_beat, watchdog_interval)
+
+    def start(self) -> "ProgressRecorder":
+        self.watchdog.start()
+        return self
 
     def ping(self) -> None:
         with self._lock:

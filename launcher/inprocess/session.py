@@ -105,7 +105,9 @@ class Session:
         self.gate.install()
         self.recorder = ProgressRecorder(w.progress_watchdog_interval)
         self.store = self._make_store()
+        # Forked before the Wrapper's own threads start (see monitor_process).
         self.monitor_process = MonitorProcess(self._monitor_config(), _logfile(w.monitor_process_logfile, self.rank)).start()
+        self.recorder.start()
         try:
             client = self.store.new_client()
         except Exception:
