@@ -53,8 +53,10 @@ REATTACH_TIMEOUT = 60.0  # how long a rank waits for the agent to restart a dead
 class MonitorLink:
     """This process's connection to its rank monitor: the control channel plus the heartbeat slot."""
 
-    def __init__(self, socket_path: Path, shm_path: Path, token: str, connect_timeout: float = 30.0) -> None:
+    def __init__(self, socket_path: Path, shm_path: Path, token: str, connect_timeout: float = 30.0,
+                 global_rank: int | None = None) -> None:
         self.socket_path, self.shm_path = Path(socket_path), Path(shm_path)
+        self.global_rank = global_rank  # RANK, so the monitor's events name the rank users know
         self._token = token
         self.connect_timeout = connect_timeout
         self._lock = threading.RLock()
@@ -76,7 +78,9 @@ class MonitorLink:
             raise RuntimeError(f"no rank monitor for this process ({', '.join(missing)} not set): "
                                "start the script with `nvrx launch`")
         timeout = float(env.get(ENV_CONNECT_TIMEOUT) or 30.0)
-        return cls(Path(values[ENV_SOCKET]), Path(values[ENV_SHM]), values[ENV_TOKEN], timeout)
+        rank = env.get("RANK", "")
+        return cls(Path(values[ENV_SOCKET]), Path(values[ENV_SHM]), values[ENV_TOKEN], timeout,
+                   int(rank) if rank.isdigit() else None)
 
     # ---- connecting
     def attach(self, started: float | None, armed: bool, timeout: float | None = None) -> None:
@@ -93,7 +97,8 @@ class MonitorLink:
             if self._channel is None:
                 reply = self._connect("init", None, sections=names)
             else:
-                reply = self._request_locked("init", token=self._token, pid=os.getpid(), sections=names)
+                reply = self._request_locked("init", token=self._token, pid=os.getpid(), global_rank=self.global_rank,
+                                             sections=names)
                 self._adopt(reply)
             self.armed = True
             return reply
@@ -101,7 +106,7 @@ class MonitorLink:
     def _connect(self, op: str, timeout: float | None, **fields: Any) -> dict[str, Any]:
         channel = Channel.connect(self.socket_path, connect_timeout=self.connect_timeout if timeout is None else timeout)
         try:
-            reply = channel.request(op, token=self._token, pid=os.getpid(), **fields)
+            reply = channel.request(op, token=self._token, pid=os.getpid(), global_rank=self.global_rank, **fields)
             slot = Slot.attach(self.shm_path)
         except MonitorError as exc:
             channel.close()

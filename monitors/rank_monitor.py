@@ -115,6 +115,10 @@ def run_observations(snap: SlotSnapshot, registry: SectionRegistry) -> tuple[Hea
     return hb, sections
 
 
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 # ------------------------------------------------------------------ the process
 
 
@@ -133,6 +137,7 @@ class Session:
     proc: psutil.Process
     generation: int
     armed: bool = True  # False: attached by the bootstrap, deadlines not checked until init
+    global_rank: int | None = None  # the rank's RANK in this round (the monitor's own rank is the local one)
     first_hb_reported: bool = False
     terminated: bool = False
     next_stats: float = 0.0
@@ -290,7 +295,8 @@ class RankMonitor:
 
     def _on_hang(self, sess: Session, deadline: Deadline, now: float, timeouts: Timeouts) -> None:
         sig = self.settings.rank_termination_signal
-        info = {"rank": self.rank, "pid": sess.proc.pid, "generation": sess.generation, "reason": deadline.reason,
+        info = {"rank": self.rank, "global_rank": sess.global_rank, "pid": sess.proc.pid,
+                "generation": sess.generation, "reason": deadline.reason,
                 "section": deadline.section, "elapsed": round(now - deadline.since, 6),
                 "timeout": deadline.timeout, "timeouts": timeouts.to_dict(), "signal": sig.name}
         log.error("rank %d hang detected: %s%s after %.3fs (timeout %.3fs); sending %s to pid %d", self.rank,
@@ -454,7 +460,9 @@ class RankMonitor:
         proc = self._verified_proc(conn, msg)
         self._register_sections(msg)
         sess = self._open_session(conn, proc, bool(msg.get("armed")), msg.get("started"))
-        self.events.emit("monitor_attach", rank=self.rank, pid=proc.pid, generation=sess.generation,
+        sess.global_rank = _int_or_none(msg.get("global_rank"))
+        self.events.emit("monitor_attach", rank=self.rank, global_rank=sess.global_rank, pid=proc.pid,
+                         generation=sess.generation,
                          armed=sess.armed, reattach=bool(msg.get("resume")))
         if sess.armed:
             self._emit_connect(sess)
@@ -471,11 +479,13 @@ class RankMonitor:
             sess.armed = True
         else:
             sess = self._open_session(conn, proc, True, None)
+            sess.global_rank = _int_or_none(msg.get("global_rank"))
         self._emit_connect(sess)
         return self._session_reply()
 
     def _emit_connect(self, sess: Session) -> None:
-        self.events.emit("monitor_connect", rank=self.rank, pid=sess.proc.pid, generation=sess.generation,
+        self.events.emit("monitor_connect", rank=self.rank, global_rank=sess.global_rank, pid=sess.proc.pid,
+                         generation=sess.generation,
                          timeouts=self.tracker.in_force().to_dict())
         log.info("rank %d monitored (pid %d, run %d)", self.rank, sess.proc.pid, sess.generation)
 

@@ -118,6 +118,7 @@ def test_auto_heartbeat_gives_an_unmodified_script_hang_detection(launcher, tmp_
     assert (tmp_path / "hanging").exists()
     hangs = [e for e in _events(tmp_path / "nvrx_logs" / "auto", "monitor-") if e["ev"] == "hang_detected"]
     assert [h["reason"] for h in hangs] == ["heartbeat_timeout"], hangs  # only the blocked rank, only once
+    assert hangs[0]["global_rank"] == 1
     assert "by its monitor: heartbeat timeout" in res.stderr
     assert launcher.leftovers() == []
 
