@@ -132,32 +132,75 @@ def _tensor_from(buffer: memoryview, item: dict[str, Any]) -> Any:
     return raw.view(dtype).reshape(item["shape"])
 
 
-def _write_one_file(buffer: memoryview, directory: str, spec: dict[str, Any], fsync: bool) -> dict[str, Any]:
-    import torch
+class _FileStream(io.RawIOBase):
+    """Sequential writes to an fd that never stop short: a full disk raises ENOSPC instead of a short count."""
 
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd = fd
+        self.pos = 0
+        self.error: OSError | None = None  # torch.save hides a failed write behind its own message; keep ours
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                done += os.write(self.fd, view[done:])  # raises OSError (ENOSPC, EIO, ...) when nothing can be written
+        except OSError as exc:
+            self.error = exc
+            raise
+        self.pos += done
+        return done
+
+    def save(self, tensor: Any) -> None:
+        import torch
+
+        try:
+            torch.save(tensor, self)
+        except Exception:
+            if self.error is not None:
+                raise self.error from None
+            raise
+
+
+def _write_one_file(buffer: memoryview, directory: str, spec: dict[str, Any], fsync: bool) -> dict[str, Any]:
     path = os.path.join(directory, spec["name"])
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)  # read: the blobs' zip directories
     results = []
-    with open(fd, "r+b", buffering=0, closefd=True) as f:
+    try:
+        out = _FileStream(fd)
         for item in spec["items"]:
-            start = f.tell()
+            start = out.tell()
             if item["kind"] == "tensor":
                 tensor = _tensor_from(buffer, item)
-                torch.save(tensor, f)
+                out.save(tensor)
                 del tensor
-                length = f.tell() - start
+                length = out.tell() - start
                 crc = blob_data_crc(fd, start, length)
             else:
                 view = buffer[item["off"]: item["off"] + item["nbytes"]]
-                f.write(view)
-                length = f.tell() - start
+                out.write(view)
+                length = out.tell() - start
                 crc = zlib.crc32(view)
             results.append({"offset": start, "length": length, "crc32": crc})
             if fsync and length >= (1 << 20):
                 _start_writeback(fd, start, length)
-        size = f.tell()
+        size = out.tell()
         if fsync:
             os.fsync(fd)
+    except OSError as exc:
+        if exc.filename is None:  # say which file (a write error alone names none)
+            raise OSError(exc.errno, exc.strerror, path) from None
+        raise
+    finally:
+        os.close(fd)
     return {"name": spec["name"], "size": size, "items": results}
 
 
