@@ -80,6 +80,8 @@ def build_rank_env(cfg: LaunchConfig, result: Any, local_rank: int,
         NVRX_GRACEFUL_SIGNALS=",".join(s.name for s in cfg.signals_to_handle if s in GRACEFUL_SIGNALS),
     )
     env.setdefault("OMP_NUM_THREADS", "1")
+    if w.inprocess:  # read by the bootstrap: run the script inside an in-process restart Wrapper
+        env.update(NVRX_INPROCESS="1", NVRX_INPROCESS_SPARES=str(w.inprocess_spares))
     if not w.fast_exit:
         env["NVRX_FULL_EXIT"] = "1"
     return env
@@ -157,6 +159,8 @@ class Agent:
         specs = [RankSpec(lr, result.rank_offset + lr, build_rank_env(self.cfg, result, lr, self._monitor_env(lr)))
                  for lr in range(self.cfg.workers.nproc_per_node)]
         self.workers.start(specs, attempt=result.restart_count)
+        self._absorbed: list[RankExit] = []  # --inprocess: failed ranks the Wrapper of the others continues without
+        self._rank_succeeded = False
         if self.monitors is not None and not self.monitors.started:
             # Once, after the first ranks: monitors outlive rank restarts, and ranks attach to them in
             # the background, so starting them here keeps them off the ranks' start-up critical path.
@@ -200,6 +204,8 @@ class Agent:
                     forwarded = self._forwarded = True  # a signal wins over exits it may have caused
                     self._forward_signal(result)
                 failed = [e for e in exits if e.failed]
+                if self.cfg.workers.inprocess:
+                    failed = self._inprocess_failures(exits, failed, result)
                 if failed and not forwarded:
                     self._rdzv.report_stop(result.round, "failed", self._failure_detail(result, failed[0]))
                 elif not failed and not self.workers.alive() and not succeeded_reported and not forwarded:
@@ -211,6 +217,21 @@ class Agent:
                     return watch.record
         finally:
             os.close(wake_fd)
+
+    def _inprocess_failures(self, exits: list[RankExit], failed: list[RankExit], result: Any) -> list[RankExit]:
+        """--inprocess (spec "Known issues" 6): a failed rank does not stop the job; the Wrapper in the other
+        ranks restarts without it. The node fails only once all its ranks ended and none of them ended well."""
+        self._rank_succeeded = self._rank_succeeded or any(not e.failed for e in exits)
+        steering = [ex for ex in failed if ex.exitcode in exit_codes.STEERING_CODES]
+        if steering:
+            return steering  # the rank asks for something a restart in place cannot give
+        for ex in failed:
+            self._absorbed.append(ex)
+            self.events.emit("inprocess_rank_lost", rank=ex.global_rank, local_rank=ex.local_rank, pid=ex.pid,
+                             exitcode=ex.exitcode, signal=ex.signal, round=result.round)
+        if self.workers.alive() or self._rank_succeeded or not self._absorbed:
+            return []
+        return self._absorbed[-1:]
 
     def _monitor_env(self, local_rank: int) -> dict[str, str]:
         return self.monitors.rank_env(local_rank) if self.monitors is not None else {}

@@ -36,18 +36,23 @@ from monitors.progress_watchdog import ProgressWatchdog
 INJECT_ENV = "NVRX_BOOTSTRAP_INJECTED"
 FULL_EXIT_ENV = "NVRX_FULL_EXIT"  # "1": end ranks through the full interpreter teardown
 MONITOR_ENV = "NVRX_MONITOR_SOCKET"  # set by the agent when this rank has a monitor (see monitors.client)
+INPROCESS_ENV = "NVRX_INPROCESS"  # "1": run the script inside an in-process restart Wrapper (nvrx launch --inprocess)
 # Our packages are unlisted before user code runs (a user package may share a name), except the
 # rank-side modules whose state the bootstrap sets up for user code.
 _OWN_PACKAGES = ("launcher", "monitors")
 _KEEP_MODULES = frozenset({"launcher.job_control", "monitors.client", "monitors.control", "monitors.heartbeat",
                            "monitors.sections", "monitors.progress_watchdog"})
+_KEEP_PREFIX = "launcher.inprocess"  # the Wrapper running the script, and the API the script may import
 
 # Frames of these files sit between the interpreter and the user's code; tracebacks skip them.
 _LAUNCHER_FILES = frozenset(os.path.abspath(f) for f in (__file__, importlib.util.__file__) if f)
 
 
-class _NotRunnable(Exception):
-    """The entry point cannot be run; python reports this as ``<python>: <message>``."""
+class _NotRunnable(BaseException):
+    """The entry point cannot be run; python reports this as ``<python>: <message>``.
+
+    A BaseException so that an in-process restart Wrapper ends on it instead of retrying.
+    """
 
     def __init__(self, message: str, code: int = 1) -> None:
         super().__init__(message)
@@ -104,7 +109,7 @@ def _forget_launcher_modules() -> None:
     """Unlist our own packages so a user package that is also called `launcher`/`monitors` imports normally."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for name in list(sys.modules):
-        if name.split(".")[0] not in _OWN_PACKAGES or name in _KEEP_MODULES:
+        if name.split(".")[0] not in _OWN_PACKAGES or name in _KEEP_MODULES or name.startswith(_KEEP_PREFIX):
             continue
         module = sys.modules[name]
         paths = [getattr(module, "__file__", None) or "", *(getattr(module, "__path__", None) or ())]
@@ -244,18 +249,28 @@ def _attach_to_monitor(started: float) -> None:
     monitor_client.attach_in_background(os.environ, started=started, on_attached=on_attached)
 
 
+def _inprocess_mode() -> types.ModuleType | None:
+    """`nvrx launch --inprocess`: the runner, imported before our modules are unlisted (it stays listed)."""
+    if os.environ.get(INPROCESS_ENV) != "1":
+        return None
+    from launcher.inprocess import launch_mode
+
+    return launch_mode
+
+
 def run_user_code(entry: str, args: list[str], module: bool) -> int:
     """Run ENTRY as ``__main__`` in this process; return its exit code (``-signum`` = die by signal)."""
     _attach_to_monitor(time.monotonic())
+    inprocess = _inprocess_mode()
     _sync_sys_path_with_env()
     _forget_launcher_modules()
     _line_buffer_stdout()
     try:
         try:
-            if module:
-                _run_module(entry, list(args))
-            else:
-                _run_script(entry, list(args))
+            run = (lambda: _run_module(entry, list(args))) if module else (lambda: _run_script(entry, list(args)))
+            if inprocess is not None:
+                return inprocess.run(run, os.environ)
+            run()
         except _NotRunnable as exc:
             sys.stderr.write(f"{sys.executable}: {exc}\n")
             return exc.code

@@ -89,6 +89,8 @@ class WorkerSettings:
     kill_timeout: float = 5.0  # after SIGKILL, how long before a rank is reported stuck and abandoned
     fork_server: bool = True  # fork ranks from a pre-imported template process when safe
     fast_exit: bool = True  # ranks skip the interpreter teardown after atexit handlers and flushes
+    inprocess: bool = False  # --inprocess: ranks run the script in an in-process restart Wrapper
+    inprocess_spares: int = 0  # --inprocess-spares: ranks kept idle until active ranks are lost
     base_env: Mapping[str, str] = field(default_factory=dict)  # environment ranks inherit
 
 
@@ -315,6 +317,23 @@ def apply_slurm_env(raw: Mapping[str, Any], env: Mapping[str, str]) -> tuple[dic
     return out, topo
 
 
+def parse_inprocess(raw: Mapping[str, Any], min_world_size: int) -> dict[str, Any]:
+    """--inprocess / --inprocess-spares N: in-process restart, with N idle spare ranks."""
+    inprocess = bool(raw.get("inprocess"))
+    spares = str(raw.get("inprocess_spares") or "0").strip()
+    if not re.fullmatch(r"\d+", spares):
+        raise ConfigError(f"--inprocess-spares {spares!r} must be a whole number >= 0")
+    n = int(spares)
+    if n and not inprocess:
+        raise ConfigError("--inprocess-spares needs --inprocess (spares wait inside the in-process restart Wrapper)")
+    if inprocess and raw.get("no_python"):
+        raise ConfigError("--inprocess runs a Python script inside the ranks; it cannot be used with --no-python")
+    if n >= min_world_size:
+        raise ConfigError(f"--inprocess-spares {n} leaves no active rank in a job of {min_world_size} ranks; "
+                          f"use at most {min_world_size - 1}")
+    return {"inprocess": inprocess, "inprocess_spares": n}
+
+
 # ---------------------------------------------------------------- the builder
 
 
@@ -418,6 +437,7 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str], ft: Any 
         fork_server=bool(raw.get("fork_server", True)) and not no_python,
         fast_exit=bool(raw.get("fast_exit", True)),
         base_env=base_env,
+        **parse_inprocess(raw, nproc * min_nodes),
     )
 
     max_restarts = raw.get("max_restarts", 0)

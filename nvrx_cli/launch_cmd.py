@@ -50,6 +50,10 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                                               help="Fork ranks from a process that imported torch once (fast restarts).")),
     (("--fast-exit/--no-fast-exit",), dict(default=True, show_default=True,
                                           help="Ranks end after atexit handlers and flushes, skipping interpreter teardown.")),
+    (("--inprocess",), dict(is_flag=True, help="Restart a failed job inside the live ranks: the script runs in an "
+                                               "in-process restart Wrapper (README: In-process restart).")),
+    (("--inprocess-spares",), dict(default="0", show_default=True, help="With --inprocess: ranks kept idle as spares, "
+                                                                        "used when active ranks are lost.")),
     (("--fault-tol-cfg-path", "--ft-cfg-path"), dict(default=None, help="YAML with FaultToleranceConfig fields "
                                                                          "(a `fault_tolerance:` key or bare fields).")),
     (("--log-level",), dict(default="WARNING", show_default=True, help="Agent log level on stderr.")),

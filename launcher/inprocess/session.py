@@ -23,6 +23,8 @@ import socket
 import threading
 import time
 import traceback
+import types
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from launcher.inprocess import gloo_unblock
@@ -337,15 +339,25 @@ class Session:
         consequence, e.g. a collective broken by the peer's abort)."""
         assert self.store is not None and self.monitor_thread is not None
         with self.store.errors_as_unavailable():
-            earlier = self.store.faults()[self.monitor_thread.fault_base:]
+            earlier = self._faults_elsewhere(wait=self.w.last_call_wait if _looks_secondary(exc) else 0.0)
             if earlier:
                 log.info("%s (%s) after the fault on rank %s; restarting", type(exc).__name__,
                          (str(exc).splitlines() or [""])[0][:120], earlier[0]["rank"])
                 return False
             log.warning("fault in iteration %d: %s: %s", iteration, type(exc).__name__, exc,
-                        exc_info=(type(exc), exc, exc.__traceback__))
+                        exc_info=(type(exc), exc, _user_frames(exc.__traceback__)))
             self.store.record_fault(self.rank, iteration, f"{type(exc).__name__}: {str(exc)[:200]}")
         return True
+
+    def _faults_elsewhere(self, wait: float) -> list[dict[str, Any]]:
+        """Faults other ranks recorded in this iteration, waiting up to WAIT for the first one."""
+        assert self.store is not None and self.monitor_thread is not None
+        deadline = time.monotonic() + wait
+        while True:
+            faults = [f for f in self.store.faults()[self.monitor_thread.fault_base:] if f.get("rank") != self.rank]
+            if faults or time.monotonic() >= deadline:
+                return faults
+            time.sleep(0.005)
 
     # ------------------------------------------------------------ the restart path
 
@@ -373,6 +385,10 @@ class Session:
         self._require_member(decision, f"termination barrier {iteration}")
         t3 = time.monotonic()
         kept = frozenset(decision["members"])
+        if self.members - kept:
+            reasons = self.store.termination_reasons()
+            log.info("continuing without rank(s) %s", "; ".join(
+                f"{r} ({reasons.get(r, 'did not arrive')})" for r in sorted(self.members - kept)))
         gone = frozenset(self.current_rank[r] for r in self.members - kept if r in self.current_rank)
         gone |= frozenset(range(self.state.world_size)) - frozenset(self.current_rank.values())
         self.members = kept
@@ -517,6 +533,15 @@ def _address_towards(host: str) -> str:
             return "127.0.0.1"
 
 
+_PEER_LOST = ("closed by peer", "reset by peer", "broken pipe", "connection refused", "connection reset")
+
+
+def _looks_secondary(exc: BaseException) -> bool:
+    """A collective that failed because a peer's connection went away: probably another rank's fault."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(phrase in text for phrase in _PEER_LOST)
+
+
 def _completed(decision: dict[str, Any]) -> bool:
     return not decision.get("aborted") and not decision.get("timed_out")
 
@@ -529,6 +554,16 @@ def _caused_by(exc: BaseException | None, cause: BaseException) -> bool:
         exc = exc.__context__
         seen += 1
     return False
+
+
+_LAUNCHER_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
+
+
+def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """The traceback from the first frame that is not the launcher's (Wrapper, bootstrap)."""
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename.startswith(_LAUNCHER_DIR):
+        tb = tb.tb_next
+    return tb
 
 
 def _clear_frames(exc: BaseException) -> None:

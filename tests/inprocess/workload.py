@@ -51,6 +51,14 @@ def inject(action: str, call_wrapper: inprocess.CallWrapper) -> None:
     record("inject", action=action, iteration=call_wrapper.iteration)
     if action == "raise":
         raise ValueError("injected fault")
+    if action == "raise_late":  # after the peers are well inside this step
+        time.sleep(0.3)
+        raise ValueError("injected fault")
+    if action == "die_hard":  # the whole "node" goes: this rank and its monitor process, no goodbye
+        import psutil
+        for child in psutil.Process().children():
+            child.kill()
+        os.kill(os.getpid(), 9)
     if action == "exit":
         os._exit(3)
     if action == "sleep":  # blocking call that releases the GIL
@@ -76,7 +84,8 @@ def train(call_wrapper: inprocess.CallWrapper) -> str:
     rank, world = dist.get_rank(), dist.get_world_size()
     record("start", iteration=iteration, rank=rank, world=world, env_rank=os.environ["RANK"],
            timings=call_wrapper.restart_timings)
-    actions = PLAN.get("actions", {}).get(str(iteration), {}).get(str(INITIAL_RANK), {})
+    planned = PLAN.get("actions", {})
+    actions = planned.get(str(iteration), planned.get("*", {})).get(str(INITIAL_RANK), {})
     tensor = torch.ones(4)
     try:
         for step in range(PLAN.get("steps", 3)):

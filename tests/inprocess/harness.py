@@ -1,0 +1,89 @@
+"""Run a job of `python workload.py` ranks with the torchrun environment and collect what they recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import REPO, tagged_processes
+
+WORKLOAD = Path(__file__).with_name("workload.py")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class JobResult:
+    codes: dict[int, int]
+    stderr: dict[int, str]
+    events: dict[int, list[dict[str, Any]]]
+    leftovers: list[Any] = field(default_factory=list)
+    out: Path | None = None
+
+    def of(self, rank: int, event: str, **match: Any) -> list[dict[str, Any]]:
+        return [e for e in self.events.get(rank, []) if e["event"] == event
+                and all(e.get(k) == v for k, v in match.items())]
+
+    def starts(self, rank: int) -> dict[int, dict[str, Any]]:
+        """Iteration -> the 'start' event of RANK (initial numbering)."""
+        return {e["iteration"]: e for e in self.of(rank, "start")}
+
+    def pids(self, rank: int) -> set[int]:
+        return {e["pid"] for e in self.events.get(rank, [])}
+
+
+def run_job(tmp_path: Path, world: int, plan: dict[str, Any], timeout: float = 90.0) -> JobResult:
+    """Start WORLD ranks, wait for all of them (killing everything after TIMEOUT), check for leftovers."""
+    out = tmp_path / "out"
+    out.mkdir()
+    token = uuid.uuid4().hex
+    port = free_port()
+    procs = {}
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NVRX_TEST_PLAN=json.dumps(plan),
+                   NVRX_TEST_OUT=str(out), NVRX_TEST_TOKEN=token, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        procs[rank] = subprocess.Popen([sys.executable, str(WORKLOAD)], env=env, stdout=subprocess.DEVNULL,
+                                       stderr=open(out / f"stderr{rank}", "w"), cwd=tmp_path)
+    deadline = time.monotonic() + timeout
+    try:
+        for rank, proc in procs.items():
+            proc.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for p in tagged_processes(token):
+            p.send_signal(signal.SIGKILL)
+        raise AssertionError(f"the job did not finish in {timeout:g} s; stderr:\n" +
+                             "\n".join((out / f"stderr{r}").read_text()[-3000:] for r in procs))
+    leftovers = _leftovers(token)
+    events = {}
+    for rank in procs:
+        path = out / f"rank{rank}.jsonl"
+        events[rank] = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return JobResult({r: p.returncode for r, p in procs.items()},
+                     {r: (out / f"stderr{r}").read_text() for r in procs}, events, leftovers, out)
+
+
+def _leftovers(token: str, wait: float = 5.0) -> list[Any]:
+    deadline = time.monotonic() + wait
+    while True:
+        left = tagged_processes(token)
+        if not left or time.monotonic() > deadline:
+            for p in left:
+                p.kill()
+            return left
+        time.sleep(0.1)
