@@ -67,6 +67,7 @@ def wants_call_wrapper(fn: Callable[..., Any]) -> str | None:
         return None
     for name, param in params.items():
         annotation = param.annotation
-        if annotation is CallWrapper or (isinstance(annotation, str) and annotation.split(".")[-1] == "CallWrapper"):
+        if annotation is CallWrapper or (isinstance(annotation, str)
+                                         and annotation.strip("'\"").split(".")[-1] == "CallWrapper"):
             return name
     return PARAMETER_NAME if PARAMETER_NAME in params else None

@@ -21,7 +21,7 @@ completion_timeout          120     after the first rank finished, how long the 
 termination_grace_time        5     between SIGTERM and SIGKILL on a hard timeout
 =========================== ======= ================================================================
 
-Components (``None`` disables one): ``initialize`` (none), ``abort`` (``AbortTorchDistributed()``),
+Components (``None`` disables one; a tuple or list of components means their ``Compose``): ``initialize`` (none), ``abort`` (``AbortTorchDistributed()``),
 ``finalize`` (none), ``health_check`` (``CudaHealthCheck()``, skipped without CUDA),
 ``rank_assignment`` (``ShiftRanks()``), ``rank_filter`` (none: all ranks active).
 """
@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 from launcher.inprocess.abort import AbortTorchDistributed
 from launcher.inprocess.call_wrapper import wants_call_wrapper
+from launcher.inprocess.compose import Compose
 from launcher.inprocess.health_check import CudaHealthCheck
 from launcher.inprocess.log_setup import setup_rank_logging
 from launcher.inprocess.rank_assignment import ShiftRanks
@@ -58,6 +59,11 @@ def _seconds(value: Any, name: str, allow_zero: bool = False) -> float:
 
 
 def _component(value: Any, name: str) -> Any:
+    if isinstance(value, (tuple, list)):  # a sequence of components means their composition
+        try:
+            value = Compose(*value)
+        except ValueError as exc:
+            raise ValueError(f"Wrapper: {name}: {exc}") from None
     if value is not None and not callable(value):
         raise ValueError(f"Wrapper: {name} must be callable (an instance such as {name}=Compose(...)) or None, "
                          f"not {value!r}")
