@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from ckpt.async_ckpt import staging
 from ckpt.async_ckpt.control import Channel, ChannelClosed
@@ -225,8 +225,22 @@ def default_writer() -> WriterProcess:
 
 
 def start_persistent_writer() -> WriterProcess:
-    """Start this process's writer now (the bootstrap calls this for ``nvrx launch --async-ckpt``)."""
+    """Start this process's writer now, so the first save does not wait for it to import torch."""
     return default_writer()
+
+
+ASYNC_CKPT_ENV = "NVRX_ASYNC_CKPT"  # "1": set for ranks by `nvrx launch --async-ckpt`
+
+
+def start_if_requested(env: Mapping[str, str]) -> WriterProcess | None:
+    """The rank bootstrap's hook: start the persistent writer when the launcher asked for it (ENV)."""
+    if env.get(ASYNC_CKPT_ENV) != "1":
+        return None
+    try:
+        return start_persistent_writer()
+    except OSError as exc:  # the first save starts it (and reports a real problem) instead
+        log.warning("cannot start the checkpoint writer process: %s", exc)
+        return None
 
 
 def _after_fork_in_child() -> None:
