@@ -27,7 +27,9 @@ class CallWrapper:
         self._gate = gate
         self._recorder = recorder
         self.state: State | None = None
-        self.restart_timings: dict[str, float] = {}  # phases of the restart that led to this iteration, seconds
+        # The restart that led to this iteration: seconds per phase (abort, finalize_health_check,
+        # termination_barrier, rank_assignment, iteration_barrier) and "began", its wall-clock start.
+        self.restart_timings: dict[str, float] = {}
 
     @property
     def iteration(self) -> int:

@@ -32,9 +32,6 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-TCP_LISTEN = "0A"
-_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
-
 _lock = threading.Lock()
 _baseline: frozenset[int] | None = None
 
@@ -43,8 +40,7 @@ _baseline: frozenset[int] | None = None
 class TcpSocket:
     inode: int
     fd: int
-    local_port: int
-    state: str
+    listening: bool
 
 
 def _own_socket_fds() -> dict[int, int]:
@@ -64,25 +60,27 @@ def _own_socket_fds() -> dict[int, int]:
     return found
 
 
-def own_tcp_sockets() -> list[TcpSocket]:
-    """This process's TCP sockets (IPv4 and IPv6) with their local port and state."""
-    fds = _own_socket_fds()
-    out: list[TcpSocket] = []
-    for table in _TABLES:
-        try:
-            with open(table) as fh:
-                lines = fh.readlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            parts = line.split()
-            if len(parts) < 10:
-                continue
-            inode = int(parts[9])
-            fd = fds.get(inode)
-            if fd is not None and inode:
-                out.append(TcpSocket(inode, fd, int(parts[1].rsplit(":", 1)[1], 16), parts[3]))
-    return out
+def _tcp_socket(inode: int, fd: int) -> TcpSocket | None:
+    """Describe FD if it still is socket INODE and a TCP (IPv4/IPv6 stream) socket, else None."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        if os.fstat(dup).st_ino != inode:
+            return None  # closed and reused since we listed it
+        sock = socket.socket(fileno=dup)  # owns the duplicate from here on
+        dup = -1
+        with sock:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                return None
+            listening = bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+        return TcpSocket(inode, fd, listening)
+    except OSError:
+        return None
+    finally:
+        if dup >= 0:
+            os.close(dup)
 
 
 def mark_iteration_start() -> None:
@@ -122,15 +120,12 @@ def gloo_connections() -> list[TcpSocket]:
         baseline = _baseline
     if baseline is None:
         return []
-    sockets = {s.inode: s for s in own_tcp_sockets()}
-    new_listeners = {i for i, s in sockets.items() if s.state == TCP_LISTEN and i not in baseline}
+    fds = _own_socket_fds()
     found: dict[int, TcpSocket] = {}
     for watched in _epoll_watch_lists():
-        if watched & new_listeners:
-            for inode in watched:
-                sock = sockets.get(inode)
-                if sock is not None and sock.state != TCP_LISTEN:
-                    found[inode] = sock
+        sockets = [s for s in (_tcp_socket(i, fds[i]) for i in watched if i in fds) if s is not None]
+        if any(s.listening and s.inode not in baseline for s in sockets):
+            found.update((s.inode, s) for s in sockets if not s.listening)
     return list(found.values())
 
 
@@ -143,8 +138,9 @@ def _shutdown(sock: TcpSocket) -> bool:
     try:
         if os.fstat(dup).st_ino != sock.inode:
             return False  # closed and reused since we listed it
-        with socket.socket(fileno=dup) as handle:
-            dup = -1
+        handle = socket.socket(fileno=dup)
+        dup = -1
+        with handle:
             handle.shutdown(socket.SHUT_RDWR)
         return True
     except OSError:

@@ -365,6 +365,7 @@ class Session:
         w = self.w
         assert self.gate is not None and self.store is not None
         t0 = time.monotonic()
+        began = time.time()
         log.info("restarting after iteration %d: %s", iteration, why)
         try:
             self.gate.abort_once(lambda: self._abort(self.state))
@@ -393,7 +394,7 @@ class Session:
         gone |= frozenset(range(self.state.world_size)) - frozenset(self.current_rank.values())
         self.members = kept
         self._assign(gone)
-        self.timings = {"abort": t1 - t0, "finalize_health_check": t2 - t1, "termination_barrier": t3 - t2,
+        self.timings = {"began": began, "abort": t1 - t0, "finalize_health_check": t2 - t1, "termination_barrier": t3 - t2,
                         "rank_assignment": time.monotonic() - t3}
 
     def _abort(self, state: State) -> None:
