@@ -3,21 +3,16 @@
 Every rank joins a gloo process group, all-reduces its rank and writes a report naming its
 node. With EXAMPLE_CRASH_RANK set, that rank exits with code 3 the first time (the marker file
 EXAMPLE_CRASH_MARKER records that it did), so only an in-job restart can finish the job.
-For auto-resume: rank 0 counts launches in EXAMPLE_REPORT_DIR/launches and marks the run finished
-on launch EXAMPLE_FINISH_ON_LAUNCH; with EXAMPLE_WAIT_FOR_STOP set, launches before that one
-write EXAMPLE_REPORT_DIR/ready and wait to be stopped by a signal.
+The auto-resume example (checkpoint, graceful stop, finished flag) is resumable_train.py.
 """
 
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from launcher.job_control import mark_finished
 
 
 def main() -> int:
@@ -38,16 +33,6 @@ def main() -> int:
     }
     out = Path(os.environ.get("EXAMPLE_REPORT_DIR", ".")) / f"rank-{rank}.json"
     out.write_text(json.dumps(report))
-    dist.barrier()
-    if os.environ.get("EXAMPLE_FINISH_ON_LAUNCH") and rank == 0:
-        launches = Path(os.environ.get("EXAMPLE_REPORT_DIR", ".")) / "launches"
-        with launches.open("a") as fh:
-            fh.write(f"{os.environ.get('SLURM_JOB_ID')}\n")
-        if len(launches.read_text().split()) >= int(os.environ["EXAMPLE_FINISH_ON_LAUNCH"]):
-            mark_finished()
-        elif os.environ.get("EXAMPLE_WAIT_FOR_STOP"):
-            (launches.parent / "ready").write_text(os.environ.get("SLURM_JOB_ID", ""))
-            time.sleep(600)  # until the test stops the job with a signal
     dist.barrier()
     dist.destroy_process_group()
     return 0

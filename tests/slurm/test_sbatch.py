@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import time
 import uuid
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from launcher.slurm_env import expand_hostlist
 from tests.conftest import tagged_processes
+from tests.slurm.chain import ResumeChain
 from tests.slurm.cluster import REPO
 
 pytestmark = pytest.mark.slow
@@ -108,39 +108,57 @@ def test_one_agent_per_task_is_refused(slurm_cluster, tmp_path):
     assert "Traceback" not in job.output() and not job.ranks()
 
 
-def _wait_for(path: Path, cluster, job_id: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        state = cluster.job(job_id).get("JobState")
-        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {job_id} is {state} before {path.name} appeared"
-        assert time.monotonic() < deadline, f"{path} did not appear within {timeout:.0f} s"
-        time.sleep(0.1)
+def test_stopped_jobs_save_and_continue_in_new_jobs_until_finished(slurm_cluster, tmp_path):
+    """The auto-resume chain on 2 nodes, stopped twice by the two signal paths that stay graceful:
+    job 1: scancel --signal=TERM (Slurm signals the step: agents and ranks);
+    job 2: scancel --batch --signal=USR1 (only the batch shell, which is nvrx resume: it passes the
+           signal to srun, which forwards it to the agents).
+    Each time all ranks stop at one agreed step with a checkpoint, the launch exits 128+signal, nvrx resume
+    submits the continuation, and that one resumes at the next step. Job 3 finishes: the flag ends the chain."""
+    chain = ResumeChain(slurm_cluster, tmp_path / "chain", steps=40, step_time=0.1)
+    jobs = [chain.submit()]
+    for scancel_args, sig in ((["--signal=TERM"], "SIGTERM"), (["--batch", "--signal=USR1"], "SIGUSR1")):
+        job = jobs[-1]
+        chain.wait_steps(job, 3)
+        chain.signal(job, *scancel_args)
+        info, _ = chain.wait_end(job)
+        out = chain.output(job)
+        assert info["ExitCode"] == "3:0", out  # nvrx resume: continue
+        assert re.search(rf"nvrx resume: continue: .*interrupted by {sig} \(attempt", out), out
+        # All ranks stopped after the same step, each after the checkpoint of that step was on disk.
+        stops = [e for e in chain.events() if e["job"] == job and e["event"] == "stopped"]
+        assert len(stops) == chain.nodes and {e["signal"] for e in stops} == {sig}, out
+        assert len({e["step"] for e in stops}) == 1, stops
+        nxt = chain.continuation_of(job)
+        assert nxt, out
+        assert slurm_cluster.job(nxt).get("Dependency", "(null)") in ("(null)", f"afterany:{job}(unfulfilled)",
+                                                                      f"afterany:{job}")
+        jobs.append(nxt)
+    info, _ = chain.wait_end(jobs[-1])
+    out = chain.output(jobs[-1])
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out
+    assert "finished: the finished flag exists" in out and "submitted the continuation" not in out, out
+    assert chain.queued() == [], "the finished flag must end the chain"
 
-
-def test_interrupted_job_continues_in_a_new_job_until_finished(slurm_cluster, tmp_path):
-    """scancel --signal=TERM -> the launch ends as interrupted -> nvrx resume submits the continuation,
-    which runs the next launch; that one marks the run finished, which ends the chain."""
-    job = Job(slurm_cluster, tmp_path, "auto_resume.sbatch")
-    env = dict(NVRX_NPROC_PER_NODE="1", NVRX_STATE_DIR=str(tmp_path / "state"), EXAMPLE_FINISH_ON_LAUNCH="2",
-               EXAMPLE_WAIT_FOR_STOP="1")
-    first = job.submit("--nodes=2", output=False, **env)
-    _wait_for(job.reports / "ready", slurm_cluster, first)
-    slurm_cluster.run("scancel", "--signal=TERM", first, timeout=15)
-    info = slurm_cluster.wait_job(first)
-    out1 = (tmp_path / f"nvrx-resume-{first}.out").read_text(errors="replace")
-    assert info["ExitCode"] == "3:0", out1  # nvrx resume: continue
-    m = re.search(r"submitted the continuation: job (\d+)", out1)
-    assert m, out1
-    second = m.group(1)
-    assert slurm_cluster.job(second).get("Dependency", "(null)") in ("(null)", f"afterany:{first}(unfulfilled)",
-                                                                     f"afterany:{first}")
-    info2 = job.finish(second)
-    out2 = (tmp_path / f"nvrx-resume-{second}.out").read_text(errors="replace")
-    assert (info2["JobState"], info2["ExitCode"]) == ("COMPLETED", "0:0"), out2
-    assert (job.reports / "launches").read_text().split() == [first, second]
-    assert (tmp_path / "state" / "finished.flag").exists()
-    assert "submitted the continuation" not in out2
-    assert not tagged_processes(job.token)
+    assert sorted(chain.by_rank()) == [0, 1]
+    for rank, events in chain.by_rank().items():
+        # Job by job: start at the saved step, run to the agreed stop, the next job starts right after it.
+        starts = [(e["job"], e["step"]) for e in events if e["event"] == "start"]
+        stops = [(e["job"], e["step"]) for e in events if e["event"] == "stopped"]
+        assert [j for j, _ in starts] == jobs and [j for j, _ in stops] == jobs[:2], events
+        assert starts[0][1] == 0 and [s for _, s in starts[1:]] == [s + 1 for _, s in stops], (starts, stops)
+        # Over the chain every step ran exactly once (none lost, none repeated) ...
+        assert [e["step"] for e in events if e["event"] == "step"] == list(range(chain.steps)), rank
+        # ... and the weights, restored from each checkpoint, add up to the uninterrupted result.
+        finished = [e for e in events if e["event"] == "finished"]
+        assert len(finished) == 1 and set(finished[0]["weights"]) == {chain.expected_weights()}, finished
+    assert [p.name for p in chain.ckpt_dir.iterdir()] == [f"step-{chain.steps}"]
+    assert (chain.state_dir / "finished.flag").exists()
+    state = chain.resume_state()
+    assert [h["cause"] for h in state["history"]] == ["interrupted", "interrupted", "clean_exit"], state["history"]
+    assert [h["exit_code"] for h in state["history"]] == [143, 138, 0] and state["failures"] == 0
+    assert state["jobs"] == jobs
+    assert not tagged_processes(chain.token)
 
 
 def test_job_failing_every_time_gives_up_after_max_failures(slurm_cluster, tmp_path):
