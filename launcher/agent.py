@@ -34,6 +34,15 @@ GRACEFUL_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
 DUPLICATE_SIGNAL_WINDOW = 2.0
 
 
+def _end_status(code: int) -> str:
+    """How a job ended, for the event log and the terminal: succeeded, interrupted, steered or failed."""
+    if code == exit_codes.OK:
+        return "succeeded"
+    if exit_codes.interrupted_signal(code) is not None:
+        return "interrupted"
+    return "steered" if code in exit_codes.STEERING_CODES else "failed"
+
+
 class AgentSignal(Exception):
     """A handled signal arrived while the agent was not supervising ranks (e.g. in rendezvous)."""
 
@@ -148,7 +157,7 @@ class Agent:
                 return EXIT_OK
             code = self._run_round(result)
             if code is not None:
-                self.events.emit("job_end", status="succeeded" if code == 0 else "failed", exit_code=code,
+                self.events.emit("job_end", status=_end_status(code), exit_code=code,
                                  seconds=round(time.monotonic() - t0, 3), failures=self.failures)
                 return code
 

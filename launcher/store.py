@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from launcher.config import RdzvSettings, free_port_socket, is_loopback
+from launcher.rdzv_errors import EndpointUnreachable, PortInUse, RendezvousError, RendezvousMismatch
 
 log = logging.getLogger(__name__)
 
@@ -39,22 +40,6 @@ NPROC_KEY = "nvrx/meta/nproc_per_node"
 HANDSHAKE_TIMEOUT = 5.0  # a real store answers in milliseconds; longer means "not a store"
 PROBE_TIMEOUT = 1.0  # per plain-socket connect attempt
 DEFAULT_OP_TIMEOUT = 300.0  # blocking get/wait on keys that are about to be set
-
-
-class RendezvousError(RuntimeError):
-    """The rendezvous cannot proceed; the message is one line telling the user what to fix."""
-
-
-class EndpointUnreachable(RendezvousError):
-    """Nothing accepted connections at the endpoint within the join timeout."""
-
-
-class PortInUse(RendezvousError):
-    """The endpoint port is held by something that is not an nvrx rendezvous."""
-
-
-class RendezvousMismatch(RendezvousError):
-    """This agent and the rendezvous disagree on the job (run id, nproc per node, version)."""
 
 
 def _td(seconds: float) -> datetime.timedelta:

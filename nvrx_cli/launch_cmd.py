@@ -110,11 +110,11 @@ def launch(ctx: click.Context, **raw: Any) -> int:
 
 def _run_agent(cfg: Any, events: Any) -> int:
     """Run the agent and turn rendezvous problems into one line on stderr."""
-    # The agent imports torch only for TCPStore; torch's import-time notice about a missing numpy
-    # is noise on the agent's terminal (ranks still see their own warnings).
+    # The agent imports torch only for TCPStore, after it has started the fork server (so the two
+    # imports overlap); torch's import-time notice about a missing numpy is noise on the agent's terminal.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     from launcher.agent import Agent
-    from launcher.store import EndpointUnreachable, PortInUse, RendezvousError, RendezvousMismatch
+    from launcher.rdzv_errors import EndpointUnreachable, PortInUse, RendezvousError, RendezvousMismatch
 
     try:
         return Agent(cfg, events, sys.stdout.buffer, sys.stderr.buffer).run()

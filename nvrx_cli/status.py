@@ -71,6 +71,13 @@ class StatusPrinter:
             return f"[green]job finished[/green] in {e.get('seconds', 0):.1f} s"
         if status == "already_finished":
             return "the job had already ended before this node joined"
+        if status == "interrupted":
+            return (f"[yellow]job stopped on a signal[/yellow] after {e.get('seconds', 0):.1f} s (exit code "
+                    f"{e.get('exit_code')}: interrupted, resume it)")
+        if status == "steered":
+            meaning = {16: "resume on other hardware", 17: "failed validation, do not resume",
+                       93: "do not requeue"}.get(e.get("exit_code"), "")
+            return f"[yellow]job ended by a rank's exit code {e.get('exit_code')}[/yellow] ({meaning})"
         lines = [f"[red]job failed[/red] after {e.get('seconds', 0):.1f} s (exit code {e.get('exit_code')})"]
         for f in e.get("failures") or []:
             if f.get("kind") == "node_left":
