@@ -148,7 +148,8 @@ def report(summary: dict[str, Any], configs: list[str], worlds: list[int]) -> tu
         for config in configs:
             e = summary[f"{config}/{world}"]
             r = ratio(summary, config, "torchrun", world) if config != "torchrun" else None
-            ratios[f"{config}/torchrun/{world}"] = r
+            if config != "torchrun":
+                ratios[f"{config}/torchrun/{world}"] = r
             if config == "inprocess" and r is not None:
                 verdicts.append(r <= TARGET and e["failures"] == 0)
             span = f"{e['latency']['min'] * 1000:.0f}-{e['latency']['max'] * 1000:.0f}" if "latency" in e else "-"

@@ -90,6 +90,7 @@ class Session:
         self.state = State.initial(self.rank, self.world_size)
         self.timings: dict[str, float] = {}
         self.finished = False
+        self.left = False  # recorded as terminated by our own hand
 
     # ------------------------------------------------------------ set-up and tear-down
 
@@ -98,6 +99,10 @@ class Session:
         try:
             self._open()
             return self._loop()
+        except BaseException as exc:
+            if self.store is not None and not self.finished:  # let the others go on without waiting for us
+                self._leave_job(f"the Wrapper ended on this rank ({type(exc).__name__})")
+            raise
         finally:
             self._close()
 
@@ -261,28 +266,43 @@ class Session:
         before = RestartInterrupt.last
         exc: BaseException | None = None
         decision: dict[str, Any] | None = None
+        delivered: RestartInterrupt | None = None
+        ran = False
         gate.open()
         recorder.start_iteration()
-        monitor.arm(iteration, fault_base)
-        try:
-            self._initialize_and_check()
-            if self.state.active:
-                self.result = self.fn(*self.args, **self._kwargs())
-            decision = self._completion_barrier(iteration)
-        except BaseException as caught:
-            exc = caught
-        raised = gate.close()
+        # An interrupt can land anywhere until the gate is closed, including just after the iteration's own
+        # code ended: the loop catches such a late one and closes again (the iteration's code runs once).
+        while True:
+            try:
+                if not ran:
+                    ran = True
+                    try:
+                        monitor.arm(iteration, fault_base)
+                        self._initialize_and_check()
+                        if self.state.active:
+                            self.result = self.fn(*self.args, **self._kwargs())
+                        decision = self._completion_barrier(iteration)
+                    except BaseException as caught:
+                        exc = caught
+                    delivered = RestartInterrupt.last if RestartInterrupt.last is not before else None
+                raised = gate.close()
+                break
+            except RestartInterrupt:
+                continue
         monitor.disarm()
         recorder.end_iteration()
-        return self._outcome(iteration, exc, decision, raised, before)
+        return self._outcome(iteration, exc, decision, raised, delivered)
 
     def _outcome(self, iteration: int, exc: BaseException | None, decision: dict[str, Any] | None, raised: bool,
-                 before: RestartInterrupt | None) -> Any:
+                 delivered: RestartInterrupt | None) -> Any:
+        """What the end of an iteration means: its result, a _Restart, or the end of the Wrapper.
+
+        DELIVERED is the interrupt that reached the iteration's code, if one did.
+        """
         assert self.monitor_thread is not None
         if self.monitor_thread.store_lost:
             raise StoreUnavailable(f"the in-process restart store at {self._store_name()} stopped answering "
                                    f"({self.monitor_thread.store_lost}); the job cannot continue without it")
-        delivered = RestartInterrupt.last if RestartInterrupt.last is not before else None
         if delivered is not None and exc is not delivered and not _caused_by(exc, delivered):
             log.debug("the wrapped function suppressed the restart exception (%s)", swallow_location(delivered))
         if exc is None and decision is not None and _completed(decision):
@@ -435,9 +455,10 @@ class Session:
                  f"spare ({new.active_world_size} active)")
 
     def _leave_job(self, reason: str) -> None:
-        """Record that this rank leaves, so the others continue without waiting for it."""
-        if self.store is None:
+        """Record (once) that this rank leaves, so the others continue without waiting for it."""
+        if self.store is None or self.left:
             return
+        self.left = True
         try:
             self.store.mark_terminated([self.rank], reason)
             self.store.record_fault(self.rank, self.state.iteration, reason)

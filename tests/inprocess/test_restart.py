@@ -28,6 +28,7 @@ def many_faults(tmp_path_factory) -> JobResult:
             "1": {"2": {"at_step": 1, "do": "sleep"}},  # a GIL-releasing hang; ranks 0 and 1 wait in all_reduce
             "2": {"0": {"at_step": 0, "do": "atomic"}, "1": {"at_step": 0, "do": "raise_late"}},
             "3": {"1": {"at_step": 0, "do": "swallow"}, "2": {"at_step": 0, "do": "raise_late"}},
+            "4": {"0": {"at_step": 0, "do": "spin"}},  # pinged once, then a busy loop: manual heartbeat goes stale
         },
     }
     return run_job(tmp_path_factory.mktemp("many"), 3, plan)
@@ -38,10 +39,10 @@ def test_an_exception_restarts_every_rank_in_place(many_faults):
     assert res.codes == {0: 0, 1: 0, 2: 0}, res.stderr
     for rank in range(3):
         starts = res.starts(rank)
-        assert sorted(starts) == [0, 1, 2, 3, 4]
+        assert sorted(starts) == [0, 1, 2, 3, 4, 5]
         assert len(res.pids(rank)) == 1, "a rank was restarted as a new process"
         assert all(s["rank"] == rank and s["world"] == 3 for s in starts.values())
-        assert res.of(rank, "done", iteration=4) and res.of(rank, "returned")
+        assert res.of(rank, "done", iteration=5) and res.of(rank, "returned")
     assert res.of(1, "error", iteration=0)[0]["error"] == "ValueError: injected fault"
     assert "fault in iteration 0: ValueError: injected fault" in res.stderr[1]
 
@@ -77,9 +78,17 @@ def test_atomic_block_is_not_interrupted(many_faults):
 def test_swallowed_restart_exception_is_reported_with_its_location(many_faults):
     res = many_faults
     assert res.of(1, "swallowed", kind="RestartInterrupt")
-    assert "suppressed the restart exception" in res.stderr[1]
+    assert res.stderr[1].count("suppressed the restart exception") == 1
+    assert all("suppressed the restart exception" not in res.stderr[r] for r in (0, 2)), "false report"
     assert "workload.py:" in res.stderr[1].split("suppressed the restart exception", 1)[1].splitlines()[0]
     assert res.starts(1)[4]["pid"] == res.starts(1)[3]["pid"]
+
+
+def test_a_livelock_is_caught_by_the_manual_heartbeat(many_faults):
+    res = many_faults
+    assert res.of(0, "inject", action="spin", iteration=4)
+    assert res.of(0, "interrupted", iteration=4), "the spinning rank was not interrupted"
+    assert res.stderr[0].count("soft timeout: no progress") >= 1
 
 
 def test_cpu_only_health_check_skips_once_and_never_ends_the_job(many_faults):

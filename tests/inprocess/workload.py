@@ -70,6 +70,11 @@ def inject(action: str, call_wrapper: inprocess.CallWrapper) -> None:
             time.sleep(120)
         except BaseException as exc:  # the bug this action demonstrates
             record("swallowed", kind=type(exc).__name__)
+    if action == "spin":  # a livelock: bytecode keeps running (automatic heartbeat) but pings stop
+        call_wrapper.ping()
+        spins = 0
+        while True:
+            spins += 1
     if action == "atomic":
         with call_wrapper.atomic():
             record("atomic_enter")
