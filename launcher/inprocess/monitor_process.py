@@ -24,10 +24,13 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import time
 from pathlib import Path
 from typing import Any
+
+from launcher.inprocess.progress import SLOT_DIR_PREFIX
 
 log = logging.getLogger("launcher.inprocess.monitor_process")
 
@@ -246,7 +249,14 @@ class _Monitor:
         log.error("%s", reason)
         self._record(self.rank, reason)
         self._terminate()
+        self._remove_slot()
         return True
+
+    def _remove_slot(self) -> None:
+        """The rank cannot clean up after a kill: remove its progress slot's private directory."""
+        directory = Path(self.cfg["slot"]).parent
+        if directory.name.startswith(SLOT_DIR_PREFIX) and not _alive(self.pidfd):
+            shutil.rmtree(directory, ignore_errors=True)
 
     def _terminate(self) -> None:
         """SIGCONT+SIGTERM, then after the grace time SIGCONT+SIGTERM+SIGKILL."""
@@ -288,6 +298,7 @@ class _Monitor:
         self.store.record_fault(rank, -1, reason)
 
     def _rank_ended(self) -> int:
+        self._remove_slot()
         if not self.stopping:
             try:
                 gone = self.store.terminated()
@@ -338,6 +349,11 @@ class _Lines:
     def _split(self) -> list[bytes]:
         *lines, self._buffer = self._buffer.split(b"\n")
         return [line for line in lines if line.strip()]
+
+
+def _alive(pidfd: int) -> bool:
+    readable, _, _ = select.select([pidfd], [], [], 0)
+    return not readable
 
 
 def _signal(pidfd: int, sig: int) -> None:

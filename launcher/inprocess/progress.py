@@ -20,6 +20,7 @@ from monitors.heartbeat import Slot, SlotWriter
 from monitors.progress_watchdog import ProgressWatchdog
 
 RUN_SECTION = 0
+SLOT_DIR_PREFIX = "nvrx-inprocess-"
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class ProgressRecorder:
     """The rank's side: creates the slot, runs the watchdog, records pings and iteration start/end."""
 
     def __init__(self, watchdog_interval: float) -> None:
-        self.directory = Path(tempfile.mkdtemp(prefix="nvrx-inprocess-", dir=_shm_dir()))
+        self.directory = Path(tempfile.mkdtemp(prefix=SLOT_DIR_PREFIX, dir=_shm_dir()))
         self.path = self.directory / "progress.slot"
         self.slot = Slot.create(self.path)
         self.writer = SlotWriter(self.slot)

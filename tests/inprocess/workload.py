@@ -55,7 +55,10 @@ def inject(action: str, call_wrapper: inprocess.CallWrapper) -> None:
         time.sleep(0.3)
         raise ValueError("injected fault")
     if action == "die_hard":  # the whole "node" goes: this rank and its monitor process, no goodbye
+        import shutil
+
         import psutil
+        shutil.rmtree(call_wrapper._recorder.directory)  # a lost node's /dev/shm is gone too; keep the test host's clean
         for child in psutil.Process().children():
             child.kill()
         os.kill(os.getpid(), 9)
