@@ -7,6 +7,7 @@ User API (module-level functions act on one process-wide ``AsyncCheckpointer``):
     ckpt.wait()                                     # block until every pending save is published
     ckpt.async_torch_save(obj, "rng_rank0.pt")      # torch.save-style, for non-distributed state
     ckpt.resume("ckpts", state_dict)                # load the newest complete, verified checkpoint
+    ckpt.prepare(state_dict)                        # (resume does it) reserve staging: the first save is warm
     ckpt.finalize_before_exit()                     # graceful stop: publish pending saves, stop the writer
 
 The spec's layers are in ``ckpt.async_ckpt`` (``state_dict_saver``, ``filesystem_async``, ``core``).
@@ -21,7 +22,7 @@ from typing import Any
 _EXPORTS = {
     "AsyncCheckpointer": "ckpt.api", "configure": "ckpt.api", "checkpointer": "ckpt.api", "async_save": "ckpt.api",
     "async_torch_save": "ckpt.api", "maybe_finalize": "ckpt.api", "wait": "ckpt.api", "resume": "ckpt.api",
-    "finalize_before_exit": "ckpt.api",
+    "finalize_before_exit": "ckpt.api", "prepare": "ckpt.api",
     "CheckpointInfo": "ckpt.loader", "list_checkpoints": "ckpt.loader", "find_latest_checkpoint": "ckpt.loader",
     "verify_checkpoint": "ckpt.loader", "load_latest": "ckpt.loader", "load_metadata": "ckpt.loader",
     "CheckpointError": "ckpt.errors", "CheckpointWriteError": "ckpt.errors",

@@ -5,7 +5,8 @@ A typical training loop (every rank runs the same calls)::
     import ckpt
     from launcher import job_control
 
-    info = ckpt.resume("ckpts", state)            # newest complete checkpoint, verified; None on a fresh start
+    info = ckpt.resume("ckpts", state)            # newest complete checkpoint, verified (None: fresh start);
+                                                 # also reserves staging memory, so even the first save is warm
     for step in range(start, total):
         train_step()
         ckpt.maybe_finalize()                    # cheap; publishes saves whose writes are durable
@@ -27,6 +28,7 @@ from typing import Any
 from ckpt.async_ckpt.core import AsyncCallsQueue
 from ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from ckpt.async_ckpt.state_dict_saver import CheckpointMetadataCache, async_request, save_state_dict_async_plan
+from ckpt.async_ckpt.staging import align, default_pool
 from ckpt.async_ckpt.writer_process import WriterProcess
 from ckpt.errors import CheckpointWriteError
 from ckpt.loader import CheckpointInfo, load_latest, load_metadata
@@ -84,11 +86,22 @@ class AsyncCheckpointer:
     def pending(self) -> int:
         return self.queue.get_num_unfinalized_calls()
 
+    def prepare(self, state_dict: dict[str, Any]) -> int:
+        """Reserve staging memory for saves of STATE_DICT now, faulted in on a background thread (not collective).
+
+        Without it the first save pays for fresh memory (page faults: about as long as a clone of
+        the state); after it the first save is a plain copy like every later one. Returns the bytes reserved.
+        """
+        nbytes = staging_bytes(state_dict)
+        default_pool().reserve(nbytes)
+        return nbytes
+
     def resume(self, root: str | os.PathLike, state_dict: dict[str, Any], verify: str | None = "full") -> CheckpointInfo | None:
-        """Load the newest complete checkpoint under ROOT into STATE_DICT and seed the plan cache from it."""
+        """Load the newest complete checkpoint under ROOT into STATE_DICT, seed the plan cache, prepare staging."""
         info = load_latest(root, state_dict, process_group=self.process_group, verify=verify)
         if info is not None and self.enable_cache:
             self.cache.set_cached_global_metadata(load_metadata(info.path))
+        self.prepare(state_dict)
         return info
 
     def finalize_before_exit(self) -> None:
@@ -97,6 +110,24 @@ class AsyncCheckpointer:
 
     def close(self) -> None:
         self.queue.close()
+
+
+def staging_bytes(obj: Any) -> int:
+    """An upper bound of the staging memory one rank needs to save OBJ (its local tensor data, aligned)."""
+    import torch
+
+    if isinstance(obj, dict):
+        return sum(staging_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(staging_bytes(v) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        if hasattr(local, "local_shards"):
+            return sum(align(s.tensor.numel() * s.tensor.element_size()) for s in local.local_shards())
+        return align(local.numel() * local.element_size())
+    if hasattr(obj, "state_dict") and callable(obj.state_dict):
+        return staging_bytes(obj.state_dict())
+    return 4096  # a non-tensor value: serialized, usually small
 
 
 _default: AsyncCheckpointer | None = None
@@ -133,6 +164,10 @@ def maybe_finalize() -> list[int]:
 
 def wait() -> list[int]:
     return [] if _default is None else _default.wait()
+
+
+def prepare(state_dict: dict[str, Any]) -> int:
+    return checkpointer().prepare(state_dict)
 
 
 def resume(root: str | os.PathLike, state_dict: dict[str, Any], verify: str | None = "full") -> CheckpointInfo | None:

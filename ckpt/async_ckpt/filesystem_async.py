@@ -94,6 +94,7 @@ class FileSystemWriterAsync(StorageWriter):
         self._job: dict[str, Any] | None = None
         self._layout: list[list[tuple[WriteItem, str]]] = []
         self._reply: dict[str, Any] | None = None
+        self.write_seconds = 0.0  # how long the writer process took for this rank's files
 
     # ------------------------------------------------------------ StorageWriter interface
 
@@ -217,6 +218,7 @@ class FileSystemWriterAsync(StorageWriter):
     def record_reply(self, reply: dict[str, Any]) -> None:
         """Keep the writer process's successful answer (file sizes, item offsets and checksums)."""
         self._reply = reply
+        self.write_seconds = float(reply.get("seconds", 0.0))
 
     def release_staging(self) -> None:
         """This save is over (published or dropped): free its staging buffer and forget its results."""

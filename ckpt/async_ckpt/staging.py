@@ -19,6 +19,7 @@ from typing import Any
 log = logging.getLogger("nvrx.ckpt.staging")
 
 ALIGN = 64  # item offsets inside a buffer (cache-line aligned copies)
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _GRANULE = 2 << 20  # buffer sizes are rounded up to this
 _ids = itertools.count(1)
 _close_hooks: list[Any] = []  # weak methods called with a buffer before it is closed (the writer unmaps it)
@@ -48,6 +49,21 @@ class StagingBuffer:
             raise
         self._u8: Any = None
         self.in_use = False
+        self.warming: threading.Event | None = None  # set while reserve() faults the pages in
+
+    def populate(self) -> None:
+        """Fault every page in now (MADV_POPULATE_WRITE, else by writing zeros), so copies into it run warm."""
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            address = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+            if libc.madvise(address, self.capacity, _MADV_POPULATE_WRITE) == 0:
+                return
+        except (OSError, AttributeError, TypeError):
+            pass
+        self.bytes_view().zero_()
 
     def bytes_view(self) -> Any:
         """The whole buffer as a uint8 tensor (created once; views of it are cheap)."""
@@ -95,7 +111,39 @@ class StagingPool:
         self._buffers: list[StagingBuffer] = []
         self._lock = threading.Lock()
 
+    def reserve(self, nbytes: int) -> None:
+        """Have a buffer of NBYTES ready for the next save: allocated now, its pages faulted in on a thread."""
+        with self._lock:
+            if any(b.capacity >= nbytes and (not b.in_use or b.warming is not None) for b in self._buffers):
+                return
+            buf = StagingBuffer(nbytes)
+            buf.in_use = True
+            buf.warming = threading.Event()
+            self._buffers.append(buf)
+        threading.Thread(target=self._warm, args=(buf,), name="nvrx-ckpt-reserve", daemon=True).start()
+
+    def _warm(self, buf: StagingBuffer) -> None:
+        try:
+            buf.populate()
+        finally:
+            with self._lock:
+                buf.in_use = False
+                event, buf.warming = buf.warming, None
+            if event is not None:
+                event.set()
+
+    def wait_reserved(self) -> None:
+        """Block until every reservation made by ``reserve`` is faulted in."""
+        with self._lock:
+            events = [b.warming for b in self._buffers if b.warming is not None]
+        for event in events:
+            event.wait()
+
     def acquire(self, nbytes: int) -> StagingBuffer:
+        with self._lock:
+            pending = [b.warming for b in self._buffers if b.warming is not None and b.capacity >= nbytes]
+        for event in pending:  # a reserved buffer that fits is still being faulted in: it is worth the wait
+            event.wait()
         with self._lock:
             free = [b for b in self._buffers if not b.in_use]
             fitting = sorted((b for b in free if b.capacity >= nbytes), key=lambda b: b.capacity)

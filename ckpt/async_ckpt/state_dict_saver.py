@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
@@ -31,6 +33,11 @@ from ckpt.errors import CheckpointError, CheckpointWriteError
 log = logging.getLogger("nvrx.ckpt.saver")
 
 _PLANS_ATTR = "nvrx_plans"  # JSON of every rank's local and central plan, kept in the DCP metadata
+
+# Seconds spent by the last save_state_dict_async_plan of this process in planning and in staging (the copy),
+# and by the last finalize: the writer process's write (this rank) and the coordinator's publication.
+last_plan_timings: dict[str, float] = {}
+last_finalize_timings: dict[str, float] = {}
 
 
 class CheckpointMetadataCache:
@@ -120,7 +127,9 @@ def verify_global_md_reuse(loaded_all_plans: list[SavePlan] | None, local_plan: 
 
 
 def _stateful_to_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+    """Call state_dict() on Stateful values (as dcp.save does); tensors first: the protocol check is slow."""
+    return {k: v if isinstance(v, torch.Tensor) or not isinstance(v, Stateful) else v.state_dict()
+            for k, v in state_dict.items()}
 
 
 def _describe_item(item: Any) -> str:
@@ -195,6 +204,7 @@ def save_state_dict_async_plan(state_dict: dict[str, Any], storage_writer: FileS
         raise CheckpointError(f"storage_writer must be a FileSystemWriterAsync, not {type(storage_writer).__name__}")
     if not isinstance(state_dict, dict):
         raise CheckpointError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+    started = time.perf_counter()
     dw = DistWrapper(process_group, coordinator_rank)
     planner = planner or DefaultSavePlanner()
     cache = (metadata_cache or _global_cache()) if enable_cache else None
@@ -221,7 +231,11 @@ def save_state_dict_async_plan(state_dict: dict[str, Any], storage_writer: FileS
             cache.validated_loaded_metadata_reuse = False
             if dw.is_coordinator:
                 cache.cached_global_metadata = global_md
+    planned = time.perf_counter()
     storage_writer.prepare_write_data(planner.finish_plan(central_plan), planner)
+    last_plan_timings.update(plan=planned - started, stage=time.perf_counter() - planned)
+    log.debug("checkpoint %s: planned in %.4f s, staged in %.4f s", storage_writer.path, last_plan_timings["plan"],
+              last_plan_timings["stage"])
     return storage_writer, global_md, dw
 
 
@@ -262,6 +276,8 @@ def save_state_dict_async_finalize(storage_writer: FileSystemWriterAsync, global
         local = {"error": str(exc)}
     per_rank = dist_wrapper.all_gather_json(local)
     status: str | None = None
+    last_finalize_timings.clear()
+    last_finalize_timings["write"] = storage_writer.write_seconds
     if dist_wrapper.is_coordinator:
         problems = [m["error"] for m in per_rank if "error" in m]
         try:
@@ -269,7 +285,9 @@ def save_state_dict_async_finalize(storage_writer: FileSystemWriterAsync, global
                 raise CheckpointWriteError("; ".join(problems))
             if global_metadata is None:
                 raise CheckpointWriteError("the coordinator has no global metadata for this save")
+            started = time.perf_counter()
             storage_writer.finish_from_ranks(global_metadata, [m["ok"] for m in per_rank])
+            last_finalize_timings["publish"] = time.perf_counter() - started
         except Exception as exc:
             status = str(exc) if isinstance(exc, (CheckpointError, OSError)) else f"{type(exc).__name__}: {exc}"
             storage_writer.discard_partial()

@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 from ckpt.async_ckpt.control import Channel, ChannelClosed
@@ -80,14 +81,15 @@ class Writer:
             if job["op"] == "detach":
                 self.detach(job["buf"])
                 continue
+            started = time.perf_counter()
             try:
                 if job["op"] == "write":
                     view = self.buffers[job["buf"]][1]
                     files = file_writer.write_files(view, job["dir"], job["files"], fsync=job.get("fsync", True))
-                    self.reply({"op": "done", "id": job["id"], "ok": True, "files": files})
                 else:  # "copy": a whole file staged in the memfd that came with the message
-                    info = file_writer.copy_to_file(job["_fd"], job["nbytes"], job["path"], fsync=job.get("fsync", True))
-                    self.reply({"op": "done", "id": job["id"], "ok": True, "files": [info]})
+                    files = [file_writer.copy_to_file(job["_fd"], job["nbytes"], job["path"], fsync=job.get("fsync", True))]
+                self.reply({"op": "done", "id": job["id"], "ok": True, "files": files,
+                            "seconds": time.perf_counter() - started})
             except Exception as exc:  # reported to the training process, which decides what to do
                 self.reply({"op": "done", "id": job["id"], "ok": False, "error": _describe(exc)})
             finally:

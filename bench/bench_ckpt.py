@@ -1,0 +1,432 @@
+"""Checkpoint benchmark: how long a save blocks training and how long until it is durable.
+
+    python bench/bench_ckpt.py                      # 1 GiB float32 state, 1 and 2 ranks, all methods
+    python bench/bench_ckpt.py --quick              # 128 MiB, fewer saves (development)
+    python bench/bench_ckpt.py --size-mib 512 --worlds 2 --methods ours,dcp_async --saves 4
+
+Methods (each in fresh processes; 2 ranks = a real gloo group, the state sharded as DTensor Shard(0)):
+  ours       ckpt.AsyncCheckpointer.async_save -> wait() (writer process started at rank start, as
+             `nvrx launch --async-ckpt` does; plan cache on)
+  dcp_save   torch.distributed.checkpoint.save
+  dcp_async  torch.distributed.checkpoint.async_save (defaults: thread executor, default stager) -> result()
+  torch_save torch.save of the rank's local tensors to one file, then fsync
+Per save: blocked = the call until it returns to the training loop; durable = the call until the data
+is on disk (ours: wait() published it; dcp_async: the future; torch_save: + fsync). The first save of
+a process is "cold", the others "warm" (medians). Floors, measured next to every save in the same
+process on the same tensors (the machine is shared, so load drifts): just before it, a copy of the
+state into already-allocated buffers; just after it, a sequential write + fsync of as many bytes.
+Ratios are per save (save / its own floors), then the median. ours_prepared: ckpt.prepare() (what
+ckpt.resume() does at start-up) before the first save; only its cold save is of interest.
+Plan cache: planning time of our save with and without the cache at 2 ranks (1 GiB state, and a state
+of many small tensors where planning matters more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+METHODS = ("ours", "ours_prepared", "dcp_save", "dcp_async", "torch_save")
+
+
+# ---------------------------------------------------------------- rank side
+
+
+def _init(rank: int, world: int, port: int) -> Any:
+    import torch.distributed as dist
+
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=600))
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh("cpu", (world,))
+    return None
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _make_state(total_bytes: int, tensors: int, world: int, mesh: Any) -> tuple[dict, list]:
+    """TENSORS float32 tensors of TOTAL_BYTES together, each sharded over the ranks (rows)."""
+    import torch
+
+    rows = max(world, total_bytes // tensors // 4 // 1024) // world * world
+    state, local = {}, []
+    for i in range(tensors):
+        t = torch.empty(rows // world, 1024)
+        t.fill_(float(i))
+        local.append(t)
+        if world > 1:
+            from torch.distributed.tensor import DTensor, Shard
+
+            state[f"layer{i:04d}.weight"] = DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+        else:
+            state[f"layer{i:04d}.weight"] = t
+    state["step"] = 0
+    return state, local
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Floors:
+    """The two floors, measured next to every save on the same tensors: copy into preallocated memory, write+fsync."""
+
+    def __init__(self, local: list, workdir: Path, rank: int) -> None:
+        import torch
+
+        self.local = local
+        self.bufs = [torch.empty_like(t) for t in local]
+        self.copy()  # first touch of the buffers, not used
+        self.path = workdir / f"floor-{rank}.bin"
+
+    def copy(self) -> float:
+        t0 = time.perf_counter()
+        for b, t in zip(self.bufs, self.local):
+            b.copy_(t)
+        return time.perf_counter() - t0
+
+    def disk(self) -> float:
+        t0 = time.perf_counter()
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for b in self.bufs:
+            data = memoryview(b.numpy()).cast("B")
+            pos = 0
+            while pos < len(data):
+                pos += os.write(fd, data[pos: pos + (64 << 20)])
+        os.fsync(fd)
+        os.close(fd)
+        elapsed = time.perf_counter() - t0
+        self.path.unlink()
+        return elapsed
+
+
+def _saver(method: str, world: int, enable_cache: bool) -> Any:
+    """A function (state, path) -> (blocked_s, durable_s, extra) for METHOD."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    if method in ("ours", "ours_prepared"):
+        import ckpt
+        from ckpt.async_ckpt import state_dict_saver
+
+        cp = ckpt.AsyncCheckpointer(enable_cache=enable_cache)
+
+        def save(state: dict, path: Path) -> tuple[float, float, dict]:
+            t0 = time.perf_counter()
+            cp.async_save(state, path)
+            t1 = time.perf_counter()
+            cp.wait()
+            t2 = time.perf_counter()
+            return t1 - t0, t2 - t0, {**state_dict_saver.last_plan_timings, **state_dict_saver.last_finalize_timings}
+
+        return save
+    if method == "dcp_save":
+        def save(state: dict, path: Path) -> tuple[float, float, dict]:
+            t0 = time.perf_counter()
+            dcp.save(state, checkpoint_id=str(path))
+            t = time.perf_counter() - t0
+            return t, t, {}
+
+        return save
+    if method == "dcp_async":
+        def save(state: dict, path: Path) -> tuple[float, float, dict]:
+            t0 = time.perf_counter()
+            fut = dcp.async_save(state, checkpoint_id=str(path))
+            t1 = time.perf_counter()
+            (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
+            return t1 - t0, time.perf_counter() - t0, {}
+
+        return save
+
+    def save(state: dict, path: Path) -> tuple[float, float, dict]:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if world > 1 else 0
+        local = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in state.items()}
+        path.mkdir(parents=True, exist_ok=True)
+        file = path / f"rank{rank}.pt"
+        t0 = time.perf_counter()
+        torch.save(local, file)
+        t1 = time.perf_counter()
+        _fsync(file)
+        return t1 - t0, time.perf_counter() - t0, {}
+
+    return save
+
+
+def rank_main(cfg: dict[str, Any]) -> None:
+    rank, world, method = cfg["rank"], cfg["world"], cfg["method"]
+    if method.startswith("ours"):  # as the bootstrap does for `nvrx launch --async-ckpt`: the writer starts with the rank
+        from ckpt.async_ckpt.writer_process import start_persistent_writer
+
+        start_persistent_writer()
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    warnings.filterwarnings("ignore")
+    mesh = _init(rank, world, cfg["port"])
+    state, local = _make_state(cfg["bytes"], cfg["tensors"], world, mesh)
+    workdir = Path(cfg["dir"])
+    floors = Floors(local, workdir, rank)
+    save = _saver(method, world, cfg.get("cache", True))
+    if method == "ours_prepared":  # what ckpt.resume() does at start-up: staging reserved before the first save
+        import ckpt
+
+        from ckpt.async_ckpt.staging import default_pool
+
+        ckpt.checkpointer().prepare(state)
+        default_pool().wait_reserved()  # start-up work, not timed
+    samples = []
+    for k in range(cfg["saves"]):
+        for t in local:
+            t.add_(1.0)  # a training step between saves
+        state["step"] = k
+        _barrier(world)
+        copy_floor = floors.copy()
+        _barrier(world)
+        blocked, durable, extra = save(state, workdir / f"{method}-{k}")
+        _barrier(world)
+        disk_floor = floors.disk()
+        _barrier(world)
+        samples.append({"blocked_s": blocked, "durable_s": durable, "copy_floor_s": copy_floor,
+                        "disk_floor_s": disk_floor, **extra})
+        if rank == 0:
+            shutil.rmtree(workdir / f"{method}-{k}", ignore_errors=True)
+        _barrier(world)
+    Path(cfg["out"]).write_text(json.dumps({"rank": rank, "samples": samples}))
+    if method.startswith("ours"):
+        import ckpt
+
+        ckpt.checkpointer().finalize_before_exit()
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- orchestration
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def run(method: str, world: int, args: argparse.Namespace, workdir: Path, **extra: Any) -> list[dict[str, Any]]:
+    need = int(args.size_mib * (1 << 20) * 4.2)  # state + floor buffer + staging + the peer's own copy, with margin
+    if _mem_available() < need:
+        raise SystemExit(f"bench_ckpt: {method} at {world} rank(s) needs ~{need >> 30} GiB free memory, "
+                         f"{_mem_available() >> 30} GiB available; use --size-mib to shrink the state")
+    port = _free_port()
+    procs, outs = [], []
+    for rank in range(world):
+        out = workdir / f"out-{method}-{world}-{rank}.json"
+        cfg = {"rank": rank, "world": world, "method": method, "port": port, "bytes": int(args.size_mib) << 20,
+               "tensors": extra.get("tensors", args.tensors), "saves": extra.get("saves", args.saves),
+               "dir": str(workdir), "out": str(out), "cache": extra.get("cache", True)}
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--as-rank", json.dumps(cfg)], env=env))
+        outs.append(out)
+    for p in procs:
+        if p.wait(timeout=args.timeout) != 0:
+            for q in procs:
+                q.kill()
+            raise SystemExit(f"bench_ckpt: {method} at {world} rank(s) failed (exit {p.returncode})")
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def _med(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per save the slowest rank decides (training goes on when every rank does); save 0 is cold.
+
+    Ratios are taken per save against the floors measured right next to it, then the median of the warm ones.
+    """
+    n = len(ranks[0]["samples"])
+    per_save = [{key: max(r["samples"][k].get(key, 0.0) for r in ranks) for key in set().union(*(r["samples"][k] for r in ranks))}
+                for k in range(n)]  # publish: coordinator only
+    for s in per_save:
+        s["blocked_over_copy"] = s["blocked_s"] / s["copy_floor_s"]
+        s["durable_over_disk"] = s["durable_s"] / s["disk_floor_s"]
+    warm = per_save[1:] or per_save
+    out: dict[str, Any] = {"cold_blocked_s": per_save[0]["blocked_s"], "cold_durable_s": per_save[0]["durable_s"],
+                           "cold_blocked_over_copy": per_save[0]["blocked_over_copy"]}
+    for key in ("blocked_s", "durable_s", "copy_floor_s", "disk_floor_s", "blocked_over_copy", "durable_over_disk"):
+        out[f"warm_{key}"] = _med([s[key] for s in warm])
+    for key in ("plan", "stage", "write", "publish"):
+        if key in per_save[0]:
+            out[f"warm_{key}_s"] = _med([s[key] for s in warm])
+            out[f"cold_{key}_s"] = per_save[0][key]
+    out["saves"] = per_save
+    return out
+
+
+def verdicts(res: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+
+    def add(world: str, name: str, value: float | None, limit: float | None, unit: str) -> None:
+        if value is not None and limit is not None:
+            out.append({"world": world, "target": name, "value": value, "limit": limit, "unit": unit, "ok": value <= limit})
+
+    for world, r in res.items():
+        ours, peer, prepared = r.get("ours"), r.get("dcp_async"), r.get("ours_prepared")
+        if not ours:
+            continue
+        add(world, "warm blocked <= 1.5x copy floor", ours["warm_blocked_over_copy"], 1.5, "x floor")
+        add(world, "warm durable <= 1.25x disk floor", ours["warm_durable_over_disk"], 1.25, "x floor")
+        if peer:
+            add(world, "warm blocked < DCP async_save warm", ours["warm_blocked_over_copy"],
+                peer["warm_blocked_over_copy"], "x floor")
+            add(world, "cold blocked <= 0.5x DCP async_save cold", ours["cold_blocked_s"], 0.5 * peer["cold_blocked_s"], "s")
+            if prepared:
+                add(world, "cold blocked after prepare() <= 0.5x DCP async_save cold", prepared["cold_blocked_s"],
+                    0.5 * peer["cold_blocked_s"], "s")
+    return out
+
+
+def table(res: dict[str, Any], cache: dict[str, Any] | None, checks: list[dict[str, Any]]) -> str:
+    def f(v: float | None, digits: int = 3) -> str:
+        return "-" if v is None else f"{v:.{digits}f}"
+
+    lines = ["| ranks | method | blocked cold s | blocked warm s | durable cold s | durable warm s "
+             "| warm blocked / copy floor | warm durable / disk floor | copy floor s | disk floor s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for world, r in res.items():
+        for m in METHODS:
+            if m not in r:
+                continue
+            s = r[m]
+            lines.append(f"| {world} | {m} | {f(s['cold_blocked_s'])} | {f(s['warm_blocked_s'])} | {f(s['cold_durable_s'])} "
+                         f"| {f(s['warm_durable_s'])} | {f(s['warm_blocked_over_copy'], 2)} | {f(s['warm_durable_over_disk'], 2)} "
+                         f"| {f(s['warm_copy_floor_s'])} | {f(s['warm_disk_floor_s'])} |")
+    if cache:
+        lines += ["", "| plan cache (2 ranks) | tensors | plan without cache s | plan with cache s | saved per checkpoint s |",
+                  "|---|---|---|---|---|"]
+        for label, c in cache.items():
+            lines.append(f"| {label} | {c['tensors']} | {f(c['plan_nocache_s'])} | {f(c['plan_cache_s'])} | {f(c['saved_s'])} |")
+    if checks:
+        lines += ["", "| ranks | target | value | limit | met |", "|---|---|---|---|---|"]
+        for c in checks:
+            lines.append(f"| {c['world']} | {c['target']} | {c['value']:.3f} {c['unit']} | {c['limit']:.3f} {c['unit']} "
+                         f"| {'yes' if c['ok'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--as-rank", help=argparse.SUPPRESS)
+    ap.add_argument("--size-mib", type=int, default=1024, help="total state size (default 1024 = 1 GiB)")
+    ap.add_argument("--tensors", type=int, default=16, help="number of tensors in the state (default 16)")
+    ap.add_argument("--saves", type=int, default=5, help="saves per method and world size: 1 cold + warm (default 5)")
+    ap.add_argument("--worlds", default="1,2", help="world sizes (default 1,2)")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
+    ap.add_argument("--no-cache-bench", action="store_true", help="skip the plan-cache measurement")
+    ap.add_argument("--quick", action="store_true", help="128 MiB, 3 saves (development)")
+    ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir in /tmp)")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--output", default=str(REPO / "bench" / "results" / "ckpt.json"))
+    args = ap.parse_args()
+    if args.as_rank:
+        rank_main(json.loads(args.as_rank))
+        return
+    if args.quick:
+        args.size_mib, args.saves = min(args.size_mib, 128), min(args.saves, 3)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise SystemExit(f"bench_ckpt: unknown method(s) {sorted(unknown)}; choose from {','.join(METHODS)}")
+    worlds = [int(w) for w in args.worlds.split(",")]
+    workdir = Path(tempfile.mkdtemp(prefix="nvrx-bench-ckpt-", dir=args.dir))
+    info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "mem_available_gib": round(_mem_available() / (1 << 30), 1),
+            "load_before": _load(), "dir": str(workdir)}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    print(f"bench_ckpt: {args.size_mib} MiB in {args.tensors} tensors, worlds {worlds}, methods {methods}, "
+          f"{args.saves} saves; load {info['load_before']}, {info['mem_available_gib']} GiB free; dir {workdir}", flush=True)
+    results: dict[str, Any] = {}
+    loads: dict[str, str] = {}
+    try:
+        for world in worlds:
+            r: dict[str, Any] = {}
+            for m in methods:
+                loads[f"{world}/{m}"] = _load()
+                saves = 2 if m == "ours_prepared" else args.saves  # only its first (cold) save differs from ours
+                r[m] = summarize(run(m, world, args, workdir, saves=saves))
+                print(f"  {world} rank(s) {m}: blocked {r[m]['cold_blocked_s']:.3f} cold / {r[m]['warm_blocked_s']:.3f} warm "
+                      f"({r[m]['warm_blocked_over_copy']:.2f}x copy floor), durable {r[m]['warm_durable_s']:.3f} warm "
+                      f"({r[m]['warm_durable_over_disk']:.2f}x disk floor) (load {loads[f'{world}/{m}']})", flush=True)
+            results[str(world)] = r
+        cache = None
+        if not args.no_cache_bench and "ours" in methods:
+            cache = {}
+            for label, tensors, size in (("state of --size-mib", args.tensors, args.size_mib), ("many small tensors", 2000, 32)):
+                a = argparse.Namespace(**{**vars(args), "size_mib": size})
+                with_cache = summarize(run("ours", 2, a, workdir, tensors=tensors, cache=True))
+                without = summarize(run("ours", 2, a, workdir, tensors=tensors, cache=False))
+                cache[label] = {"tensors": tensors, "size_mib": size, "plan_cache_s": with_cache["warm_plan_s"],
+                                "plan_nocache_s": without["warm_plan_s"],
+                                "saved_s": without["warm_plan_s"] - with_cache["warm_plan_s"],
+                                "blocked_cache_s": with_cache["warm_blocked_s"], "blocked_nocache_s": without["warm_blocked_s"]}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    checks = verdicts(results)
+    info["load_after"] = _load()
+    doc = {"machine": info, "config": {"size_mib": args.size_mib, "tensors": args.tensors, "saves": args.saves,
+                                       "worlds": worlds, "methods": methods, "quick": args.quick},
+           "loads": loads, "results": results, "plan_cache": cache, "targets": checks}
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(table(results, cache, checks))
+    print(f"written {out}")
+
+
+if __name__ == "__main__":
+    main()
