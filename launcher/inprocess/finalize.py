@@ -48,7 +48,8 @@ class ThreadedFinalize(Finalize):
         thread.start()
         thread.join(self.timeout)
         if thread.is_alive():
-            raise TimeoutError(f"finalize {getattr(self.fn, '__name__', self.fn)!r} did not finish in {self.timeout:g} s")
+            name = getattr(self.fn, "__name__", self.fn)
+            raise TimeoutError(f"finalize {name!r} did not finish in {self.timeout:g} s")
         if box:
             raise box[0]
         return state

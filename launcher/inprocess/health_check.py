@@ -85,13 +85,16 @@ class FaultCounter(HealthCheck):
     def __init__(self, max_rank_faults: int | None = None) -> None:
         if max_rank_faults is not None and (isinstance(max_rank_faults, bool) or not isinstance(max_rank_faults, int)
                                             or max_rank_faults < 0):
-            raise ValueError(f"FaultCounter: max_rank_faults must be a whole number >= 0 or None, not {max_rank_faults!r}")
+            raise ValueError("FaultCounter: max_rank_faults must be a whole number >= 0 or None, "
+                             f"not {max_rank_faults!r}")
         self.max_rank_faults = max_rank_faults
         self.faults = 0
+        self._counted: BaseException | None = None  # health checks run twice per fault (after it, before the next run)
 
     def __call__(self, state: State) -> State:
         exc = state.fn_exception
-        if exc is not None and not isinstance(exc, RestartInterrupt):
+        if exc is not None and not isinstance(exc, RestartInterrupt) and exc is not self._counted:
+            self._counted = exc
             self.faults += 1
             log.info("fault %d on this rank: %s", self.faults, type(exc).__name__)
         if self.max_rank_faults is not None and self.faults > self.max_rank_faults:

@@ -36,7 +36,8 @@ class RetryController(Initialize):
     Every rank sees the same iteration and world sizes, so every rank stops at the same point.
     """
 
-    def __init__(self, max_iterations: int | None = None, min_world_size: int = 1, min_active_world_size: int = 1) -> None:
+    def __init__(self, max_iterations: int | None = None, min_world_size: int = 1,
+                 min_active_world_size: int = 1) -> None:
         self.max_iterations = None if max_iterations is None else _count(max_iterations, "max_iterations", 1)
         self.min_world_size = _count(min_world_size, "min_world_size", 1)
         self.min_active_world_size = _count(min_active_world_size, "min_active_world_size", 1)

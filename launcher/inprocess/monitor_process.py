@@ -288,7 +288,8 @@ class _Monitor:
             if count != last:
                 self.seen[rank] = (count, now)
             elif now - since > self.heartbeat_timeout:
-                reason = f"heartbeat timeout: no heartbeat for {now - since:.1f} s (heartbeat_timeout={self.heartbeat_timeout:g} s)"
+                reason = (f"heartbeat timeout: no heartbeat for {now - since:.1f} s "
+                          f"(heartbeat_timeout={self.heartbeat_timeout:g} s)")
                 log.error("rank %d: %s", rank, reason)
                 self._record(rank, reason)
                 del self.seen[rank]

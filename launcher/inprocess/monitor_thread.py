@@ -116,7 +116,8 @@ class MonitorThread:
                 if not self._armed or self._iteration != iteration:
                     return
             faults = self.store.faults()[base:]
-            log.info("restarting: %s", "; ".join(f"rank {f['rank']}: {f['reason']}" for f in faults) or "fault recorded")
+            summary = "; ".join(f"rank {f['rank']}: {f['reason']}" for f in faults)
+            log.info("restarting: %s", summary or "fault recorded")
             self._interrupt()
             return
         self._check_soft_timeout(iteration)

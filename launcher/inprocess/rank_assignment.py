@@ -151,5 +151,6 @@ class Tree(RankAssignment):
         for r in survivors:
             for depth in range(len(self.layers)):
                 first_rank.setdefault(paths[r][: depth + 1], r)
-        order = sorted(survivors, key=lambda r: (tuple(first_rank[paths[r][: d + 1]] for d in range(len(self.layers))), r))
+        depths = range(len(self.layers))
+        order = sorted(survivors, key=lambda r: (tuple(first_rank[paths[r][: d + 1]] for d in depths), r))
         return _renumber(ctx, order)

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from launcher.inprocess import gloo_unblock
 from launcher.inprocess.barrier import StoreBarrier, empty_decision
 from launcher.inprocess.call_wrapper import CallWrapper, set_current
-from launcher.inprocess.exceptions import (ConfigurationError, InprocessError, RankTerminated, RestartInterrupt, StoreUnavailable,
-                                           swallow_location)
+from launcher.inprocess.exceptions import (ConfigurationError, InprocessError, RankTerminated, RestartInterrupt,
+                                           StoreUnavailable, swallow_location)
 from launcher.inprocess.interruption import InterruptGate
 from launcher.inprocess.log_setup import set_context
 from launcher.inprocess.monitor_process import MonitorProcess
@@ -113,7 +113,8 @@ class Session:
         self.recorder = ProgressRecorder(w.progress_watchdog_interval)
         self.store = self._make_store()
         # Forked before the Wrapper's own threads start (see monitor_process).
-        self.monitor_process = MonitorProcess(self._monitor_config(), _logfile(w.monitor_process_logfile, self.rank)).start()
+        logfile = _logfile(w.monitor_process_logfile, self.rank)
+        self.monitor_process = MonitorProcess(self._monitor_config(), logfile).start()
         self.recorder.start()
         try:
             client = self.store.new_client()
@@ -139,7 +140,8 @@ class Session:
         except ConfigurationError:
             raise
         except Exception as exc:
-            raise StoreUnavailable(f"could not open the in-process store ({str(exc).strip().splitlines()[0] if str(exc) else type(exc).__name__})") from None
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise StoreUnavailable(f"could not open the in-process restart store ({first})") from None
         if not isinstance(store, StoreMixin):
             raise ConfigurationError(f"store_factory returned {type(store).__name__}, which does not subclass "
                                      "launcher.inprocess.store.StoreMixin")
@@ -221,6 +223,7 @@ class Session:
                 fn_exception = why.__cause__ if isinstance(why.__cause__, BaseException) else None
                 if fn_exception is not None:
                     why.__cause__ = None
+                self.state = self.state.replace(fn_exception=fn_exception)  # finalize/health check see it
                 self._restart(iteration, str(why))
                 iteration += 1
                 continue
@@ -258,7 +261,6 @@ class Session:
 
     def _run_iteration(self, iteration: int, fault_base: int) -> Any:
         """Initialize, health check, run or idle, completion barrier; _Restart unless all ranks completed."""
-        w = self.w
         gate, recorder, monitor = self.gate, self.recorder, self.monitor_thread
         assert gate is not None and recorder is not None and monitor is not None and self.call_wrapper is not None
         self.call_wrapper.state = self.state
@@ -291,7 +293,12 @@ class Session:
                 continue
         monitor.disarm()
         recorder.end_iteration()
-        return self._outcome(iteration, exc, decision, raised, delivered)
+        try:
+            return self._outcome(iteration, exc, decision, raised, delivered)
+        finally:  # drop the frames (tensors, process groups) the interrupt's traceback holds
+            RestartInterrupt.last = None
+            if delivered is not None:
+                _clear_frames(delivered)
 
     def _outcome(self, iteration: int, exc: BaseException | None, decision: dict[str, Any] | None, raised: bool,
                  delivered: RestartInterrupt | None) -> Any:
@@ -318,9 +325,10 @@ class Session:
             if delivered is not None:
                 why = "the wrapped function suppressed the restart exception"
             raise _Restart(why)
-        if not raised and not isinstance(exc, RestartInterrupt) and self._record_local_fault(iteration, exc):
-            raise _Restart(f"{type(exc).__name__} on this rank") from exc
+        local = not raised and not isinstance(exc, RestartInterrupt) and self._record_local_fault(iteration, exc)
         _clear_frames(exc)
+        if local:
+            raise _Restart(f"{type(exc).__name__} on this rank") from exc
         raise _Restart("a fault elsewhere")
 
     def _initialize_and_check(self) -> None:
@@ -339,8 +347,8 @@ class Session:
 
     def _completion_barrier(self, iteration: int) -> dict[str, Any]:
         assert self.store is not None
-        barrier = StoreBarrier(self.store, f"completion/{iteration}", self.rank, self.members, self.w.completion_timeout,
-                               leading=self.state.active, mark_absent=False)
+        barrier = StoreBarrier(self.store, f"completion/{iteration}", self.rank, self.members,
+                               self.w.completion_timeout, leading=self.state.active, mark_absent=False)
         with self.store.errors_as_unavailable():
             decision = barrier.wait()
         if decision.get("timed_out") and self.rank == min(decision.get("members") or [self.rank]):
@@ -414,8 +422,8 @@ class Session:
         gone |= frozenset(range(self.state.world_size)) - frozenset(self.current_rank.values())
         self.members = kept
         self._assign(gone)
-        self.timings = {"began": began, "abort": t1 - t0, "finalize_health_check": t2 - t1, "termination_barrier": t3 - t2,
-                        "rank_assignment": time.monotonic() - t3}
+        self.timings = {"began": began, "abort": t1 - t0, "finalize_health_check": t2 - t1,
+                        "termination_barrier": t3 - t2, "rank_assignment": time.monotonic() - t3}
 
     def _abort(self, state: State) -> None:
         if self.w.abort is not None:
@@ -449,10 +457,10 @@ class Session:
         changed = (new.rank, new.world_size, new.active_rank, new.active_world_size) != (
             state.rank, state.world_size, state.active_rank, state.active_world_size)
         self.state = new
-        log.log(logging.INFO if changed or state.iteration == 0 else logging.DEBUG, "rank %s of %s, %s", new.rank,
-                new.world_size,
-                 f"active rank {new.active_rank} of {new.active_world_size}" if new.active else
-                 f"spare ({new.active_world_size} active)")
+        role = (f"active rank {new.active_rank} of {new.active_world_size}" if new.active
+                else f"spare ({new.active_world_size} active)")
+        level = logging.INFO if changed or state.iteration == 0 else logging.DEBUG
+        log.log(level, "rank %s of %s, %s", new.rank, new.world_size, role)
 
     def _leave_job(self, reason: str) -> None:
         """Record (once) that this rank leaves, so the others continue without waiting for it."""

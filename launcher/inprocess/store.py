@@ -192,7 +192,8 @@ class _Guard:
         return None
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
-        if exc is not None and isinstance(exc, (dist.DistError, RuntimeError)) and not isinstance(exc, StoreUnavailable):
+        lost = isinstance(exc, (dist.DistError, RuntimeError)) and not isinstance(exc, StoreUnavailable)
+        if lost:
             raise StoreUnavailable(
                 f"the in-process restart store at {self.store.describe()} is unreachable ({_first_line(exc)}); "
                 "it is hosted by rank 0 unless a launcher agent hosts it, so the job cannot continue without it"

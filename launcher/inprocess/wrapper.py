@@ -21,7 +21,8 @@ completion_timeout          120     after the first rank finished, how long the 
 termination_grace_time        5     between SIGTERM and SIGKILL on a hard timeout
 =========================== ======= ================================================================
 
-Components (``None`` disables one; a tuple or list of components means their ``Compose``): ``initialize`` (none), ``abort`` (``AbortTorchDistributed()``),
+Components (``None`` disables one; a tuple or list of components means their ``Compose``):
+``initialize`` (none), ``abort`` (``AbortTorchDistributed()``),
 ``finalize`` (none), ``health_check`` (``CudaHealthCheck()``, skipped without CUDA),
 ``rank_assignment`` (``ShiftRanks()``), ``rank_filter`` (none: all ranks active).
 """
@@ -96,7 +97,8 @@ def _logfile(template: Any) -> str | None:
     if template is None:
         return None
     if not isinstance(template, str) or not template:
-        raise ValueError(f"Wrapper: monitor_process_logfile must be a path string (may contain {{rank}}), not {template!r}")
+        raise ValueError("Wrapper: monitor_process_logfile must be a path string (may contain {rank}), "
+                         f"not {template!r}")
     try:
         template.format(rank=0)
     except (KeyError, IndexError, ValueError) as exc:
@@ -165,7 +167,8 @@ class Wrapper:
                              f"({self.soft_timeout:g} s): the hard timeout is the last resort after a soft one")
         if self.soft_timeout <= self.progress_watchdog_interval:
             raise ValueError(f"Wrapper: soft_timeout ({self.soft_timeout:g} s) must be longer than "
-                             f"progress_watchdog_interval ({self.progress_watchdog_interval:g} s), or every rank times out")
+                             f"progress_watchdog_interval ({self.progress_watchdog_interval:g} s), "
+                             "or every rank times out")
         if self.heartbeat_timeout <= self.monitor_process_interval:
             raise ValueError(f"Wrapper: heartbeat_timeout ({self.heartbeat_timeout:g} s) must be longer than "
                              f"monitor_process_interval ({self.monitor_process_interval:g} s)")
