@@ -68,6 +68,8 @@ class RdzvSettings:
     keepalive_timeout: float = RDZV_CONF_DEFAULTS["keepalive_timeout"]
     master_addr: str | None = None  # --master-addr: overrides the process-group host
     master_port: int | None = None  # --master-port: fixed process-group port
+    # Slurm's emulated or real nodes may all resolve the endpoint as local: only node 0 hosts the store.
+    hosts_only_as_node0: bool = False
 
 
 @dataclass(frozen=True)
@@ -411,6 +413,7 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str], ft: Any 
         keepalive_timeout=max(conf["keepalive_timeout"], 3 * conf["keepalive_interval"]),
         master_addr=master_addr or None,
         master_port=master_port,
+        hosts_only_as_node0=slurm is not None,
     )
 
     if not module and not no_python and not Path(entry).is_file():

@@ -356,8 +356,8 @@ def open_rendezvous_store(settings: RdzvSettings) -> RendezvousStore:
         return _guarded(lambda: _host("127.0.0.1", 0, settings), "127.0.0.1", 0)
     host, port = settings.host, settings.port
     addr = local_bind_address(host)
-    if settings.node_rank not in (None, 0):
-        addr = None  # a fixed node rank other than 0 (e.g. from Slurm) never hosts: node 0 does
+    if settings.hosts_only_as_node0 and settings.node_rank not in (None, 0):
+        addr = None  # topology from Slurm: node 0 hosts the store, whatever else resolves as local
     if addr is None:
         return _guarded(lambda: _join(host, port, settings, local_port_taken=False), host, port)
     try:
