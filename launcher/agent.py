@@ -252,6 +252,11 @@ class Agent:
             where = f" in section {hang['section']!r}" if hang.get("section") else ""
             describe += (f" by its monitor: {str(hang.get('reason')).replace('_', ' ')}{where} after "
                          f"{float(hang.get('elapsed') or 0):.1f} s (timeout {hang.get('timeout')} s)")
+            first = self._stalled_first(ex.local_rank) if hang.get("reason") == "heartbeat_timeout" else None
+            if first is not None:
+                hang = {**hang, "stalled_first": result.rank_offset + first[0]}
+                describe += (f"; rank {result.rank_offset + first[0]} (local {first[0]}) stopped making progress "
+                             f"{first[1]:.2f} s earlier")
         detail = {"rank": ex.global_rank, "local_rank": ex.local_rank, "group_rank": result.group_rank,
                   "pid": ex.pid, "exitcode": ex.exitcode, "signal": ex.signal, "abandoned": ex.abandoned,
                   "tail": list(ex.tail), "describe": describe, "round": result.round, "hang": hang}
@@ -259,6 +264,18 @@ class Agent:
             # The rank asks the resume logic for something a restart in place cannot give: end the job with its code.
             detail.update(no_restart=True, steer=ex.exitcode)
         return detail
+
+    def _stalled_first(self, local_rank: int) -> tuple[int, float] | None:
+        """Another local rank whose progress stopped before LOCAL_RANK's (the likelier culprit), and by how much."""
+        progress = self.monitors.last_progress() if self.monitors is not None else {}
+        mine = progress.get(local_rank)
+        if mine is None:
+            return None
+        earlier = {lr: mine - t for lr, t in progress.items() if lr != local_rank and t < mine}
+        if not earlier:
+            return None
+        lr = max(earlier, key=earlier.get)
+        return lr, earlier[lr]
 
     def _forward_signal(self, result: Any) -> None:
         """First handled signal: pass it to the ranks once and tell the other nodes to stop too."""

@@ -21,6 +21,7 @@ from typing import Any
 
 from monitors.client import ENV_AUTO_HEARTBEAT
 from monitors.events import EventLog
+from monitors.heartbeat import Slot, SlotError
 from monitors.progress_watchdog import watchdog_interval
 from monitors.timeouts import last_hang_file
 
@@ -98,6 +99,29 @@ class MonitorGroup:
             self._start_one(lr)
             restarted.append(lr)
         return restarted
+
+    def last_progress(self) -> dict[int, float]:
+        """Each local rank's last heartbeat, manual or automatic (monotonic time), peeked from its slot.
+
+        When one rank hangs, its peers soon block in a collective waiting for it and stop beating too;
+        comparing last beats tells which rank stalled first.
+        """
+        found: dict[int, float] = {}
+        for lr in range(self.nproc):
+            try:
+                slot = Slot.attach(self.paths(lr)[1])
+            except SlotError:
+                continue
+            try:
+                snap = slot.snapshot()
+            except SlotError:
+                continue
+            finally:
+                slot.close()
+            last = max(snap.last_hb, snap.auto_hb)
+            if last > 0 and not snap.open_mask:  # a rank inside a section is not stalled, it is busy
+                found[lr] = last
+        return found
 
     def hang_reason(self, local_rank: int, pid: int) -> dict[str, Any] | None:
         """Why the monitor killed this rank process, if it did."""

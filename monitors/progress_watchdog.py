@@ -92,7 +92,9 @@ class ProgressWatchdog:
 
 
 def watchdog_interval(heartbeat_timeout: float | None) -> float:
-    """Beat often enough that a live rank never comes near its heartbeat timeout."""
+    """Beat often: a live rank never comes near its timeout, and when one rank hangs and its peers then
+    block in a collective waiting for it, the hung rank's last beat is clearly the earliest, so its
+    monitor fires first and the failure report blames the right rank."""
     if heartbeat_timeout is None:
-        return 1.0
-    return max(0.01, min(1.0, heartbeat_timeout / 10.0))
+        return 0.1
+    return max(0.01, min(0.1, heartbeat_timeout / 100.0))

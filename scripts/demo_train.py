@@ -1,15 +1,18 @@
 """A small DDP training job on CPU/gloo, written exactly as for torchrun.
 
-It trains a tiny regression model, checkpoints every few steps, and (for the demo) rank 1
-crashes once in the first attempt so the launcher has something to recover from. On a restart
-it resumes from the last checkpoint. Run it with:
+It trains a tiny regression model, checkpoints every few steps, and (for the demo) gives the
+launcher two faults to recover from: rank 1 crashes in the first attempt, and rank 0 hangs (a
+call that blocks the interpreter) in the second, which the rank monitor's automatic heartbeat
+catches. On each restart it resumes from the last checkpoint. Run it with:
 
-    nvrx launch --nproc-per-node 2 --max-restarts 3 scripts/demo_train.py --steps 60
+    nvrx launch --nproc-per-node 2 --max-restarts 3 --ft-param-auto-heartbeat true \
+        --ft-param-rank-heartbeat-timeout 3 scripts/demo_train.py --steps 60
 """
 
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -20,6 +23,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--crash-at", type=int, default=25, help="step at which rank 1 crashes in attempt 0 (-1: never)")
+    p.add_argument("--hang-at", type=int, default=45, help="step at which rank 0 hangs in attempt 1 (-1: never)")
+    p.add_argument("--step-time", type=float, default=0.05, help="seconds of extra (busy) compute per step")
     p.add_argument("--ckpt", default=os.path.join(os.environ.get("NVRX_RUN_LOG_DIR", "."), "demo_ckpt.pt"))
     args = p.parse_args()
 
@@ -41,6 +46,9 @@ def main() -> int:
     g = torch.Generator().manual_seed(1234 + rank)
     w_true = torch.arange(8, dtype=torch.float32).unsqueeze(1) / 8
     for step in range(start, args.steps):
+        busy_until = time.monotonic() + args.step_time
+        while time.monotonic() < busy_until:  # stands in for a real model's compute
+            pass
         x = torch.randn(32, 8, generator=g)
         loss = torch.nn.functional.mse_loss(model(x), x @ w_true)
         opt.zero_grad()
@@ -49,6 +57,9 @@ def main() -> int:
         if attempt == 0 and rank == 1 and step == args.crash_at:
             print(f"rank 1: simulated crash at step {step}", file=sys.stderr, flush=True)
             os._exit(13)
+        if attempt == 1 and rank == 0 and step == args.hang_at:
+            print(f"rank 0: simulated hang at step {step}", file=sys.stderr, flush=True)
+            time.sleep(3600)  # blocks the interpreter: no automatic heartbeat, the monitor kills this rank
         if step % 10 == 0 or step == args.steps - 1:
             if rank == 0:
                 tmp = args.ckpt + ".tmp"
