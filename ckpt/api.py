@@ -59,7 +59,7 @@ class AsyncCheckpointer:
         """Save STATE_DICT as a DCP checkpoint directory PATH; returns once the values are copied (collective)."""
         self._refuse_pending(path)
         writer = FileSystemWriterAsync(path, files_per_rank=self.files_per_rank, keep_last=self.keep_last,
-                                       update_latest=update_latest)
+                                       update_latest=update_latest, writer_process=self.queue.writer)
         planned = save_state_dict_async_plan(state_dict, writer, self.process_group, enable_cache=self.enable_cache,
                                              metadata_cache=self.cache)
         return self.queue.schedule_async_request(async_request(*planned))

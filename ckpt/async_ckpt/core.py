@@ -41,6 +41,7 @@ class AsyncRequest:
     on_discard: Callable[[bool], None] | None = None  # free resources; True: also remove unpublished files
     description: str = "checkpoint"
     destination: str | None = None
+    job_id: int = 0  # already submitted to the queue's writer (progressive staging); 0: submit at schedule
 
 
 @dataclass
@@ -83,15 +84,19 @@ class AsyncCallsQueue:
             raise CheckpointWriteError(f"a save to {request.destination} is still pending; finalize it first "
                                        "(maybe_finalize_async_calls(blocking=True)) or save to another path")
         call = _Call(next(self._idx), request)
-        self._submit(call)
+        if request.job_id:
+            call.job_id = request.job_id
+        else:
+            self._submit(call)
         (self._collective if request.dist_wrapper is not None else self._local).append(call)
         return call.idx
 
     def _submit(self, call: _Call) -> None:
         request = call.request
         call.reply = None
+        job = {k: v for k, v in request.job.items() if k != "progressive"}  # a retry reads a complete buffer
         try:
-            call.job_id = self.writer.submit(request.job, buffer=request.buffer, fd=request.fd)
+            call.job_id = self.writer.submit(job, buffer=request.buffer, fd=request.fd)
         except RuntimeError as exc:  # writer unreachable: the failure is reported at finalize, like a write error
             call.job_id = 0
             call.reply = {"ok": False, "error": str(exc)}

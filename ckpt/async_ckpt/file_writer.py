@@ -20,7 +20,7 @@ import threading
 import zipfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 _SYNC_FILE_RANGE_WRITE = 2
 _libc: Any = None
@@ -170,13 +170,16 @@ class _FileStream(io.RawIOBase):
             raise
 
 
-def _write_one_file(buffer: memoryview, directory: str, spec: dict[str, Any], fsync: bool) -> dict[str, Any]:
+def _write_one_file(buffer: memoryview, directory: str, spec: dict[str, Any], fsync: bool,
+                    wait_staged: Callable[[int], None] | None = None) -> dict[str, Any]:
     path = os.path.join(directory, spec["name"])
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)  # read: the blobs' zip directories
     results = []
     try:
         out = _FileStream(fd)
         for item in spec["items"]:
+            if wait_staged is not None:  # the trainer may still be copying this item into the buffer
+                wait_staged(item["off"] + item["nbytes"])
             start = out.tell()
             if item["kind"] == "tensor":
                 tensor = _tensor_from(buffer, item)
@@ -204,12 +207,17 @@ def _write_one_file(buffer: memoryview, directory: str, spec: dict[str, Any], fs
     return {"name": spec["name"], "size": size, "items": results}
 
 
-def write_files(buffer: memoryview, directory: str, files: list[dict[str, Any]], *, fsync: bool = True) -> list[dict[str, Any]]:
-    """Write FILES (each: name + items) from BUFFER into DIRECTORY, one thread per file; results in order."""
+def write_files(buffer: memoryview, directory: str, files: list[dict[str, Any]], *, fsync: bool = True,
+                wait_staged: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+    """Write FILES (each: name + items) from BUFFER into DIRECTORY, one thread per file; results in order.
+
+    WAIT_STAGED(end), when given, blocks until buffer bytes [0, end) hold their data (the trainer copies
+    items in offset order while the files are already being written).
+    """
     if len(files) <= 1:
-        return [_write_one_file(buffer, directory, spec, fsync) for spec in files]
+        return [_write_one_file(buffer, directory, spec, fsync, wait_staged) for spec in files]
     with ThreadPoolExecutor(max_workers=len(files), thread_name_prefix="nvrx-ckpt-write") as pool:
-        futures = [pool.submit(_write_one_file, buffer, directory, spec, fsync) for spec in files]
+        futures = [pool.submit(_write_one_file, buffer, directory, spec, fsync, wait_staged) for spec in files]
         return [f.result() for f in futures]
 
 

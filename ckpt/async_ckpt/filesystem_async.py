@@ -38,6 +38,7 @@ log = logging.getLogger("nvrx.ckpt.writer")
 
 DCP_VERSION = "1.0.0"
 _METADATA = ".metadata"
+_PROGRESS_STEP = 32 << 20  # staged bytes between progress messages to the writer
 _SUFFIX = ".distcp"
 
 
@@ -70,13 +71,15 @@ class FileSystemWriterAsync(StorageWriter):
     """Write a DCP checkpoint directory through the writer process; publish it crash-safely.
 
     PATH is the checkpoint directory (its parent holds ``latest`` and older checkpoints).
+    WRITER_PROCESS (optional): submit the job before copying, so the writer starts on the first items
+    while later ones are still being copied (the queue must use that same writer process).
     KEEP_LAST: after a successful publish, delete older complete checkpoints in the same parent
     beyond this many (None keeps all). UPDATE_LATEST: point ``<parent>/latest`` at this one.
     """
 
     def __init__(self, path: str | os.PathLike, *, files_per_rank: int = 2, sync_files: bool = True,
                  keep_last: int | None = None, update_latest: bool = True,
-                 staging_pool: StagingPool | None = None) -> None:
+                 staging_pool: StagingPool | None = None, writer_process: Any = None) -> None:
         super().__init__()
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last={keep_last}: keep at least the checkpoint just written (1 or more), or None")
@@ -95,6 +98,10 @@ class FileSystemWriterAsync(StorageWriter):
         self._layout: list[list[tuple[WriteItem, str]]] = []
         self._reply: dict[str, Any] | None = None
         self.write_seconds = 0.0  # how long the writer process took for this rank's files
+        # Given a WriterProcess, the job is submitted before the copy and writing overlaps staging (the
+        # AsyncCallsQueue using this writer then must use the same process); without one, at schedule time.
+        self.writer_process = writer_process
+        self._job_id = 0
 
     # ------------------------------------------------------------ StorageWriter interface
 
@@ -169,51 +176,83 @@ class FileSystemWriterAsync(StorageWriter):
         if plan.storage_data is None:
             raise CheckpointError("the final save plan has no storage prefix; plan with save_state_dict_async_plan")
         prefix = plan.storage_data.prefix
-        files, layout, offset = [], [], 0
-        for n, bucket in enumerate(_split(plan.items, self.files_per_rank)):
-            name = f"{prefix}{n}{_SUFFIX}"
-            specs, placed = [], []
-            for item in bucket:
+        buckets = _split(plan.items, self.files_per_rank)
+        files: list[dict[str, Any]] = [{"name": f"{prefix}{n}{_SUFFIX}", "items": []} for n in range(len(buckets))]
+        layout: list[list[tuple[WriteItem, str]]] = [[] for _ in buckets]
+        order: list[tuple[dict[str, Any], WriteItem, str]] = []  # staging order = offset order
+        offset = 0
+        for rank_in_file in range(max((len(b) for b in buckets), default=0)):
+            for n, bucket in enumerate(buckets):  # interleaved: every file can be written while later items are copied
+                if rank_in_file >= len(bucket):
+                    continue
+                item = bucket[rank_in_file]
                 if item.type == WriteItemType.BYTE_IO:
                     if item.index.fqn not in self._objects:
                         self._serialize(item, planner)
                     nbytes = len(self._objects[item.index.fqn])
-                    specs.append({"kind": "bytes", "off": offset, "nbytes": nbytes})
-                    placed.append((item, "bytes"))
+                    entry: dict[str, Any] = {"kind": "bytes", "off": offset, "nbytes": nbytes}
+                    kind = "bytes"
                 else:
                     nbytes = _item_nbytes(item)
                     props = item.tensor_data.properties  # type: ignore[union-attr]
-                    specs.append({"kind": "tensor", "off": offset, "nbytes": nbytes,
-                                  "dtype": plan_codec._name(props.dtype),
-                                  "shape": list(item.tensor_data.chunk.sizes)})  # type: ignore[union-attr]
-                    placed.append((item, "tensor"))
+                    entry = {"kind": "tensor", "off": offset, "nbytes": nbytes, "dtype": plan_codec._name(props.dtype),
+                             "shape": list(item.tensor_data.chunk.sizes)}  # type: ignore[union-attr]
+                    kind = "tensor"
+                files[n]["items"].append(entry)
+                layout[n].append((item, kind))
+                order.append((entry, item, kind))
                 offset = align(offset + nbytes)
-            files.append({"name": name, "items": specs})
-            layout.append(placed)
         buffer = self.pool.acquire(offset)
+        job = {"op": "write", "dir": str(self.partial_path), "files": files, "fsync": self.sync_files}
+        job_id = self._submit_early(job, buffer)
         try:
-            for spec, placed in zip(files, layout):
-                for entry, (item, kind) in zip(spec["items"], placed):
-                    if kind == "bytes":
-                        buffer.copy_bytes(entry["off"], self._objects[item.index.fqn])
-                    else:
-                        tensor = planner.resolve_data(item)
-                        _check_tensor(item, tensor)
-                        buffer.copy_tensor(entry["off"], tensor)
-        except BaseException:
+            reported = 0
+            for entry, item, kind in order:
+                if kind == "bytes":
+                    buffer.copy_bytes(entry["off"], self._objects[item.index.fqn])
+                else:
+                    tensor = planner.resolve_data(item)
+                    _check_tensor(item, tensor)
+                    buffer.copy_tensor(entry["off"], tensor)
+                end = entry["off"] + entry["nbytes"]
+                if job_id and end - reported >= _PROGRESS_STEP:
+                    job_id = self._report(job_id, end)
+                    reported = end
+            if job_id:
+                job_id = self._report(job_id, offset)
+        except BaseException as exc:
+            if job_id and self.writer_process is not None:
+                self.writer_process.abort(job_id, f"{type(exc).__name__}: {exc}")
             self.pool.release(buffer)
             raise
         self._objects.clear()
-        self._buffer, self._layout, self._reply = buffer, layout, None
-        self._job = {"op": "write", "dir": str(self.partial_path), "files": files, "fsync": self.sync_files}
+        self._buffer, self._layout, self._reply, self._job_id = buffer, layout, None, job_id
+        self._job = job
+
+    def _submit_early(self, job: dict[str, Any], buffer: StagingBuffer) -> int:
+        """Hand the job to the writer before copying, so writing overlaps staging (0: submit later instead)."""
+        if self.writer_process is None:
+            return 0
+        try:
+            return self.writer_process.submit(dict(job, progressive=True), buffer=buffer)
+        except RuntimeError as exc:
+            log.debug("early submission failed (%s); the job is submitted after staging", exc)
+            return 0
+
+    def _report(self, job_id: int, upto: int) -> int:
+        try:
+            self.writer_process.staged(job_id, upto)  # type: ignore[union-attr]
+            return job_id
+        except RuntimeError:  # the writer died: its job fails; the queue reports or retries it
+            return job_id
 
     # ------------------------------------------------------------ the write stage (writer process)
 
-    def write_job(self) -> tuple[dict[str, Any], StagingBuffer]:
-        """The job for the writer process and the buffer it reads (after ``prepare_write_data``)."""
+    def write_job(self) -> tuple[dict[str, Any], StagingBuffer, int]:
+        """The job for the writer process, the buffer it reads, and its id if already submitted (else 0)."""
         if self._job is None or self._buffer is None:
             raise CheckpointError("nothing staged: call save_state_dict_async_plan first")
-        return self._job, self._buffer
+        return self._job, self._buffer, self._job_id
 
     def record_reply(self, reply: dict[str, Any]) -> None:
         """Keep the writer process's successful answer (file sizes, item offsets and checksums)."""
@@ -224,7 +263,7 @@ class FileSystemWriterAsync(StorageWriter):
         """This save is over (published or dropped): free its staging buffer and forget its results."""
         if self._buffer is not None:
             self.pool.release(self._buffer)
-        self._buffer, self._job, self._reply, self._layout = None, None, None, []
+        self._buffer, self._job, self._reply, self._layout, self._job_id = None, None, None, [], 0
 
     def local_results(self) -> dict[str, Any]:
         """This rank's write results as JSON (sent to the coordinator at finalize)."""

@@ -301,14 +301,14 @@ def save_state_dict_async_finalize(storage_writer: FileSystemWriterAsync, global
 def async_request(storage_writer: FileSystemWriterAsync, global_metadata: Metadata | None,
                   dist_wrapper: DistWrapper) -> AsyncRequest:
     """The request that writes the staged data in the writer process and then finalizes this save."""
-    job, buffer = storage_writer.write_job()
+    job, buffer, job_id = storage_writer.write_job()
 
     def discard(remove_files: bool) -> None:
         storage_writer.release_staging()
         if remove_files and dist_wrapper.is_coordinator:
             storage_writer.discard_partial()
 
-    return AsyncRequest(job=job, buffer=buffer,
+    return AsyncRequest(job=job, buffer=buffer, job_id=job_id,
                         finalize_fns=[lambda: save_state_dict_async_finalize(storage_writer, global_metadata, dist_wrapper)],
                         dist_wrapper=dist_wrapper, on_result=storage_writer.record_reply, on_discard=discard,
                         description=str(storage_writer.path), destination=str(storage_writer.path))

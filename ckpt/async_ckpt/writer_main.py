@@ -46,6 +46,10 @@ class Writer:
         self.jobs: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.send_lock = threading.Lock()
         self.thread = threading.Thread(target=self._run_jobs, name="nvrx-ckpt-jobs", daemon=True)
+        # progressive jobs: the trainer is still copying into the buffer; it reports how far it got
+        self.staged: dict[int, int] = {}
+        self.aborted: dict[int, str] = {}
+        self.progress = threading.Condition()
 
     def reply(self, message: dict[str, Any]) -> None:
         with self.send_lock:
@@ -85,7 +89,9 @@ class Writer:
             try:
                 if job["op"] == "write":
                     view = self.buffers[job["buf"]][1]
-                    files = file_writer.write_files(view, job["dir"], job["files"], fsync=job.get("fsync", True))
+                    wait = self._waiter(job["id"]) if job.get("progressive") else None
+                    files = file_writer.write_files(view, job["dir"], job["files"], fsync=job.get("fsync", True),
+                                                    wait_staged=wait)
                 else:  # "copy": a whole file staged in the memfd that came with the message
                     files = [file_writer.copy_to_file(job["_fd"], job["nbytes"], job["path"], fsync=job.get("fsync", True))]
                 self.reply({"op": "done", "id": job["id"], "ok": True, "files": files,
@@ -95,6 +101,20 @@ class Writer:
             finally:
                 if "_fd" in job:
                     os.close(job["_fd"])
+                with self.progress:
+                    self.staged.pop(job["id"], None)
+                    self.aborted.pop(job["id"], None)
+
+    def _waiter(self, job_id: int) -> Any:
+        """For a progressive job: block until bytes [0, end) of its buffer are staged (or staging failed)."""
+
+        def wait_staged(end: int) -> None:
+            with self.progress:
+                self.progress.wait_for(lambda: self.staged.get(job_id, 0) >= end or job_id in self.aborted)
+                if job_id in self.aborted:
+                    raise RuntimeError(f"staging failed in the training process: {self.aborted[job_id]}")
+
+        return wait_staged
 
     def serve(self) -> None:
         self.thread.start()
@@ -112,6 +132,14 @@ class Writer:
                 self.jobs.put(message)
             elif op in ("write", "detach"):
                 self.jobs.put(message)
+            elif op == "staged":
+                with self.progress:
+                    self.staged[message["id"]] = max(self.staged.get(message["id"], 0), message["upto"])
+                    self.progress.notify_all()
+            elif op == "abort":
+                with self.progress:
+                    self.aborted[message["id"]] = message.get("reason", "aborted")
+                    self.progress.notify_all()
             elif op == "exit":
                 self.jobs.put(None)
                 self.thread.join()

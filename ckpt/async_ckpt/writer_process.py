@@ -44,6 +44,7 @@ class WriterProcess:
         self._attached: set[int] = set()
         self._pending: set[int] = set()
         self._results: dict[int, dict[str, Any]] = {}
+        self._forgotten: set[int] = set()  # aborted jobs whose answers are dropped
         self._death: str | None = None
         staging.add_close_hook(weakref.WeakMethod(self.detach))
 
@@ -151,6 +152,20 @@ class WriterProcess:
         self._pending.add(message["id"])
         return message["id"]
 
+    def staged(self, job_id: int, upto: int) -> None:
+        """Tell the writer that bytes [0, UPTO) of a progressive job's buffer hold their data."""
+        self._send({"op": "staged", "id": job_id, "upto": upto})
+
+    def abort(self, job_id: int, reason: str) -> None:
+        """Staging of a progressive job failed: the writer stops it; its answer is dropped."""
+        try:
+            self._send({"op": "abort", "id": job_id, "reason": reason})
+        except RuntimeError:
+            pass
+        self._pending.discard(job_id)
+        self._results.pop(job_id, None)
+        self._forgotten.add(job_id)
+
     def _send(self, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
         assert self.channel is not None
         try:
@@ -182,7 +197,11 @@ class WriterProcess:
         if message is None:
             return False
         if message.get("op") == "done":
-            self._results[int(message["id"])] = message
+            job_id = int(message["id"])
+            if job_id in self._forgotten:
+                self._forgotten.discard(job_id)
+            else:
+                self._results[job_id] = message
         return True
 
     def _exit_reason(self, fallback: str) -> str:

@@ -145,6 +145,28 @@ def test_spec_three_stage_api(tmp_path: Path) -> None:
         save_state_dict_async_finalize(writer, metadata, dist_wrapper)  # finalize without a completed write
 
 
+def test_staging_that_fails_midway_stops_the_already_started_write(tmp_path: Path) -> None:
+    """With early submission the writer starts before the copy ends; a failed copy must stop it cleanly."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class FailingPlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item):  # type: ignore[no-untyped-def]
+            if write_item.index.fqn == "late":
+                raise RuntimeError("device lost")
+            return super().resolve_data(write_item)
+
+    writer_process = default_writer()
+    state = {"early": torch.ones(1 << 22), "late": torch.ones(1 << 22)}
+    writer = FileSystemWriterAsync(tmp_path / "bad", files_per_rank=1, writer_process=writer_process)
+    with pytest.raises(RuntimeError, match="device lost"):
+        save_state_dict_async_plan(state, writer, planner=FailingPlanner())
+    cp = ckpt.AsyncCheckpointer()  # the same writer process goes on with the next save
+    cp.async_save(state, tmp_path / "good")
+    assert cp.wait() == [0]
+    ckpt.verify_checkpoint(tmp_path / "good")
+    assert not (tmp_path / "bad").exists() and writer_process.running()
+
+
 def test_writer_process_is_started_once_and_reused(tmp_path: Path) -> None:
     writer = default_writer()
     pid, starts = writer.pid, writer.starts
