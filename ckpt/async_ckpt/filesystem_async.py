@@ -230,8 +230,12 @@ class FileSystemWriterAsync(StorageWriter):
         self._job = job
 
     def _submit_early(self, job: dict[str, Any], buffer: StagingBuffer) -> int:
-        """Hand the job to the writer before copying, so writing overlaps staging (0: submit later instead)."""
-        if self.writer_process is None:
+        """Hand the job to the writer before copying, so writing overlaps staging (0: submit later instead).
+
+        Not into a fresh buffer: its first copy allocates memory page by page, and a writer filling the
+        page cache at the same time makes that (the blocking part) slower still.
+        """
+        if self.writer_process is None or buffer.fresh:
             return 0
         try:
             return self.writer_process.submit(dict(job, progressive=True), buffer=buffer)

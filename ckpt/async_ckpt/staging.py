@@ -49,10 +49,12 @@ class StagingBuffer:
             raise
         self._u8: Any = None
         self.in_use = False
+        self.fresh = True  # no page of it has been touched yet (first use pays the page faults)
         self.warming: threading.Event | None = None  # set while reserve() faults the pages in
 
     def populate(self) -> None:
         """Fault every page in now (MADV_POPULATE_WRITE, else by writing zeros), so copies into it run warm."""
+        self.fresh = False
         try:
             import ctypes
 
@@ -161,6 +163,7 @@ class StagingPool:
     def release(self, buf: StagingBuffer) -> None:
         with self._lock:
             buf.in_use = False
+            buf.fresh = False
             free = [b for b in self._buffers if not b.in_use]
             for extra in sorted(free, key=lambda b: b.capacity)[: max(0, len(free) - self.keep_free)]:
                 self._drop(extra)

@@ -25,6 +25,7 @@ from typing import Any
 from ckpt.async_ckpt.control import Channel, ChannelClosed
 
 _PR_SET_PDEATHSIG = 1
+_NICE = 10
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -163,6 +164,10 @@ def main(argv: list[str]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_IGN)
     _die_with_parent(parent_pid)
+    try:
+        os.nice(_NICE)  # training comes first: while a rank copies its state the writer yields the CPU
+    except OSError:
+        pass
     channel = Channel(socket.socket(fileno=fd))
     threading.Thread(target=_warm_up, name="nvrx-ckpt-warmup", daemon=True).start()
     Writer(channel).serve()
