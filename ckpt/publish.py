@@ -126,8 +126,24 @@ def discard(path: Path) -> None:
         target.unlink(missing_ok=True)
 
 
+def sweep_leftovers(root: Path) -> None:
+    """Finish deletions a crash interrupted (dot-names ending in .deleting); never touches a save in progress."""
+    try:
+        entries = [e for e in os.listdir(root) if is_hidden(e) and (e.endswith(".deleting") or ".replaced-" in e)]
+    except OSError:
+        return
+    for name in entries:
+        try:
+            discard(root / name)
+        except OSError as exc:
+            log.debug("cannot remove leftover %s: %s", root / name, exc)
+
+
 def check_destination(final: Path) -> None:
     """Fail now, with the reason, if a checkpoint cannot be written at FINAL; creates its parent."""
+    if final.name == LATEST or is_hidden(final.name):
+        raise CheckpointError(f"cannot save checkpoint {final}: the name {final.name!r} is reserved (the `latest` "
+                              "pointer and dot-names for unfinished ones); choose another name")
     parent = final.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)

@@ -318,6 +318,7 @@ class FileSystemWriterAsync(StorageWriter):
             publish.update_latest(self.path.parent, self.path.name)
         if self.keep_last is not None:
             prune(self.path.parent, self.keep_last, keep=self.path)
+        publish.sweep_leftovers(self.path.parent)
 
     def discard_partial(self) -> None:
         """Remove the unpublished directory of a failed save (coordinator, after every rank stopped writing)."""

@@ -178,6 +178,8 @@ def test_writer_process_is_started_once_and_reused(tmp_path: Path) -> None:
 
 
 def test_latest_pointer_and_keep_last(tmp_path: Path) -> None:
+    (tmp_path / ".step_old.1a2b3c4d.deleting").mkdir()  # a deletion a crash interrupted: finished by the next save
+    (tmp_path / ".step_old.1a2b3c4d.deleting" / "__0_0.distcp").write_bytes(b"x")
     cp = ckpt.AsyncCheckpointer(keep_last=2)
     for n in range(4):
         cp.async_save({"x": torch.full((10,), float(n))}, tmp_path / f"step_{n}")
@@ -233,6 +235,14 @@ def test_path_under_a_file_is_refused_with_the_reason(tmp_path: Path) -> None:
     with pytest.raises(ckpt.CheckpointError, match="is a file, not a directory"):
         cp.async_torch_save({"x": 1}, tmp_path / "not_a_dir" / "x.pt")
     assert cp.pending == 0
+
+
+def test_reserved_names_are_refused(tmp_path: Path) -> None:
+    cp = ckpt.AsyncCheckpointer()
+    for name in ("latest", ".hidden"):
+        with pytest.raises(ckpt.CheckpointError, match="is reserved"):
+            cp.async_save({"x": torch.ones(1)}, tmp_path / name)
+    assert cp.pending == 0 and list(tmp_path.iterdir()) == []
 
 
 def test_maybe_finalize_without_a_pending_save_is_a_no_op(tmp_path: Path) -> None:
