@@ -17,6 +17,7 @@ process on the same tensors (the machine is shared, so load drifts): just before
 state into already-allocated buffers; just after it, a sequential write + fsync of as many bytes.
 Ratios are per save (save / its own floors), then the median. ours_prepared: ckpt.prepare() (what
 ckpt.resume() does at start-up) before the first save; only its cold save is of interest.
+ours_overlap: overlap_write=True (the writer starts writing while the copy is still going on).
 Plan cache: planning time of our save with and without the cache at 2 ranks (1 GiB state, and a state
 of many small tensors where planning matters more).
 """
@@ -42,7 +43,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-METHODS = ("ours", "ours_prepared", "dcp_save", "dcp_async", "torch_save")
+METHODS = ("ours", "ours_prepared", "ours_overlap", "dcp_save", "dcp_async", "torch_save")
 
 
 # ---------------------------------------------------------------- rank side
@@ -132,11 +133,11 @@ def _saver(method: str, world: int, enable_cache: bool) -> Any:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    if method in ("ours", "ours_prepared"):
+    if method.startswith("ours"):
         import ckpt
         from ckpt.async_ckpt import state_dict_saver
 
-        cp = ckpt.AsyncCheckpointer(enable_cache=enable_cache)
+        cp = ckpt.AsyncCheckpointer(enable_cache=enable_cache, overlap_write=method == "ours_overlap")
 
         def save(state: dict, path: Path) -> tuple[float, float, dict]:
             t0 = time.perf_counter()

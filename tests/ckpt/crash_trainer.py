@@ -32,7 +32,7 @@ def main() -> None:
     state = {"a": torch.empty(3 << 20), "b": torch.empty(1 << 20), "meta": {"step": 0, "tag": "crash"}}
     found = ckpt.list_checkpoints(root)
     step = int(found[0].path.name.split("_")[1]) + 1 if found else 0  # continue after the newest complete one
-    cp = ckpt.AsyncCheckpointer(keep_last=3, files_per_rank=2)
+    cp = ckpt.AsyncCheckpointer(keep_last=3, files_per_rank=2, overlap_write=True)  # the more involved path
     while not os.path.exists(stop_file):
         state["a"].fill_(float(step))
         state["b"].fill_(float(step))
