@@ -156,6 +156,7 @@ class StagingPool:
                     self._drop(small)
                 buf = StagingBuffer(nbytes)
                 self._buffers.append(buf)
+                buf.populate()  # one call that allocates every page beats a page fault per 4 KiB in the copy
                 log.debug("new staging buffer %d of %d bytes", buf.id, buf.capacity)
             buf.in_use = True
             return buf
