@@ -30,6 +30,7 @@ from typing import NoReturn
 # Imported before the launcher's root leaves sys.path (below): ranks attach to their monitor with these.
 from monitors import client as monitor_client
 from monitors.progress_watchdog import ProgressWatchdog
+from ckpt.async_ckpt import writer_process as ckpt_writer  # light: no torch import
 
 # Set by the agent when it put the launcher's root on PYTHONPATH so `-m launcher.*` imports from
 # any working directory; undone below before user code can see it.
@@ -261,6 +262,7 @@ def _inprocess_mode() -> types.ModuleType | None:
 def run_user_code(entry: str, args: list[str], module: bool) -> int:
     """Run ENTRY as ``__main__`` in this process; return its exit code (``-signum`` = die by signal)."""
     _attach_to_monitor(time.monotonic())
+    ckpt_writer.start_if_requested(os.environ)  # nvrx launch --async-ckpt: this rank's writer, started once
     inprocess = _inprocess_mode()
     _sync_sys_path_with_env()
     _forget_launcher_modules()

@@ -93,6 +93,7 @@ class WorkerSettings:
     fast_exit: bool = True  # ranks skip the interpreter teardown after atexit handlers and flushes
     inprocess: bool = False  # --inprocess: ranks run the script in an in-process restart Wrapper
     inprocess_spares: int = 0  # --inprocess-spares: ranks kept idle until active ranks are lost
+    async_ckpt: bool = False  # --async-ckpt: each rank starts its persistent checkpoint writer at rank start
     base_env: Mapping[str, str] = field(default_factory=dict)  # environment ranks inherit
 
 
@@ -424,6 +425,8 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str], ft: Any 
     tee = parse_std_map(raw.get("tee"), nproc, "--tee")
     base_env = dict(env)
     base_env.setdefault("OMP_NUM_THREADS", "1")
+    if raw.get("async_ckpt"):
+        base_env["NVRX_ASYNC_CKPT"] = "1"  # read by the rank bootstrap (ckpt.async_ckpt.writer_process)
     workers = WorkerSettings(
         entrypoint=str(entry),
         args=tuple(raw.get("training_script_args") or ()),
@@ -439,6 +442,7 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str], ft: Any 
         kill_timeout=positive_float(raw.get("kill_timeout", 5.0), "--kill-timeout"),
         fork_server=bool(raw.get("fork_server", True)) and not no_python,
         fast_exit=bool(raw.get("fast_exit", True)),
+        async_ckpt=bool(raw.get("async_ckpt")),
         base_env=base_env,
         **parse_inprocess(raw, nproc * min_nodes),
     )

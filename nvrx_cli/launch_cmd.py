@@ -54,6 +54,8 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                                                "in-process restart Wrapper (README: In-process restart).")),
     (("--inprocess-spares",), dict(default="0", show_default=True, help="With --inprocess: ranks kept idle as spares, "
                                                                         "used when active ranks are lost.")),
+    (("--async-ckpt",), dict(is_flag=True, help="Start each rank's persistent checkpoint writer process at rank start "
+                                                "(used by ckpt.async_save; README: Asynchronous checkpointing).")),
     (("--fault-tol-cfg-path", "--ft-cfg-path"), dict(default=None, help="YAML with FaultToleranceConfig fields "
                                                                          "(a `fault_tolerance:` key or bare fields).")),
     (("--log-level",), dict(default="WARNING", show_default=True, help="Agent log level on stderr.")),
