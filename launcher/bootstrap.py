@@ -40,9 +40,11 @@ MONITOR_ENV = "NVRX_MONITOR_SOCKET"  # set by the agent when this rank has a mon
 INPROCESS_ENV = "NVRX_INPROCESS"  # "1": run the script inside an in-process restart Wrapper (nvrx launch --inprocess)
 # Our packages are unlisted before user code runs (a user package may share a name), except the
 # rank-side modules whose state the bootstrap sets up for user code.
-_OWN_PACKAGES = ("launcher", "monitors")
+_OWN_PACKAGES = ("launcher", "monitors", "ckpt")
 _KEEP_MODULES = frozenset({"launcher.job_control", "monitors.client", "monitors.control", "monitors.heartbeat",
-                           "monitors.sections", "monitors.progress_watchdog"})
+                           "monitors.sections", "monitors.progress_watchdog",
+                           # the checkpoint writer started for --async-ckpt, found again by `import ckpt`
+                           "ckpt.async_ckpt.writer_process", "ckpt.async_ckpt.staging", "ckpt.async_ckpt.control"})
 _KEEP_PREFIX = "launcher.inprocess"  # the Wrapper running the script, and the API the script may import
 
 # Frames of these files sit between the interpreter and the user's code; tracebacks skip them.
