@@ -6,6 +6,7 @@ process group. Without an initialized process group everything degenerates to on
 
 from __future__ import annotations
 
+import ctypes
 import json
 from typing import Any
 
@@ -14,6 +15,12 @@ import torch.distributed as dist
 
 from ckpt.errors import CheckpointError
 
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of a CPU uint8 tensor, without numpy (which torch may lack)."""
+    t = t.contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel())
 
 class DistWrapper:
     """Rank facts and JSON collectives over PROCESS_GROUP (default: the world)."""
@@ -49,7 +56,7 @@ class DistWrapper:
         padded[: data.numel()] = data
         out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
         dist.all_gather(out, padded, group=self.group)
-        return [json.loads(bytes(o[: int(s.item())].numpy())) for o, s in zip(out, sizes)]
+        return [json.loads(_tensor_bytes(o[: int(s.item())])) for o, s in zip(out, sizes)]
 
     def broadcast_json(self, obj: Any) -> Any:
         """The coordinator's OBJ on every rank (OBJ is ignored elsewhere)."""
@@ -64,7 +71,7 @@ class DistWrapper:
         if not self.is_coordinator:
             data = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.broadcast(data, src=self.global_coordinator_rank, group=self.group)
-        return json.loads(bytes(data.numpy()))
+        return json.loads(_tensor_bytes(data))
 
     def all_min(self, flags: list[int]) -> list[int]:
         """Element-wise minimum of FLAGS over all ranks (one small collective)."""
