@@ -216,6 +216,9 @@ class SlurmFacts:
         return self.node_name or (self.nodelist if self.num_nodes == 1 else None)
 
 
+STOPPED_BY_USER = "stopped on purpose with nvrx resume --stop"
+
+
 @dataclass(frozen=True)
 class ResumeConfig:
     """Everything `nvrx resume` needs, built once by the CLI."""
@@ -227,6 +230,7 @@ class ResumeConfig:
     exit_code: int | None = None  # record mode: the exit code of a launch that already ran
     check_only: bool = False
     reset: bool = False
+    stop: bool = False  # stop mode: mark the run stopped by the user, so pending continuations give up
     limits: Limits = Limits()
     progress: ProgressSource = ProgressSource()
     submit: SubmitSettings | None = None
@@ -317,7 +321,8 @@ class ResumeDriver:
         if cfg.slurm.run_key and cfg.slurm.run_key not in state.jobs:
             state = replace(state, jobs=(*state.jobs, cfg.slurm.run_key))
         state = settle_lost_attempt(state)
-        mode = "check" if cfg.check_only else "record" if cfg.exit_code is not None else "loop"
+        mode = ("check" if cfg.check_only else "stop" if cfg.stop else "record" if cfg.exit_code is not None
+                else "loop")
         self.events.emit("resume_start", mode=mode, pid=os.getpid(), job_id=cfg.slurm.job_id,
                          node=cfg.slurm.node_name, state_dir=str(cfg.state_dir),
                          finished_flag=str(cfg.finished_flag), limits=vars(cfg.limits),
@@ -339,6 +344,9 @@ class ResumeDriver:
         if mode == "record":
             state, decision = decide(state, self._outcome(cfg.exit_code or 0, None, {}), cfg.limits)
             return self._commit(state, decision), decision
+        if mode == "stop":
+            decision = Decision(GIVE_UP, STOPPED_BY_USER)
+            return self._commit(replace(state, stopped=STOPPED_BY_USER), decision), decision
         early = precheck(state, cfg.finished_flag.exists(), cfg.limits, cfg.progress.tracked)
         if mode == "check":
             decision = early or Decision(CONTINUE, f"attempts so far {state.attempts}, failures {state.failures}"

@@ -22,6 +22,8 @@ Modes:
       record a launch that already ran (bash loops) and decide
   nvrx resume --state-dir D --check
       only report: finished / continue / give up
+  nvrx resume --state-dir D --stop
+      end the chain on purpose: the pending continuation gives up (--reset undoes it)
   add --submit (sbatch a continuation after this job) or --requeue (scontrol requeue) to
   continue across jobs when the decision is "continue".
 \b
@@ -53,6 +55,8 @@ class ResumeFailure(click.ClickException):
 @click.option("--exit-code", "exit_code", type=click.IntRange(0, 255),
               help="Record the exit status of a launch that already ran instead of running one.")
 @click.option("--check", is_flag=True, help="Only report the run's status; run and record nothing.")
+@click.option("--stop", is_flag=True, help="End the chain on purpose: later attempts and continuations give up "
+                                            "(e.g. after scancel; --reset undoes it).")
 @click.option("--reset", is_flag=True, help="Start counting attempts and failures from zero (history is kept).")
 @click.option("--submit", is_flag=True,
               help="On 'continue', sbatch the continuation: --dependency=afterany:$SLURM_JOB_ID [--exclude=...].")
@@ -98,10 +102,10 @@ def build_resume_config(raw: dict[str, Any], environ: Mapping[str, str], explici
 
     command = _launch_command(tuple(raw["command"]), raw["exec_command"])
     modes = [m for m, on in (("a command after --", bool(command)), ("--exit-code", raw["exit_code"] is not None),
-                             ("--check", raw["check"])) if on]
+                             ("--check", raw["check"]), ("--stop", raw["stop"])) if on]
     if not modes:
         raise click.UsageError("nothing to do: give the launch after -- (e.g. nvrx resume --state-dir D -- "
-                               "--nproc-per-node 8 train.py), or --exit-code RC, or --check")
+                               "--nproc-per-node 8 train.py), or --exit-code RC, or --check, or --stop")
     if len(modes) > 1:
         raise click.UsageError(f"{' and '.join(modes)} cannot be combined: pick one mode")
     if raw["submit"] and raw["requeue"]:
@@ -128,7 +132,7 @@ def build_resume_config(raw: dict[str, Any], environ: Mapping[str, str], explici
                                 exclude_scope=raw["exclude_scope"], timeout=raw["submit_timeout"])
     return ResumeConfig(
         state_dir=state_dir, finished_flag=flag, env=env, command=command, exit_code=raw["exit_code"],
-        check_only=raw["check"], reset=raw["reset"],
+        check_only=raw["check"], reset=raw["reset"], stop=raw["stop"],
         limits=Limits(raw["max_attempts"], raw["max_failures"], raw["max_no_progress"]),
         progress=progress, submit=submit, slurm=slurm_facts(environ, raw["job_id"]), cwd=cwd)
 

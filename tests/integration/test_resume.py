@@ -248,6 +248,19 @@ def test_record_mode_and_corrupt_state_keeps_counts(resume):
     assert resume.run("--state-dir", d, "--check").returncode == 0
 
 
+def test_stop_ends_the_chain_until_reset(resume):
+    d = str(resume.state_dir)
+    assert resume.run("--state-dir", d, "--exit-code", "143").returncode == 3  # interrupted: would continue
+    res = resume.run("--state-dir", d, "--stop")
+    assert res.returncode == 4, res.stderr
+    assert resume.state()["stopped"] == "stopped on purpose with nvrx resume --stop"
+    res = resume.launch("ok")  # the pending continuation: gives up without launching
+    assert res.returncode == 4 and "--stop" in res.stderr, res.stderr
+    assert not any(e["ev"] == "resume_attempt_start" for e in resume.events())
+    assert resume.run("--state-dir", d, "--check", "--reset").returncode == 3
+    assert resume.leftovers() == []
+
+
 # ---------------------------------------------------------------- bad input: one line, exit 2, nothing runs
 
 def test_missing_state_dir(resume, tmp_path):
