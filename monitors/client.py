@@ -85,7 +85,7 @@ class MonitorLink:
     # ---- connecting
     def attach(self, started: float | None, armed: bool, timeout: float | None = None) -> None:
         """Register this process with the monitor (``armed``: start checking deadlines now)."""
-        reply = self._connect("attach", timeout, started=started, armed=armed, resume=False)
+        self._connect("attach", timeout, started=started, armed=armed, resume=False)
         self.started = started
         self.armed = armed
         log.debug("attached to rank monitor (rank %s, pid %s)", self.rank, self.monitor_pid)
@@ -191,45 +191,37 @@ class MonitorLink:
 # ---- the process-wide link made by the bootstrap
 
 _shared: MonitorLink | None = None
-_shared_done = threading.Event()
-_shared_error: str | None = None
-_shared_pending = False
+_attach_done: threading.Event | None = None  # None: the bootstrap started no attach in this process
 
 
 def attach_in_background(env: Mapping[str, str], started: float,
                          on_attached: Callable[[MonitorLink], None] | None = None) -> None:
     """Bootstrap side: attach this rank to its monitor without delaying user code."""
-    global _shared_error, _shared_pending
-    _shared_pending = True
-    try:
-        link = MonitorLink.from_env(env)
-    except RuntimeError as exc:
-        _shared_error = str(exc)
-        _shared_done.set()
-        return
+    global _attach_done
+    done = _attach_done = threading.Event()
 
     def run() -> None:
-        global _shared, _shared_error
+        global _shared
         try:
+            link = MonitorLink.from_env(env)
             link.attach(started=started, armed=False)
             if on_attached is not None:
                 on_attached(link)
             link.watch()
             _shared = link
-        except Exception as exc:  # monitoring is best effort here; the client reports it if used
-            _shared_error = str(exc)
+        except Exception as exc:  # best effort: a client that is used connects (and reports) itself
             log.warning("cannot attach to the rank monitor: %s", exc)
         finally:
-            _shared_done.set()
+            done.set()
 
     threading.Thread(target=run, name="nvrx-monitor-attach", daemon=True).start()
 
 
 def shared_link(timeout: float = 30.0) -> MonitorLink | None:
     """The bootstrap's link once its attach finished; None outside the bootstrap or if it failed."""
-    if not _shared_pending:
+    if _attach_done is None:
         return None
-    _shared_done.wait(timeout)
+    _attach_done.wait(timeout)
     return _shared
 
 
@@ -238,6 +230,7 @@ class RankMonitorClient:
 
     def __init__(self) -> None:
         self._link: MonitorLink | None = None
+        self._writer: SlotWriter | None = None  # the link's writer; re-attach rebinds it in place
         self.rank: int | None = None
         self.timeouts: dict[str, Any] = {}
 
@@ -259,7 +252,7 @@ class RankMonitorClient:
         except MonitorError as exc:
             raise RuntimeError(f"the rank monitor refused this rank: {exc}") from None
         link.owner = self
-        self._link = link
+        self._link, self._writer = link, link.writer
         self.rank = reply.get("rank")
         self.timeouts = reply.get("timeouts", {})
         log.debug("monitoring rank %s (run %s)", self.rank, reply.get("generation"))
@@ -267,10 +260,10 @@ class RankMonitorClient:
     # ---- hot path: stores into the shared slot, nothing else
     def send_heartbeat(self) -> None:
         """Tell the monitor this rank is alive (a few memory stores)."""
-        link = self._link
-        if link is None:
+        writer = self._writer
+        if writer is None:
             raise RuntimeError("call init_workload_monitoring() before send_heartbeat()")
-        link.writer.beat()  # type: ignore[union-attr]
+        writer.beat()
 
     def start_section(self, name: str) -> None:
         """Open section NAME; its timeout (if any) replaces the heartbeat timeout while it is open."""
@@ -281,7 +274,7 @@ class RankMonitorClient:
         if sid is None:
             sid = self._register(name)
         try:
-            link.writer.open_section(sid)  # type: ignore[union-attr]
+            self._writer.open_section(sid)  # type: ignore[union-attr]
         except ValueError:
             raise ValueError(f"section {name!r} is already open") from None
 
@@ -294,7 +287,7 @@ class RankMonitorClient:
         if sid is None:
             raise ValueError(f"end_section({name!r}): section {name!r} was never started")
         try:
-            link.writer.close_section(sid)  # type: ignore[union-attr]
+            self._writer.close_section(sid)  # type: ignore[union-attr]
         except ValueError:
             raise ValueError(f"end_section({name!r}): the section is not open (start_section first)") from None
 
@@ -331,7 +324,7 @@ class RankMonitorClient:
 
     def shutdown_workload_monitoring(self) -> None:
         """End this rank's monitored run; the monitor stays up for a restarted rank."""
-        link, self._link = self._link, None
+        link, self._link, self._writer = self._link, None, None
         if link is None:
             return
         link.owner = None
