@@ -369,16 +369,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3, help="measured runs per launcher and fault (default 3)")
     p.add_argument("--peers", type=lambda v: bl.parse_list(v, PEERS, "--peers"), default=list(PEERS),
                    help="comma list of references: torchrun-noshare,torchrun (default both)")
-    p.add_argument("--timeout", type=float, default=60.0, help="limit for attempt 0 to reach the fault (s)")
-    p.add_argument("--restart-timeout", type=float, default=15.0,
-                   help="after the fault, how long to wait for attempt 1 before calling the run a failure (s)")
-    p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"JSON output (default {DEFAULT_OUTPUT})")
-    p.add_argument("--keep-run-dirs", action="store_true", help="keep every run's temp dir (failed ones are always kept)")
-    p.add_argument("-v", "--verbose", action="store_true")
-    args = p.parse_args(argv)
-    if args.runs < 1:
-        p.error("--runs must be >= 1")
-    return args
+    bl.add_run_options(p, DEFAULT_OUTPUT, timeout=60.0, restart_timeout=15.0)
+    return bl.parse_checked(p, argv)
 
 
 def plan_runs(args: argparse.Namespace, launchers: dict[str, bl.Launcher]) -> list[tuple[str, Callable[[], bl.Sample]]]:

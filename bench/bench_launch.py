@@ -509,12 +509,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--launchers", type=lambda v: parse_list(v, ALL_LAUNCHERS, "--launchers"),
                    default=list(ALL_LAUNCHERS), help="comma list: nvrx,torchrun,torchrun-noshare")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured launch runs per launcher first (default 1)")
-    p.add_argument("--timeout", type=float, default=90.0, help="per-run limit for a launch / attempt 0 (s)")
-    p.add_argument("--restart-timeout", type=float, default=40.0,
-                   help="after the kill, how long to wait for attempt-1 readiness before calling it a failure (s)")
-    p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"JSON output (default {DEFAULT_OUTPUT})")
+    add_run_options(p, DEFAULT_OUTPUT, timeout=90.0, restart_timeout=40.0)
+    return parse_checked(p, argv)
+
+
+def add_run_options(p: argparse.ArgumentParser, output: Path, timeout: float, restart_timeout: float) -> None:
+    """Options every launch-driving benchmark shares (this one and bench_detection.py)."""
+    p.add_argument("--timeout", type=float, default=timeout, help="per-run limit for a launch / attempt 0 (s)")
+    p.add_argument("--restart-timeout", type=float, default=restart_timeout,
+                   help="after the fault, how long to wait for attempt 1 before calling the run a failure (s)")
+    p.add_argument("--output", type=Path, default=output, help=f"JSON output (default {output})")
     p.add_argument("--keep-run-dirs", action="store_true", help="keep every run's temp dir (failed ones are always kept)")
     p.add_argument("-v", "--verbose", action="store_true")
+
+
+def parse_checked(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be >= 1")
