@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -92,3 +94,24 @@ def launcher(tmp_path: Path):
 def write_script(path: Path, body: str) -> Path:
     path.write_text(body)
     return path
+
+
+def wait_for(pred, timeout: float, interval: float = 0.05) -> bool:
+    """Poll PRED until it is true (True) or TIMEOUT seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return bool(pred())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_events(run_dir: Path, prefix: str = "") -> list[dict]:
+    """Every event in RUN_DIR's JSON-lines files whose name starts with PREFIX (agent-, monitor-)."""
+    return [json.loads(line) for f in sorted(run_dir.glob(f"{prefix}*.jsonl")) for line in f.read_text().splitlines()]

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_script
+from tests.conftest import free_port, run_events, wait_for, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -35,17 +33,8 @@ dist.destroy_process_group()
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_files(out: Path, pattern: str, n: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while len(list(out.glob(pattern))) < n:
-        assert time.monotonic() < deadline, f"only {sorted(out.glob(pattern))} after {timeout} s"
-        time.sleep(0.05)
+    assert wait_for(lambda: len(list(out.glob(pattern))) >= n, timeout), f"only {sorted(out.glob(pattern))} after {timeout} s"
 
 
 def _saved(out: Path) -> dict[int, dict]:
@@ -73,7 +62,7 @@ def test_signal_to_one_node_stops_both_nodes_at_the_same_step(launcher, tmp_path
     script = write_script(tmp_path / "train.py", TRAIN)
     out = tmp_path / "out"
     out.mkdir()
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
               "--rdzv-id", "gs2", "--rdzv-conf", "join_timeout=60"]
     a = launcher.start(*common, str(script), str(out))
     b = launcher.start(*common, str(script), str(out))
@@ -99,8 +88,7 @@ def test_script_without_should_stop_keeps_the_default_signal_action(launcher, tm
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    exits = [json.loads(line) for f in (tmp_path / "nvrx_logs" / "plain").glob("agent-*.jsonl")
-             for line in f.read_text().splitlines() if '"rank_exit"' in line]
+    exits = [e for e in run_events(tmp_path / "nvrx_logs" / "plain", "agent-") if e["ev"] == "rank_exit"]
     # died of the forwarded SIGTERM itself, not killed after the 60 s grace period
     assert sorted(e["signal"] for e in exits) == ["SIGTERM", "SIGTERM"], exits
     assert launcher.leftovers() == []

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_script
+from tests.conftest import free_port, wait_for, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -60,21 +58,6 @@ def rank_script(tmp_path: Path) -> Path:
 
 def _records(out: Path) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in out.glob("rank*.attempt*.json")}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for(pred, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_crash_once_restarts_all_ranks_and_finishes(launcher, rank_script, tmp_path):
@@ -132,7 +115,7 @@ def test_rank_environment_matches_torchrun_contract(launcher, rank_script, tmp_p
 def test_two_agents_form_one_world_of_four(launcher, rank_script, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    port = _free_port()
+    port = free_port()
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
               "--rdzv-id", "two", "--rdzv-conf", "join_timeout=60"]
     a = launcher.start(*common, str(rank_script), str(out), "ok")
@@ -150,19 +133,19 @@ def test_two_agents_form_one_world_of_four(launcher, rank_script, tmp_path):
 def test_killed_agent_is_dropped_and_the_other_continues(launcher, rank_script, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    port = _free_port()
+    port = free_port()
     common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
               "--rdzv-id", "elastic", "--max-restarts", "3",
               "--rdzv-conf", "join_timeout=60,last_call_timeout=2,keepalive_interval=0.2,keepalive_timeout=2"]
     host = launcher.start(*common, str(rank_script), str(out), "sleep")
-    assert _wait_for(lambda: (tmp_path / "nvrx_logs").exists(), 30)
+    assert wait_for(lambda: (tmp_path / "nvrx_logs").exists(), 30)
     other = launcher.start(*common, str(rank_script), str(out), "sleep")
-    assert _wait_for(lambda: (out / "ready.1.0").exists() or (out / "ready.1.1").exists(), 60), \
+    assert wait_for(lambda: (out / "ready.1.0").exists() or (out / "ready.1.1").exists(), 60), \
         "the two agents never formed a 2-node world"
     other.kill()
     other.wait()
     # the surviving agent must form a 1-node round and run its rank again
-    assert _wait_for(lambda: any(p.name.startswith("ready.0.") and p.name != "ready.0.0" for p in out.iterdir()), 60)
+    assert wait_for(lambda: any(p.name.startswith("ready.0.") and p.name != "ready.0.0" for p in out.iterdir()), 60)
     worlds = {r["WORLD_SIZE"] for r in _records(out).values()}
     assert "1" in worlds and "2" in worlds
     host.send_signal(signal.SIGTERM)
@@ -175,7 +158,7 @@ def test_sigterm_reaches_ranks_and_agent_exits_within_grace(launcher, rank_scrip
     out.mkdir()
     proc = launcher.start("--nproc-per-node", "2", "--term-timeout", "5", "--rdzv-id", "term",
                           str(rank_script), str(out), "sigterm")
-    assert _wait_for(lambda: (out / "ready.0.0").exists() and (out / "ready.1.0").exists(), 60)
+    assert wait_for(lambda: (out / "ready.0.0").exists() and (out / "ready.1.0").exists(), 60)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
@@ -190,7 +173,7 @@ def test_sigkill_of_agent_leaves_no_orphans(launcher, rank_script, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     proc = launcher.start("--nproc-per-node", "2", "--rdzv-id", "kill9", str(rank_script), str(out), "sleep")
-    assert _wait_for(lambda: (out / "ready.0.0").exists() and (out / "ready.1.0").exists(), 60)
+    assert wait_for(lambda: (out / "ready.0.0").exists() and (out / "ready.1.0").exists(), 60)
     proc.kill()
     proc.wait()
     assert launcher.leftovers() == []

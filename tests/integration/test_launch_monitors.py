@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import time
-from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import write_script
+from tests.conftest import run_events, wait_for, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -35,10 +32,6 @@ c.shutdown_workload_monitoring()
 '''
 
 
-def _events(run_dir: Path, prefix: str) -> list[dict]:
-    return [json.loads(line) for f in run_dir.glob(f"{prefix}*.jsonl") for line in f.read_text().splitlines()]
-
-
 def test_hang_is_detected_and_job_restarts_with_reason(launcher, tmp_path):
     script = write_script(tmp_path / "hang.py", HANG_SCRIPT)
     out = tmp_path / "out"
@@ -49,15 +42,15 @@ def test_hang_is_detected_and_job_restarts_with_reason(launcher, tmp_path):
     assert res.returncode == 0, res.stderr
     assert "by its monitor: heartbeat timeout" in res.stderr
     run_dir = tmp_path / "nvrx_logs" / "hang"
-    hangs = [e for e in _events(run_dir, "monitor-") if e["ev"] == "hang_detected"]
+    hangs = [e for e in run_events(run_dir, "monitor-") if e["ev"] == "hang_detected"]
     assert hangs and hangs[0]["reason"] == "heartbeat_timeout" and hangs[0]["timeout"] == 1.0
     assert 1.0 <= hangs[0]["elapsed"] < 1.5
-    stops = [e for e in _events(run_dir, "agent-") if e["ev"] == "rdzv_stop" and e["kind"] == "failed"]
+    stops = [e for e in run_events(run_dir, "agent-") if e["ev"] == "rdzv_stop" and e["kind"] == "failed"]
     assert stops and stops[0]["detail"]["hang"]["reason"] == "heartbeat_timeout"
     # one monitor per rank, started once, across the restart
-    spawned = [e for e in _events(run_dir, "agent-") if e["ev"] == "monitor_spawned"]
+    spawned = [e for e in run_events(run_dir, "agent-") if e["ev"] == "monitor_spawned"]
     assert len(spawned) == 2
-    cfg = [e for e in _events(run_dir, "agent-") if e["ev"] == "ft_config"]
+    cfg = [e for e in run_events(run_dir, "agent-") if e["ev"] == "ft_config"]
     assert cfg and cfg[0]["config"]["rank_heartbeat_timeout"] == 1.0
     assert launcher.leftovers() == []
 
@@ -80,18 +73,12 @@ def test_killed_monitor_is_restarted_by_the_agent(launcher, tmp_path):
     out.mkdir()
     proc = launcher.start("--nproc-per-node", "1", "--rdzv-id", "mon", "--ft-param-rank-heartbeat-timeout", "30",
                           str(script), str(out), "200")
-    deadline = time.monotonic() + 60
-    while not (out / "ready.0.0").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for((out / "ready.0.0").exists, 60)
     monitors = _monitor_children(proc.pid)
     assert len(monitors) == 1
     monitors[0].send_signal(signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    new = []
-    while time.monotonic() < deadline and not new:
-        new = [p for p in _monitor_children(proc.pid) if p.pid != monitors[0].pid]
-        time.sleep(0.05)
-    assert new, "the agent did not restart the killed monitor"
+    assert wait_for(lambda: [p for p in _monitor_children(proc.pid) if p.pid != monitors[0].pid], 10), \
+        "the agent did not restart the killed monitor"
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert launcher.leftovers() == []
@@ -116,7 +103,7 @@ def test_auto_heartbeat_gives_an_unmodified_script_hang_detection(launcher, tmp_
                        str(script), str(tmp_path), timeout=120)
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "hanging").exists()
-    hangs = [e for e in _events(tmp_path / "nvrx_logs" / "auto", "monitor-") if e["ev"] == "hang_detected"]
+    hangs = [e for e in run_events(tmp_path / "nvrx_logs" / "auto", "monitor-") if e["ev"] == "hang_detected"]
     assert [h["reason"] for h in hangs] == ["heartbeat_timeout"], hangs  # only the blocked rank, only once
     assert hangs[0]["global_rank"] == 1
     assert "by its monitor: heartbeat timeout" in res.stderr
@@ -146,7 +133,7 @@ def test_first_heartbeat_timeout_counts_from_rank_start_once_monitoring_starts(l
                        "--ft-param-initial-rank-heartbeat-timeout", "1.5", "--ft-param-workload-check-interval", "0.2",
                        str(script), "2.5", timeout=120)
     assert res.returncode == 0, res.stderr
-    events = _events(tmp_path / "nvrx_logs" / "late", "monitor-")
+    events = run_events(tmp_path / "nvrx_logs" / "late", "monitor-")
     attach = [e for e in events if e["ev"] == "monitor_attach"]
     assert attach and attach[0]["armed"] is False
     hangs = [e for e in events if e["ev"] == "hang_detected"]
@@ -179,21 +166,16 @@ def test_rank_reattaches_to_a_restarted_monitor_and_stays_watched(launcher, tmp_
     out.mkdir()
     proc = launcher.start("--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-id", "reattach",
                           "--ft-param-rank-heartbeat-timeout", "1", str(script), str(out))
-    deadline = time.monotonic() + 60
-    while not (out / "ready.0").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for((out / "ready.0").exists, 60)
     first = _monitor_children(proc.pid)
     assert len(first) == 1
     first[0].send_signal(signal.SIGKILL)
     run_dir = tmp_path / "nvrx_logs" / "reattach"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not any(
-            e["ev"] == "monitor_attach" and e.get("reattach") for e in _events(run_dir, "monitor-")):
-        time.sleep(0.05)
+    wait_for(lambda: any(e["ev"] == "monitor_attach" and e.get("reattach") for e in run_events(run_dir, "monitor-")), 20)
     (out / "hang-now").touch()
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
-    events = _events(run_dir, "monitor-")
+    events = run_events(run_dir, "monitor-")
     assert any(e["ev"] == "monitor_attach" and e.get("reattach") and e["armed"] for e in events)
     hangs = [e for e in events if e["ev"] == "hang_detected"]
     assert len(hangs) == 1 and hangs[0]["reason"] == "heartbeat_timeout"
@@ -234,6 +216,6 @@ def test_second_job_starts_with_the_timeouts_the_first_learned(launcher, tmp_pat
                           "--ft-param-rank-heartbeat-timeout", "null", str(script), "use", timeout=120)
     assert second.returncode == 0, second.stderr
     assert _printed(second.stdout, "TIMEOUTS_AT_START")["heartbeat"] == learned["heartbeat"]
-    loaded = [e for e in _events(tmp_path / "nvrx_logs" / "job2", "monitor-") if e["ev"] == "timeouts_loaded"]
+    loaded = [e for e in run_events(tmp_path / "nvrx_logs" / "job2", "monitor-") if e["ev"] == "timeouts_loaded"]
     assert loaded and loaded[0]["timeouts"]["heartbeat"] == learned["heartbeat"]
     assert launcher.leftovers() == []
