@@ -24,9 +24,6 @@ from monitors.events import EventLog
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = exit_codes.OK
-EXIT_FAILED = exit_codes.FAILED
-EXIT_USAGE = exit_codes.USAGE
 # Forwarded signals that ranks using launcher.job_control.should_stop() turn into a graceful stop.
 GRACEFUL_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
 # The same signal again within this many seconds is one request delivered twice (Slurm signals the batch
@@ -128,7 +125,7 @@ class Agent:
             return self._run(t0)
         except AgentSignal as sig:
             self.events.emit("agent_signal", signal=signal.Signals(sig.signum).name, phase="rendezvous")
-            return 128 + sig.signum
+            return exit_codes.interrupted(sig.signum)
         finally:
             self._restore_signal_handlers()
             self._shutdown()
@@ -154,7 +151,7 @@ class Agent:
                     result = self._rdzv.next_round()
             except JobFinished as fin:
                 self.events.emit("job_end", status="already_finished", detail=str(fin))
-                return EXIT_OK
+                return exit_codes.OK
             code = self._run_round(result)
             if code is not None:
                 self.events.emit("job_end", status=_end_status(code), exit_code=code,
@@ -289,7 +286,7 @@ class Agent:
         """Act on the round's stop record: finish, give up, or stop ranks for the next round."""
         if record.kind == "succeeded":
             self.workers.stop()  # nothing should be left; bounded anyway
-            return EXIT_OK
+            return exit_codes.OK
         if record.kind == "interrupted":
             signum = int(record.detail.get("signum") or signal.SIGTERM)
             if not self._forwarded:  # another node was signalled: pass the same signal on, once
@@ -302,7 +299,7 @@ class Agent:
             self.failures.append({"round": record.round, "kind": record.kind, **record.detail})
         if record.give_up:
             steer = record.detail.get("steer")
-            return steer if steer in exit_codes.STEERING_CODES else EXIT_FAILED
+            return steer if steer in exit_codes.STEERING_CODES else exit_codes.FAILED
         return None
 
     def _let_ranks_finish(self, grace: float) -> None:

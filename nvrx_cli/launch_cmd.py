@@ -115,6 +115,7 @@ def _run_agent(cfg: Any, events: Any) -> int:
     # The agent imports torch only for TCPStore, after it has started the fork server (so the two
     # imports overlap); torch's import-time notice about a missing numpy is noise on the agent's terminal.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    from launcher import exit_codes
     from launcher.agent import Agent
     from launcher.rdzv_errors import EndpointUnreachable, PortInUse, RendezvousError, RendezvousMismatch
 
@@ -122,10 +123,10 @@ def _run_agent(cfg: Any, events: Any) -> int:
         return Agent(cfg, events, sys.stdout.buffer, sys.stderr.buffer).run()
     except (EndpointUnreachable, PortInUse, RendezvousMismatch) as err:
         click.echo(f"nvrx: error: {err}", err=True)
-        return 2
+        return exit_codes.USAGE
     except RendezvousError as err:
         click.echo(f"nvrx: error: {err}", err=True)
-        return 1
+        return exit_codes.FAILED
     finally:
         events.close()
 
