@@ -36,7 +36,6 @@ from ckpt.async_ckpt import writer_process as ckpt_writer  # light: no torch imp
 # any working directory; undone below before user code can see it.
 INJECT_ENV = "NVRX_BOOTSTRAP_INJECTED"
 FULL_EXIT_ENV = "NVRX_FULL_EXIT"  # "1": end ranks through the full interpreter teardown
-MONITOR_ENV = "NVRX_MONITOR_SOCKET"  # set by the agent when this rank has a monitor (see monitors.client)
 INPROCESS_ENV = "NVRX_INPROCESS"  # "1": run the script inside an in-process restart Wrapper (nvrx launch --inprocess)
 # Our packages are unlisted before user code runs (a user package may share a name), except the
 # rank-side modules whose state the bootstrap sets up for user code.
@@ -240,7 +239,7 @@ def _system_exit_code(exc: SystemExit) -> int:
 
 def _attach_to_monitor(started: float) -> None:
     """Connect this rank to its monitor before user code runs (in the background: no start-up delay)."""
-    if not os.environ.get(MONITOR_ENV):
+    if not os.environ.get(monitor_client.ENV_SOCKET):  # set by the agent when this rank has a monitor
         return
     interval = os.environ.get(monitor_client.ENV_AUTO_HEARTBEAT)
 

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from monitors.client import ENV_AUTO_HEARTBEAT
+from monitors.client import ENV_AUTO_HEARTBEAT, ENV_SHM, ENV_SOCKET, ENV_TOKEN
 from monitors.events import EventLog
 from monitors.heartbeat import Slot, SlotError
 from monitors.progress_watchdog import watchdog_interval
@@ -27,7 +27,7 @@ from monitors.timeouts import last_hang_file
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "NVRX_MONITOR_TOKEN"
+TOKEN_ENV = ENV_TOKEN  # the monitor reads its token from here too (never argv)
 
 
 class MonitorGroup:
@@ -39,10 +39,9 @@ class MonitorGroup:
         self.nproc = nproc
         self.events = events
         self.base_env = dict(base_env)
-        node = f"{node_name}-{os.getpid()}"
         self.state_dir = state_dir  # this node's: learned timeouts survive jobs when it is kept across them
         self.events_dir = run_log_dir
-        self.node = node
+        self.node = f"{node_name}-{os.getpid()}"
         self.private = Path(tempfile.mkdtemp(prefix="nvrx-mon-"))  # 0700 by mkdtemp
         self.tokens = [secrets.token_hex(16) for _ in range(nproc)]
         self.procs: list[subprocess.Popen | None] = [None] * nproc
@@ -77,7 +76,7 @@ class MonitorGroup:
     def rank_env(self, local_rank: int) -> dict[str, str]:
         """What the rank's RankMonitorClient needs to find its monitor."""
         sock, shm = self.paths(local_rank)
-        env = {"NVRX_MONITOR_SOCKET": str(sock), "NVRX_MONITOR_SHM": str(shm), TOKEN_ENV: self.tokens[local_rank]}
+        env = {ENV_SOCKET: str(sock), ENV_SHM: str(shm), ENV_TOKEN: self.tokens[local_rank]}
         if self.ft.auto_heartbeat:
             env[ENV_AUTO_HEARTBEAT] = f"{watchdog_interval(self.ft.rank_heartbeat_timeout):g}"
         return env
