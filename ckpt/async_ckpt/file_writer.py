@@ -22,6 +22,8 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from ckpt.async_ckpt.staging import FdWriter
+
 _SYNC_FILE_RANGE_WRITE = 2
 _libc: Any = None
 _libc_lock = threading.Lock()
@@ -132,32 +134,19 @@ def _tensor_from(buffer: memoryview, item: dict[str, Any]) -> Any:
     return raw.view(dtype).reshape(item["shape"])
 
 
-class _FileStream(io.RawIOBase):
-    """Sequential writes to an fd that never stop short: a full disk raises ENOSPC instead of a short count."""
+class _FileStream(FdWriter):
+    """A checkpoint file being written; keeps the OSError a write raised (ENOSPC, EIO, ...) to report it."""
 
     def __init__(self, fd: int) -> None:
-        super().__init__()
-        self.fd = fd
-        self.pos = 0
+        super().__init__(fd)
         self.error: OSError | None = None  # torch.save hides a failed write behind its own message; keep ours
 
-    def writable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
     def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        done = 0
         try:
-            while done < len(view):
-                done += os.write(self.fd, view[done:])  # raises OSError (ENOSPC, EIO, ...) when nothing can be written
+            return super().write(data)
         except OSError as exc:
             self.error = exc
             raise
-        self.pos += done
-        return done
 
     def save(self, tensor: Any) -> None:
         import torch

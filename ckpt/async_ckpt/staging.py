@@ -183,14 +183,16 @@ class StagingPool:
         return list(self._buffers)
 
 
-class StagingFile(io.RawIOBase):
-    """A growable memfd written sequentially (a whole torch.save stream); the writer reads it through its fd."""
+class FdWriter(io.RawIOBase):
+    """Sequential writes to an open fd that never stop short (what torch.save needs from a stream).
 
-    def __init__(self) -> None:
+    A full disk raises OSError (ENOSPC) instead of returning a short count.
+    """
+
+    def __init__(self, fd: int) -> None:
         super().__init__()
-        self.fd = os.memfd_create("nvrx-ckpt-file", os.MFD_CLOEXEC)
+        self.fd = fd
         self.pos = 0
-        self.in_use = False
 
     def writable(self) -> bool:
         return True
@@ -205,6 +207,14 @@ class StagingFile(io.RawIOBase):
             done += os.pwrite(self.fd, view[done:], self.pos + done)
         self.pos += done
         return done
+
+
+class StagingFile(FdWriter):
+    """A growable memfd written sequentially (a whole torch.save stream); the writer reads it through its fd."""
+
+    def __init__(self) -> None:
+        super().__init__(os.memfd_create("nvrx-ckpt-file", os.MFD_CLOEXEC))
+        self.in_use = False
 
     def rewind(self) -> None:
         self.pos = 0
