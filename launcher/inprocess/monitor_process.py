@@ -20,7 +20,6 @@ It exits when its rank ends or tells it to stop, without running the interpreter
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import select
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher.inprocess.progress import SLOT_DIR_PREFIX
+from launcher.inprocess.store import first_line
+from monitors.control import LineBuffer, ProtocolError, encode
 
 log = logging.getLogger("launcher.inprocess.monitor_process")
 
@@ -50,7 +51,7 @@ class MonitorProcess:
         self.pid: int | None = None
         self._pidfd = -1
         self._cmd = -1
-        self._replies: _Lines | None = None
+        self._replies: _Messages | None = None
 
     def start(self) -> "MonitorProcess":
         cmd_r, cmd_w = os.pipe2(os.O_CLOEXEC)
@@ -66,17 +67,13 @@ class MonitorProcess:
                 os._exit(code)
         os.close(cmd_r)
         os.close(rep_w)
-        self.pid, self._cmd, self._replies = pid, cmd_w, _Lines(rep_r)
+        self.pid, self._cmd, self._replies = pid, cmd_w, _Messages(rep_r)
         self._pidfd = os.pidfd_open(pid)
         return self
 
     def send(self, message: dict[str, Any]) -> None:
-        if self._cmd < 0:
-            return
-        try:
-            os.write(self._cmd, json.dumps(message).encode() + b"\n")
-        except OSError:
-            pass
+        if self._cmd >= 0:
+            _send(self._cmd, message)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
         """Block until the monitor process connected to the store; RuntimeError with its reason if it failed."""
@@ -89,11 +86,10 @@ class MonitorProcess:
             ready, _, _ = select.select([self._replies.fd], [], [], min(left, 1.0))
             if not ready:
                 continue
-            lines = self._replies.read()
-            if lines is None:
+            replies = self._replies.read()
+            if replies is None:
                 raise RuntimeError(f"the in-process monitor process exited during start-up{self._see_log()}")
-            for line in lines:
-                reply = json.loads(line)
+            for reply in replies:
                 if reply.get("ready"):
                     return
                 raise RuntimeError(f"the in-process monitor process failed: {reply.get('error')}{self._see_log()}")
@@ -134,9 +130,9 @@ def _child_main(cfg: dict[str, Any], logfile: str | None, commands_fd: int, repl
         monitor = _Monitor(cfg, reply_fd)
     except Exception as exc:
         log.exception("start-up failed")
-        _reply(reply_fd, {"error": (str(exc).splitlines() or [type(exc).__name__])[0]})
+        _send(reply_fd, {"error": first_line(exc)})
         return 1
-    code = monitor.run(_Lines(commands_fd))
+    code = monitor.run(_Messages(commands_fd))
     logging.shutdown()
     return code
 
@@ -186,26 +182,23 @@ class _Monitor:
         self.stopping = False
         self.seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter, when it last changed)
 
-    def run(self, commands: "_Lines") -> int:
+    def run(self, commands: "_Messages") -> int:
         self.store.heartbeat(self.rank)
-        _reply(self.reply_fd, {"ready": True})
+        _send(self.reply_fd, {"ready": True})
         log.info("monitoring pid %d (interval %g s, heartbeat timeout %g s, hard timeout %g s)",
                  self.pid, self.interval, self.heartbeat_timeout, self.hard_timeout)
         next_tick = time.monotonic()
-        for line in commands.pending():
-            if self._command(json.loads(line)):
-                return 0
         while True:
             wait = max(0.0, next_tick - time.monotonic())
             readable, _, _ = select.select([commands.fd, self.pidfd], [], [], wait)
             if self.pidfd in readable:
                 return self._rank_ended()
             if commands.fd in readable:
-                lines = commands.read()
-                if lines is None:
+                messages = commands.read()
+                if messages is None:
                     return self._rank_ended_or_stopped()
-                for line in lines:
-                    if self._command(json.loads(line)):
+                for msg in messages:
+                    if self._command(msg):
                         return 0
             if time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + self.interval
@@ -233,7 +226,7 @@ class _Monitor:
             if self.watching:
                 self._watch_peers()
         except Exception as exc:
-            log.warning("store unreachable: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            log.warning("store unreachable: %s", first_line(exc))
         return False
 
     def _hard_timeout_expired(self) -> bool:
@@ -319,37 +312,23 @@ class _Monitor:
         return 0
 
 
-class _Lines:
-    """JSON lines from a pipe, read with os.read (no hidden buffering between select() calls)."""
+class _Messages:
+    """JSON-object lines from a pipe, read with os.read (no hidden buffering between select() calls)."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self._buffer = b""
+        self._buffer = LineBuffer()
 
-    def first(self) -> bytes | None:
-        """Block for the first line (the configuration)."""
-        while b"\n" not in self._buffer:
-            chunk = os.read(self.fd, 65536)
-            if not chunk:
-                return None
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return line
-
-    def pending(self) -> list[bytes]:
-        return self._split()
-
-    def read(self) -> list[bytes] | None:
-        """Lines completed by one read; None at end of file."""
+    def read(self) -> list[dict[str, Any]] | None:
+        """Messages completed by one read; None at end of file. Only our own code writes these pipes."""
         chunk = os.read(self.fd, 65536)
         if not chunk:
             return None
-        self._buffer += chunk
-        return self._split()
-
-    def _split(self) -> list[bytes]:
-        *lines, self._buffer = self._buffer.split(b"\n")
-        return [line for line in lines if line.strip()]
+        messages = self._buffer.feed(chunk)
+        for bad in messages:
+            if isinstance(bad, ProtocolError):
+                raise bad
+        return messages  # type: ignore[return-value]
 
 
 def _alive(pidfd: int) -> bool:
@@ -364,8 +343,9 @@ def _signal(pidfd: int, sig: int) -> None:
         pass
 
 
-def _reply(fd: int, message: dict[str, Any]) -> None:
+def _send(fd: int, message: dict[str, Any]) -> None:
+    """One JSON line to the other end; a closed pipe is not an error (that end is gone or stopping)."""
     try:
-        os.write(fd, json.dumps(message).encode() + b"\n")
+        os.write(fd, encode(message))
     except OSError:
         pass

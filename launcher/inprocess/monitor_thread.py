@@ -19,7 +19,7 @@ from typing import Callable
 from launcher.inprocess.exceptions import RestartInterrupt, swallow_location
 from launcher.inprocess.interruption import InterruptGate
 from launcher.inprocess.progress import ProgressRecorder
-from launcher.inprocess.store import StoreMixin, _first_line
+from launcher.inprocess.store import StoreMixin, first_line
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class MonitorThread:
             except Exception as exc:
                 failures += 1
                 if failures >= STORE_FAILURES_TOLERATED and self.store_lost is None:
-                    self.store_lost = _first_line(exc)
+                    self.store_lost = first_line(exc)
                     log.error("the in-process store stopped answering (%s); interrupting", self.store_lost)
                     self._interrupt()
 

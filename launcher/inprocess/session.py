@@ -39,7 +39,7 @@ from launcher.inprocess.monitor_thread import MonitorThread
 from launcher.inprocess.progress import ProgressRecorder
 from launcher.inprocess.rank_assignment import RankAssignmentCtx
 from launcher.inprocess.state import State
-from launcher.inprocess.store import StoreMixin
+from launcher.inprocess.store import StoreMixin, first_line
 
 if TYPE_CHECKING:
     from launcher.inprocess.wrapper import Wrapper
@@ -140,8 +140,7 @@ class Session:
         except ConfigurationError:
             raise
         except Exception as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise StoreUnavailable(f"could not open the in-process restart store ({first})") from None
+            raise StoreUnavailable(f"could not open the in-process restart store ({first_line(exc)})") from None
         if not isinstance(store, StoreMixin):
             raise ConfigurationError(f"store_factory returned {type(store).__name__}, which does not subclass "
                                      "launcher.inprocess.store.StoreMixin")

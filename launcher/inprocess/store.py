@@ -26,7 +26,8 @@ PREFIX = "nvrx_inprocess"
 DEFAULT_TIMEOUT = 300.0
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of EXC's message (torch errors append C++ traces), or its type's name."""
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
 
@@ -195,7 +196,7 @@ class _Guard:
         lost = isinstance(exc, (dist.DistError, RuntimeError)) and not isinstance(exc, StoreUnavailable)
         if lost:
             raise StoreUnavailable(
-                f"the in-process restart store at {self.store.describe()} is unreachable ({_first_line(exc)}); "
+                f"the in-process restart store at {self.store.describe()} is unreachable ({first_line(exc)}); "
                 "it is hosted by rank 0 unless a launcher agent hosts it, so the job cannot continue without it"
             ) from None
         return False
