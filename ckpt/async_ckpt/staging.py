@@ -8,6 +8,7 @@ belongs to one pending save until that save is finalized (a retry re-writes from
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 import logging
@@ -257,19 +258,13 @@ class StagingFilePool:
                 extra.close()
 
 
-_default_pool: StagingPool | None = None
-_default_file_pool: StagingFilePool | None = None
-
-
+@functools.cache
 def default_file_pool() -> StagingFilePool:
-    global _default_file_pool
-    if _default_file_pool is None:
-        _default_file_pool = StagingFilePool()
-    return _default_file_pool
+    """This process's staging files (created on first use)."""
+    return StagingFilePool()
 
 
+@functools.cache
 def default_pool() -> StagingPool:
-    global _default_pool
-    if _default_pool is None:
-        _default_pool = StagingPool()
-    return _default_pool
+    """This process's staging buffers (created on first use)."""
+    return StagingPool()
