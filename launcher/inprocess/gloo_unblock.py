@@ -43,44 +43,58 @@ class TcpSocket:
     listening: bool
 
 
-def _own_socket_fds() -> dict[int, int]:
-    """inode -> one fd of this process for each socket it has open."""
-    found: dict[int, int] = {}
+def _fd_targets() -> list[tuple[int, str]]:
+    """(fd, what it points at) for each descriptor of this process; [] without /proc."""
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
-        return found
+        return []
+    found = []
     for name in names:
         try:
-            target = os.readlink(f"/proc/self/fd/{name}")
+            found.append((int(name), os.readlink(f"/proc/self/fd/{name}")))
         except OSError:
             continue
-        if target.startswith("socket:["):
-            found.setdefault(int(target[8:-1]), int(name))
     return found
 
 
-def _tcp_socket(inode: int, fd: int) -> TcpSocket | None:
-    """Describe FD if it still is socket INODE and a TCP (IPv4/IPv6 stream) socket, else None."""
+def _own_socket_fds() -> dict[int, int]:
+    """inode -> one fd of this process for each socket it has open."""
+    found: dict[int, int] = {}
+    for fd, target in _fd_targets():
+        if target.startswith("socket:["):
+            found.setdefault(int(target[8:-1]), fd)
+    return found
+
+
+def _reopen(fd: int, inode: int) -> socket.socket | None:
+    """A socket object on a duplicate of FD, or None when FD no longer is socket INODE (closed and reused)."""
     try:
         dup = os.dup(fd)
     except OSError:
         return None
     try:
-        if os.fstat(dup).st_ino != inode:
-            return None  # closed and reused since we listed it
-        sock = socket.socket(fileno=dup)  # owns the duplicate from here on
-        dup = -1
-        with sock:
+        if os.fstat(dup).st_ino == inode:
+            return socket.socket(fileno=dup)  # owns the duplicate from here on
+    except OSError:
+        pass
+    os.close(dup)
+    return None
+
+
+def _tcp_socket(inode: int, fd: int) -> TcpSocket | None:
+    """Describe FD if it still is socket INODE and a TCP (IPv4/IPv6 stream) socket, else None."""
+    sock = _reopen(fd, inode)
+    if sock is None:
+        return None
+    with sock:
+        try:
             if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
                 return None
             listening = bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
-        return TcpSocket(inode, fd, listening)
-    except OSError:
-        return None
-    finally:
-        if dup >= 0:
-            os.close(dup)
+        except OSError:
+            return None
+    return TcpSocket(inode, fd, listening)
 
 
 def mark_iteration_start() -> None:
@@ -94,15 +108,11 @@ def mark_iteration_start() -> None:
 def _epoll_watch_lists() -> list[set[int]]:
     """For each epoll instance of this process, the inodes of the files it watches (from fdinfo)."""
     lists: list[set[int]] = []
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return lists
-    for name in names:
+    for fd, target in _fd_targets():
+        if target != "anon_inode:[eventpoll]":
+            continue
         try:
-            if os.readlink(f"/proc/self/fd/{name}") != "anon_inode:[eventpoll]":
-                continue
-            with open(f"/proc/self/fdinfo/{name}") as fh:
+            with open(f"/proc/self/fdinfo/{fd}") as fh:
                 info = fh.read()
         except OSError:
             continue
@@ -131,23 +141,15 @@ def gloo_connections() -> list[TcpSocket]:
 
 def _shutdown(sock: TcpSocket) -> bool:
     """shutdown(2) the socket behind SOCK.fd, unless that fd now names another socket."""
-    try:
-        dup = os.dup(sock.fd)
-    except OSError:
+    handle = _reopen(sock.fd, sock.inode)
+    if handle is None:
         return False
-    try:
-        if os.fstat(dup).st_ino != sock.inode:
-            return False  # closed and reused since we listed it
-        handle = socket.socket(fileno=dup)
-        dup = -1
-        with handle:
+    with handle:
+        try:
             handle.shutdown(socket.SHUT_RDWR)
-        return True
-    except OSError:
-        return False
-    finally:
-        if dup >= 0:
-            os.close(dup)
+        except OSError:
+            return False
+    return True
 
 
 def shutdown_gloo_connections() -> int:

@@ -155,8 +155,7 @@ class Session:
         return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "store": self.store.client_spec(),
                 "slot": str(self.recorder.path), "interval": w.monitor_process_interval,
                 "heartbeat_timeout": w.heartbeat_timeout, "hard_timeout": w.hard_timeout,
-                "termination_grace_time": w.termination_grace_time,
-                "logfile": _logfile(w.monitor_process_logfile, self.rank)}
+                "termination_grace_time": w.termination_grace_time}
 
     def _close(self) -> None:
         _active.call_wrapper = None
