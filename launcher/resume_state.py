@@ -1,6 +1,6 @@
 """The per-run state file of `nvrx resume`: counts that must survive jobs, crashes and corruption.
 
-``<state-dir>/state.json`` is rewritten atomically (temp file, fsync, rename; mode 0600) and mirrored to
+``<state-dir>/state.json`` is rewritten atomically (monitors.timeouts.save_json_atomic; mode 0600) and mirrored to
 ``state.json.bak``; every decision also appends a snapshot of the counts to ``resume.jsonl``. A corrupt
 state file is kept as ``state.json.corrupt-<time>`` and the counts come back from the newest readable
 copy (highest ``seq``), so a bad file never resets the attempt or failure budget. One ``nvrx resume``
@@ -10,6 +10,7 @@ at a time holds ``<state-dir>/lock`` (flock), so two drivers cannot submit two c
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -17,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
+
+from monitors.timeouts import save_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -210,9 +213,9 @@ class StateStore:
     def save(self, state: ResumeState) -> ResumeState:
         """Write the state atomically to the state file and its backup; returns it with seq bumped."""
         state = replace(state, seq=state.seq + 1, updated=round(time.time(), 6))
-        data = (json.dumps(state.to_dict(), indent=1, sort_keys=True, default=str) + "\n").encode()
+        data = state.to_dict()
         for path in (self.state_path, self.backup_path):
-            _atomic_write(path, data)
+            save_json_atomic(path, data)
         return state
 
     def _read(self, path: Path) -> tuple[ResumeState | None, str | None]:
@@ -236,13 +239,19 @@ class StateStore:
             if _read_bytes(old) == data:
                 return old
         stamp = time.strftime("%Y%m%dT%H%M%S")
-        copy = self.state_dir / f"{STATE_FILE}.corrupt-{stamp}"
-        n = 1
-        while copy.exists():
-            n += 1
-            copy = self.state_dir / f"{STATE_FILE}.corrupt-{stamp}.{n}"
-        _atomic_write(copy, data)
-        return copy
+        names = (f"{STATE_FILE}.corrupt-{stamp}" + (f".{n}" if n > 1 else "") for n in itertools.count(1))
+        for name in names:
+            try:
+                fd = os.open(self.state_dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                continue
+            try:  # need not be atomic: the original stays until a good state replaces it
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return self.state_dir / name
+        raise AssertionError("unreachable: the names never run out")
 
 
 def _newest_snapshot(snapshots: Iterable[dict[str, Any]]) -> ResumeState | None:
@@ -255,23 +264,6 @@ def _newest_snapshot(snapshots: Iterable[dict[str, Any]]) -> ResumeState | None:
         if best is None or state.seq >= best.seq:
             best = state
     return best
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def _read_bytes(path: Path) -> bytes | None:

@@ -174,6 +174,7 @@ def test_save_load_roundtrip_private_and_atomic(tmp_path):
         for name in (STATE_FILE, BACKUP_FILE, "lock"):
             assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
         assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file left
         loaded = store.load()
         assert loaded.note is None and loaded.state == state
     finally:
