@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from launcher import exit_codes, slurm_submit
+from launcher.config import DEFAULT_SIGNALS, parse_signals
 from launcher.progress import ProgressSource, read_progress
 from launcher.resume_state import Loaded, ResumeError, ResumeState, StateStore
 from launcher.slurm_submit import SlurmSetupError, SubmitError, SubmitSettings
@@ -33,8 +34,7 @@ _ACTION_EXIT = {FINISHED: exit_codes.RESUME_FINISHED, CONTINUE: exit_codes.RESUM
                 GIVE_UP: exit_codes.RESUME_GIVE_UP}
 
 # The signals an agent stops gracefully on (its default --signals-to-handle): 128+these means "interrupted".
-STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
-                          signal.SIGUSR1, signal.SIGUSR2})
+STOP_SIGNALS = frozenset(parse_signals(DEFAULT_SIGNALS))
 
 # Causes of an attempt's end (recorded in the state and the events).
 CLEAN_EXIT = "clean_exit"  # every rank exited 0 but the finished flag is absent
@@ -47,10 +47,11 @@ USAGE_ERROR = "usage_error"
 LOST = "lost"  # the driver died while the attempt ran; its exit code is unknown
 _FAILURE_CAUSES = frozenset({FAILED, RESUME_ELSEWHERE, VALIDATION_FAILED, USAGE_ERROR})
 _STOP_CAUSES = {
-    VALIDATION_FAILED: "a rank reported that the result failed validation (exit 17)",
-    DO_NOT_REQUEUE: "a rank asked not to be requeued (exit 93)",
+    VALIDATION_FAILED: f"a rank reported that the result failed validation (exit {exit_codes.VALIDATION_FAILED})",
+    DO_NOT_REQUEUE: f"a rank asked not to be requeued (exit {exit_codes.DO_NOT_REQUEUE})",
 }
-_USAGE_REASON = "the launch reported a usage error (exit 2; its own message says what to fix): not launching it again"
+_USAGE_REASON = (f"the launch reported a usage error (exit {exit_codes.USAGE}; its own message says what to fix): "
+                 "not launching it again")
 
 
 # ==================================================================== decision (pure)
@@ -176,7 +177,7 @@ def _describe(cause: str, code: int) -> str:
         CLEAN_EXIT: "the ranks exited 0 but the finished flag is absent",
         INTERRUPTED: f"interrupted by {sig.name if sig else code}",
         FAILED: f"failed (exit {code}" + (f", {sig.name}" if sig else "") + ")",
-        RESUME_ELSEWHERE: "a rank asked to resume on different hardware (exit 16)",
+        RESUME_ELSEWHERE: f"a rank asked to resume on different hardware (exit {exit_codes.RESUME_ELSEWHERE})",
     }.get(cause, f"ended with exit {code}")
 
 

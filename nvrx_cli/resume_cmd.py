@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 import click
 
+from launcher import exit_codes
 from launcher.job_control import FINISHED_FLAG_ENV
 
 _EPILOG = """\b
@@ -35,7 +36,7 @@ Exit status: 0 finished, 3 continue, 4 give up, 2 usage error / unusable state d
 class ResumeFailure(click.ClickException):
     """A runtime problem the user must fix (state dir, Slurm tools): one line, exit 2."""
 
-    exit_code = 2
+    exit_code = exit_codes.USAGE
 
 
 @click.command(context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
@@ -93,7 +94,7 @@ def resume(ctx: click.Context, **raw: Any) -> int:
         raise ResumeFailure(str(err)) from None
     except SubmitError as err:
         click.echo(f"nvrx: error: could not submit the continuation: {err}", err=True)
-        return 1
+        return exit_codes.FAILED
 
 
 def build_resume_config(raw: dict[str, Any], environ: Mapping[str, str], explicit: set[str], cwd: Path) -> Any:
