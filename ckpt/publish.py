@@ -41,15 +41,20 @@ def fsync_dir(path: Path) -> None:
     fsync_path(str(path))
 
 
+def write_durable(path: Path, data: bytes) -> None:
+    """Write DATA to PATH (created or truncated) and fsync it (its directory entry is the caller's business)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    with open(fd, "wb", closefd=True) as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Replace PATH with DATA so readers see the old or the new content, never a mix; durable on return."""
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        with open(fd, "wb", closefd=True) as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_durable(tmp, data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -304,7 +304,7 @@ class FileSystemWriterAsync(StorageWriter):
         md.storage_meta = self.storage_meta()
         partial = self.partial_path
         blob = pickle.dumps(md)  # the DCP metadata file format (read by torch's FileSystemReader)
-        _write_durable(partial / _METADATA, blob)
+        publish.write_durable(partial / _METADATA, blob)
         files[_METADATA] = {"size": len(blob), "items": [{"offset": 0, "length": len(blob), "crc32": zlib.crc32(blob),
                                                           "kind": "bytes"}]}
         for entry in os.listdir(partial):  # leftovers of an earlier, interrupted save to the same path
@@ -312,7 +312,7 @@ class FileSystemWriterAsync(StorageWriter):
                 (partial / entry).unlink(missing_ok=True)
         manifest = {"format": manifest_mod.FORMAT, "kind": "dcp", "name": self.path.name, "save_id": self.save_id,
                     "world_size": len(per_rank), "published_at_ns": time.time_ns(), "files": files}
-        _write_durable(partial / manifest_mod.MANIFEST, manifest_mod.encode(manifest))
+        publish.write_durable(partial / manifest_mod.MANIFEST, manifest_mod.encode(manifest))
         publish.publish_dir(partial, self.path)
         if self.update_latest:
             publish.update_latest(self.path.parent, self.path.name)
@@ -348,14 +348,6 @@ def _storage_info(name: str, offset: int, length: int) -> Any:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(name, offset, length)
-
-
-def _write_durable(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    with open(fd, "wb", closefd=True) as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def prune(root: Path, keep_last: int, keep: Path) -> None:
