@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import REPO, tagged_processes
+from tests.conftest import REPO, free_port, tagged_processes, wait_for
 
 WORKLOAD = Path(__file__).with_name("workload.py")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -79,11 +72,10 @@ def run_job(tmp_path: Path, world: int, plan: dict[str, Any], timeout: float = 9
 
 
 def _leftovers(token: str, wait: float = 5.0) -> list[Any]:
-    deadline = time.monotonic() + wait
-    while True:
-        left = tagged_processes(token)
-        if not left or time.monotonic() > deadline:
-            for p in left:
-                p.kill()
-            return left
-        time.sleep(0.1)
+    """Processes of this job still alive after WAIT seconds (killed, and returned for the test to report)."""
+    if wait_for(lambda: not tagged_processes(token), wait, interval=0.1):
+        return []
+    left = tagged_processes(token)
+    for p in left:
+        p.kill()
+    return left

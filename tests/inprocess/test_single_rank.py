@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from launcher import inprocess
 from launcher.inprocess.store import StoreMixin
-from tests.inprocess.harness import free_port
+from tests.conftest import free_port
 
 
 class FileStore(StoreMixin, dist.FileStore):
