@@ -74,7 +74,7 @@ class _ReportBuilder:
         rounds = [rd for job in tl.jobs for rd in sorted(job.rounds.values(), key=lambda r: r.number)]
         faults, items = self._faults(rounds)
         items += self._job_items() + self._round_items(rounds) + self._hang_items(faults)
-        items += [it for it in tl.others]
+        items += tl.others
         items = [it for it in items if self._shown(it.t, it.rank)]
         items.sort(key=lambda it: (it.t, it.key[0] != "job"))
         span = self._span()
@@ -252,12 +252,7 @@ class _ReportBuilder:
         who = f"rank {d.get('rank')}"
         sig, code = d.get("signal"), d.get("exitcode")
         if hang:
-            tmpl = HANG_TEXT.get(str(hang.get("reason")), "hung ({reason}) after {elapsed:.1f} s, timeout {timeout:g} s")
-            try:
-                text = tmpl.format(section=hang.get("section"), elapsed=float(hang.get("elapsed") or 0),
-                                   timeout=float(hang.get("timeout") or 0), reason=hang.get("reason"))
-            except (TypeError, ValueError):
-                text = f"hung ({hang.get('reason')})"
+            text = hang_text(hang, "hung ({reason}) after {elapsed:.1f} s, timeout {timeout:g} s")
             return f"{who} {text} (killed with {hang.get('signal') or sig} by its monitor)"
         if d.get("abandoned"):
             return f"{who} could not be killed (stuck in the kernel) and was abandoned"
@@ -301,12 +296,7 @@ class _ReportBuilder:
                 continue
             agent = self.agents_by_node.get((m.ef.run_dir, m.ef.node))
             rank = agent.pids[hang["pid"]][0] if agent and hang.get("pid") in agent.pids else hang.get("rank")
-            tmpl = HANG_TEXT.get(str(hang.get("reason")), "hung ({reason})")
-            try:
-                text = tmpl.format(section=hang.get("section"), elapsed=float(hang.get("elapsed") or 0),
-                                   timeout=float(hang.get("timeout") or 0), reason=hang.get("reason"))
-            except (TypeError, ValueError):
-                text = f"hung ({hang.get('reason')})"
+            text = hang_text(hang, "hung ({reason})")
             items.append(Entry(("hang", str(m.ef.path), hang.get("t")), hang["t"], "hang_detected",
                                f"rank {rank} {text}; monitor sent {hang.get('signal')}", "warn", rank=rank))
         return items
@@ -449,6 +439,16 @@ class _ReportBuilder:
 
 
 # ------------------------------------------------------------------ helpers
+
+def hang_text(hang: dict[str, Any], unknown: str) -> str:
+    """A monitor's hang_detected in words (HANG_TEXT by reason; UNKNOWN is the template for other reasons)."""
+    tmpl = HANG_TEXT.get(str(hang.get("reason")), unknown)
+    try:
+        return tmpl.format(section=hang.get("section"), elapsed=float(hang.get("elapsed") or 0),
+                           timeout=float(hang.get("timeout") or 0), reason=hang.get("reason"))
+    except (TypeError, ValueError):
+        return f"hung ({hang.get('reason')})"
+
 
 def max_known(a: float | None, b: float | None) -> float | None:
     if a is None:
