@@ -333,17 +333,22 @@ class Timeline:
         a.node_id = a.node_id or e.get("node_id")
 
     def _on_rdzv_round(self, a: AgentFile, e: dict[str, Any]) -> None:
-        job = self._job_for(a, e["t"])
-        r = int(e["round"])
-        rd = job.rounds.get(r)
-        if rd is None:
-            rd = job.rounds[r] = RoundState(job, r, e["t"])
+        rd = self._round(self._job_for(a, e["t"]), e)
         rd.t = min(rd.t, e["t"])
         rd.nodes = list(e.get("nodes") or rd.nodes)
         rd.world_size = e.get("world_size", rd.world_size)
         rd.restart_count = e.get("restart_count", rd.restart_count)
         rd.waited = e.get("waited", rd.waited)
         a.round = rd
+
+    @staticmethod
+    def _round(job: JobState, e: dict[str, Any]) -> RoundState:
+        """The round E names in JOB, created at E's time if this is its first event."""
+        r = int(e["round"])
+        rd = job.rounds.get(r)
+        if rd is None:
+            rd = job.rounds[r] = RoundState(job, r, e["t"])
+        return rd
 
     def _on_rdzv_standby(self, a: AgentFile, e: dict[str, Any]) -> None:
         job = self._job_for(a, e["t"])
@@ -371,10 +376,7 @@ class Timeline:
 
     def _on_rdzv_stop(self, a: AgentFile, e: dict[str, Any]) -> None:
         job = self._job_for(a, e["t"])
-        r = int(e["round"])
-        rd = job.rounds.get(r)
-        if rd is None:
-            rd = job.rounds[r] = RoundState(job, r, e["t"])
+        rd = self._round(job, e)
         if rd.stop_t is None or e["t"] < rd.stop_t:
             rd.stop = {k: e.get(k) for k in ("kind", "by_node", "detail", "restart_count", "give_up")}
             rd.stop_t = e["t"]
@@ -460,9 +462,7 @@ class Timeline:
             s.hb_max_interval = mi if s.hb_max_interval is None else max(s.hb_max_interval, mi)
 
     def _section(self, m: MonitorFile, e: dict[str, Any]) -> SectionTally:
-        s = m.session
-        if s is None or s.end_t is not None:
-            s = self._current(m, e)
+        s = self._current(m, e)
         name = e["section"]
         sec = s.sections.get(name)
         if sec is None:
