@@ -19,7 +19,7 @@ from typing import Any, Callable
 import click
 
 from monitors.event_files import NotARun, discover
-from monitors.run_report import Report, make_report
+from monitors.run_report import Report, build_report, make_report
 from monitors.timeline import Filters, Timeline
 
 _REL = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)\s*d)?\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*m)?"
@@ -74,13 +74,10 @@ def inspect(log_dir: tuple[Path, ...], as_json: bool, follow: bool, rank: int | 
     try:
         if follow:
             return _follow(paths, filters, as_json, tail_lines, interval)
-        tl = Timeline(filters)
         try:
-            tl.add_files(discover(paths))
+            report = build_report(paths, filters)
         except NotARun as err:
             raise click.UsageError(str(err)) from None
-        tl.read_all()
-        report = make_report(tl)
         if as_json:
             click.echo(json.dumps(report.to_dict(), indent=2, default=str))
         elif sys.stdout.isatty():
@@ -157,7 +154,7 @@ def _text_line(rich: bool, tail_lines: int) -> Callable[[Any], None]:
     console = _console() if rich else None
 
     def emit(it: Any) -> None:
-        lines = [f"{_date_time(it.t)}  {_LEVEL_MARK.get(it.level, '  ')} {it.text}"]
+        lines = [f"{_clock(it.t)}  {_LEVEL_MARK.get(it.level, '  ')} {it.text}"]
         lines += [f"{'':25}| {x}" for x in it.tail[-tail_lines:]] if tail_lines else []
         if console is None:
             click.echo("\n".join(lines))
@@ -175,13 +172,7 @@ def _text_line(rich: bool, tail_lines: int) -> Callable[[Any], None]:
 # ------------------------------------------------------------------ plain text
 
 
-def _date_time(t: float | None) -> str:
-    if t is None:
-        return "-"
-    return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-
-
-def _clock(t: float | None, with_date: bool) -> str:
+def _clock(t: float | None, with_date: bool = True) -> str:
     if t is None:
         return "-"
     fmt = "%Y-%m-%d %H:%M:%S.%f" if with_date else "%H:%M:%S.%f"
@@ -224,8 +215,8 @@ def _summary(report: Report) -> list[str]:
     lines = [f"nvrx inspect: {', '.join(report.paths)}", head]
     if span.get("start") is not None:
         state = " (still running)" if span.get("running") else ""
-        lines.append(f"wall time {_secs(span['wall_s'])}: {_date_time(span['start'])} -> "
-                     f"{_date_time(span['end'])}{state}")
+        lines.append(f"wall time {_secs(span['wall_s'])}: {_clock(span['start'])} -> "
+                     f"{_clock(span['end'])}{state}")
     if g.get("ratio") is not None:
         what = (f"in section {report.filters['step_section']!r}" if g["method"] == "step_sections"
                 else "with all ranks running")
@@ -233,7 +224,7 @@ def _summary(report: Report) -> list[str]:
     f = report.filters
     if f.get("rank") is not None or f.get("since") is not None:
         lines.append("filters:" + (f" rank {f['rank']}" if f.get("rank") is not None else "")
-                     + (f" since {_date_time(f['since'])}" if f.get("since") is not None else ""))
+                     + (f" since {_clock(f['since'])}" if f.get("since") is not None else ""))
     return lines
 
 
