@@ -31,7 +31,11 @@ def tagged_processes(token: str) -> list[psutil.Process]:
 
 
 class Launcher:
-    """Starts `nvrx launch` processes tagged with a token, so leftovers can be found by environment."""
+    """Starts `nvrx launch` processes tagged with a token, so leftovers can be found by environment.
+    Subclasses run another nvrx command (SUBCOMMAND) the same way."""
+
+    subcommand = "launch"
+    default_timeout = 120.0
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
@@ -47,20 +51,22 @@ class Launcher:
         return env
 
     def start(self, *args: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "nvrx_cli.main", "launch", *args]
+        cmd = [sys.executable, "-m", "nvrx_cli.main", self.subcommand, *args]
         proc = subprocess.Popen(cmd, cwd=self.tmp_path, env=self.env(env), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, **kw)
         self.procs.append(proc)
         return proc
 
-    def run(self, *args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def run(self, *args: str, timeout: float | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        timeout = self.default_timeout if timeout is None else timeout
         proc = self.start(*args, env=env)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()
-            raise AssertionError(f"nvrx launch did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+            raise AssertionError(f"nvrx {self.subcommand} did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def leftovers(self, wait: float = 5.0) -> list[psutil.Process]:
@@ -91,6 +97,17 @@ def launcher(tmp_path: Path):
     lau.cleanup()
 
 
+def one_line_error(res: subprocess.CompletedProcess, *needles: str) -> str:
+    """Assert the bad-input contract: exit 2, no traceback, ONE stderr line holding every NEEDLE; that line."""
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert "Traceback" not in res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
 def write_script(path: Path, body: str) -> Path:
     path.write_text(body)
     return path
@@ -104,6 +121,14 @@ def wait_for(pred, timeout: float, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return bool(pred())
+
+
+def pid_gone(pid: int) -> bool:
+    """PID has exited (a zombie nobody reaped yet counts as exited)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def free_port() -> int:

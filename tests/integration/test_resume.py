@@ -9,12 +9,11 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, tagged_processes, write_script
+from tests.conftest import REPO, Launcher, one_line_error, write_script
 
 TRAIN = r'''
 import json, os, signal, sys, time
@@ -59,13 +58,14 @@ elif mode == "finish":
 '''
 
 
-class Resume:
+class Resume(Launcher):
     """Runs `nvrx resume` as a real subprocess, tagged so that leftovers can be found."""
 
+    subcommand = "resume"
+    default_timeout = 90.0
+
     def __init__(self, tmp_path: Path) -> None:
-        self.tmp_path = tmp_path
-        self.token = uuid.uuid4().hex
-        self.procs: list[subprocess.Popen] = []
+        super().__init__(tmp_path)
         self.state_dir = tmp_path / "state"
         self.state_dir.mkdir()
         self.work = tmp_path / "work"
@@ -73,32 +73,24 @@ class Resume:
         self.script = write_script(tmp_path / "train.py", TRAIN)
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM") and k != "FAULT_TOL_FINISHED_FLAG_FILE"}
-        env["NVRX_TEST_TOKEN"] = self.token
-        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-        env.update(extra or {})
+        env = super().env(extra)
+        if "FAULT_TOL_FINISHED_FLAG_FILE" not in (extra or {}):
+            env.pop("FAULT_TOL_FINISHED_FLAG_FILE", None)  # an outer run's flag must not end this one
         return env
-
-    def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "nvrx_cli.main", "resume", *args]
-        proc = subprocess.Popen(cmd, cwd=self.tmp_path, env=self.env(env), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        self.procs.append(proc)
-        return proc
-
-    def run(self, *args: str, timeout: float = 90, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        proc = self.start(*args, env=env)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-            raise AssertionError(f"nvrx resume did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def launch(self, mode: str, *resume_args: str, **kw) -> subprocess.CompletedProcess:
         return self.run("--state-dir", str(self.state_dir), *resume_args, "--", "nvrx", "launch",
                         "--nproc-per-node", "2", "--standalone", "-q", str(self.script), str(self.work), mode, **kw)
+
+    def start_waiting(self) -> subprocess.Popen:
+        """Start a 2-rank `wait_term` attempt; return once both ranks are ready (fails if it ends first)."""
+        proc = self.start("--state-dir", str(self.state_dir), "--", "--nproc-per-node", "2", "--standalone",
+                          "-q", str(self.script), str(self.work), "wait_term")
+        deadline = time.monotonic() + 60
+        while not all((self.work / f"ready.{r}").exists() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        return proc
 
     def state(self) -> dict:
         return json.loads((self.state_dir / "state.json").read_text())
@@ -106,41 +98,12 @@ class Resume:
     def events(self) -> list[dict]:
         return [json.loads(line) for line in (self.state_dir / "resume.jsonl").read_text().splitlines()]
 
-    def leftovers(self, wait: float = 5.0) -> list:
-        deadline = time.monotonic() + wait
-        while True:
-            left = tagged_processes(self.token)
-            if not left or time.monotonic() > deadline:
-                return left
-            time.sleep(0.1)
-
-    def cleanup(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for p in tagged_processes(self.token):
-            try:
-                p.kill()
-            except Exception:
-                pass
-
 
 @pytest.fixture
 def resume(tmp_path: Path):
     r = Resume(tmp_path)
     yield r
     r.cleanup()
-
-
-def _one_line_error(res: subprocess.CompletedProcess, *needles: str) -> str:
-    assert res.returncode == 2, (res.returncode, res.stderr)
-    assert "Traceback" not in res.stderr
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, res.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 # ---------------------------------------------------------------- real launches
@@ -204,12 +167,7 @@ def test_no_progress_stops_a_restart_storm(resume):
 
 @pytest.mark.slow
 def test_sigterm_is_forwarded_once_and_ends_as_continue(resume):
-    proc = resume.start("--state-dir", str(resume.state_dir), "--", "--nproc-per-node", "2", "--standalone",
-                        "-q", str(resume.script), str(resume.work), "wait_term")
-    deadline = time.monotonic() + 60
-    while not all((resume.work / f"ready.{r}").exists() for r in (0, 1)):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
+    proc = resume.start_waiting()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 3, err
@@ -264,14 +222,14 @@ def test_stop_ends_the_chain_until_reset(resume):
 # ---------------------------------------------------------------- bad input: one line, exit 2, nothing runs
 
 def test_missing_state_dir(resume, tmp_path):
-    _one_line_error(resume.run("--state-dir", str(tmp_path / "nope"), "--", str(resume.script)),
+    one_line_error(resume.run("--state-dir", str(tmp_path / "nope"), "--", str(resume.script)),
                     "does not exist", "mkdir -p")
     assert not (tmp_path / "nope").exists()
 
 
 def test_state_dir_is_a_file(resume, tmp_path):
     (tmp_path / "f").write_text("x")
-    _one_line_error(resume.run("--state-dir", str(tmp_path / "f"), "--exit-code", "0"), "not a directory")
+    one_line_error(resume.run("--state-dir", str(tmp_path / "f"), "--exit-code", "0"), "not a directory")
 
 
 def test_unwritable_state_dir(resume, tmp_path):
@@ -280,13 +238,13 @@ def test_unwritable_state_dir(resume, tmp_path):
     else:
         target = tmp_path / "ro"
         target.mkdir(mode=0o500)
-    _one_line_error(resume.run("--state-dir", str(target), "--exit-code", "0"), "not writable")
+    one_line_error(resume.run("--state-dir", str(target), "--exit-code", "0"), "not writable")
 
 
 def test_unrecoverable_state_file(resume):
     bad = b"\x00garbage"
     (resume.state_dir / "state.json").write_bytes(bad)
-    line = _one_line_error(resume.run("--state-dir", str(resume.state_dir), "--", str(resume.script)),
+    line = one_line_error(resume.run("--state-dir", str(resume.state_dir), "--", str(resume.script)),
                            "corrupt", "--reset")
     assert "state.json.corrupt-" in line
     assert (resume.state_dir / "state.json").read_bytes() == bad  # nothing replaced with zero counts
@@ -299,11 +257,11 @@ def test_sbatch_not_on_path(resume, tmp_path):
     res = resume.run("--state-dir", str(resume.state_dir), "--submit", "--", "--nproc-per-node", "2", "--standalone",
                      str(resume.script), str(resume.work), "finish",
                      env={"PATH": str(empty), "SLURM_JOB_ID": "4242"})
-    _one_line_error(res, "`sbatch` is not on PATH", "--submit")
+    one_line_error(res, "`sbatch` is not on PATH", "--submit")
     assert not list(resume.work.iterdir())  # found before anything ran
     res = resume.run("--state-dir", str(resume.state_dir), "--requeue", "--exit-code", "143",
                      env={"PATH": str(empty), "SLURM_JOB_ID": "4242"})
-    _one_line_error(res, "`scontrol` is not on PATH", "--requeue")
+    one_line_error(res, "`scontrol` is not on PATH", "--requeue")
 
 
 def test_submit_needs_a_job_id(resume, tmp_path):
@@ -314,7 +272,7 @@ def test_submit_needs_a_job_id(resume, tmp_path):
     sbatch.chmod(0o755)
     res = resume.run("--state-dir", str(resume.state_dir), "--submit", "--exit-code", "143",
                      env={"PATH": f"{fake_bin}:{os.environ.get('PATH', '')}"})
-    _one_line_error(res, "SLURM_JOB_ID", "--job-id")
+    one_line_error(res, "SLURM_JOB_ID", "--job-id")
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -328,7 +286,7 @@ def test_submit_needs_a_job_id(resume, tmp_path):
     (["--exec", "--", "no-such-program-xyz"], "not on PATH"),
 ])
 def test_bad_flags(resume, args, needle):
-    _one_line_error(resume.run("--state-dir", str(resume.state_dir), *args), needle)
+    one_line_error(resume.run("--state-dir", str(resume.state_dir), *args), needle)
     assert not (resume.state_dir / "state.json").exists()
 
 
@@ -357,12 +315,7 @@ def test_auto_resume_script_bash_loop(resume, tmp_path):
 
 @pytest.mark.slow
 def test_killed_driver_leaves_no_orphans_and_the_attempt_is_counted(resume):
-    proc = resume.start("--state-dir", str(resume.state_dir), "--", "--nproc-per-node", "2", "--standalone",
-                        "-q", str(resume.script), str(resume.work), "wait_term")
-    deadline = time.monotonic() + 60
-    while not all((resume.work / f"ready.{r}").exists() for r in (0, 1)):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
+    proc = resume.start_waiting()
     proc.kill()  # SIGKILL: nothing can be forwarded; the launch gets its parent-death signal
     proc.communicate(timeout=30)
     assert resume.leftovers(wait=30) == []
