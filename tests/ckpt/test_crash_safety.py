@@ -13,13 +13,12 @@ import uuid
 import warnings
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 import ckpt
-from tests.conftest import tagged_processes
+from tests.conftest import pid_gone, tagged_processes, wait_for
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -35,21 +34,6 @@ def lines(path: Path) -> list[str]:
         return path.read_text().splitlines()
     except FileNotFoundError:
         return []
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def check_root(root: Path) -> list[int]:
@@ -95,13 +79,13 @@ def test_sigkill_of_the_training_process_at_random_moments(tmp_path: Path) -> No
     try:
         for trial in range(TRAINER_KILLS):
             trainer = Trainer(tmp_path, token)
-            wait_for(lambda: trainer.saved() >= 1 or trainer.proc.poll() is not None, 90, "a first save")
+            assert wait_for(lambda: trainer.saved() >= 1 or trainer.proc.poll() is not None, 90), "no first save"
             assert trainer.proc.poll() is None, trainer.proc.stderr.read().decode()[-2000:]
             time.sleep(rng.uniform(0.0, 1.0))  # somewhere in staging, writing, publishing or pruning
             writer = trainer.writer_pid()
             trainer.proc.send_signal(signal.SIGKILL)
             trainer.proc.wait()
-            wait_for(lambda: gone(writer), 10, f"writer {writer} to exit after its trainer died (trial {trial})")
+            assert wait_for(lambda: pid_gone(writer), 10), f"writer {writer} outlived its trainer (trial {trial})"
             steps = check_root(trainer.root)
             assert steps, "the previous checkpoint must survive"
             info = ckpt.find_latest_checkpoint(trainer.root)
@@ -117,19 +101,20 @@ def test_sigkill_of_the_writer_process_at_random_moments(tmp_path: Path) -> None
     token = uuid.uuid4().hex
     trainer = Trainer(tmp_path, token)
     try:
-        wait_for(lambda: trainer.saved() >= 1 or trainer.proc.poll() is not None, 90, "a first save")
+        assert wait_for(lambda: trainer.saved() >= 1 or trainer.proc.poll() is not None, 90), "no first save"
         killed = set()
         for _ in range(WRITER_KILLS):
             time.sleep(rng.uniform(0.0, 0.5))
             pid = trainer.writer_pid()
             if pid in killed:  # the trainer has not started a new writer yet (no save since the last kill)
-                wait_for(lambda: trainer.writer_pid() not in killed, 60, "a new writer")
+                assert wait_for(lambda: trainer.writer_pid() not in killed, 60), "no new writer"
                 pid = trainer.writer_pid()
             os.kill(pid, signal.SIGKILL)
             killed.add(pid)
             assert trainer.proc.poll() is None, trainer.proc.stderr.read().decode()[-2000:]
         saved_before = trainer.saved()
-        wait_for(lambda: trainer.saved() > saved_before, 60, "a save after the last kill")  # it recovers by itself
+        # it recovers by itself
+        assert wait_for(lambda: trainer.saved() > saved_before, 60), "no save after the last kill"
         trainer.stop.touch()
         assert trainer.proc.wait(60) == 0, trainer.proc.stderr.read().decode()[-2000:]
         failures = [line for line in lines(trainer.status) if line.startswith("failed")]
@@ -138,7 +123,7 @@ def test_sigkill_of_the_writer_process_at_random_moments(tmp_path: Path) -> None
                    for line in failures), failures[:3]
         check_root(trainer.root)
         assert lines(trainer.status)[-1] == "stopped"
-        wait_for(lambda: tagged_processes(token) == [], 10, "no process left")
+        assert wait_for(lambda: tagged_processes(token) == [], 10), "processes left behind"
     finally:
         if trainer.proc.poll() is None:
             trainer.proc.kill()

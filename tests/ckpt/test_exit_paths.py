@@ -12,12 +12,11 @@ import uuid
 import warnings
 from pathlib import Path
 
-import psutil
 import torch
 import torch.distributed.checkpoint as dcp
 
 import ckpt
-from tests.conftest import tagged_processes
+from tests.conftest import pid_gone, tagged_processes, wait_for
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -30,16 +29,8 @@ def start(root: Path, mode: str, token: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
-def writer_gone(pid: int, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
+def writer_gone(pid: int) -> bool:
+    return wait_for(lambda: pid_gone(pid), 10.0)
 
 
 def test_graceful_stop_publishes_the_agreed_step_before_exit(tmp_path: Path) -> None:
