@@ -8,12 +8,13 @@ not valid events (torn by a crash, truncated, binary garbage) are counted and de
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
+
+from monitors.events import decode_event
 
 _AGENT_RE = re.compile(r"^agent-(?P<node>.+)\.jsonl$")
 _MONITOR_RE = re.compile(r"^monitor-(?P<node>.+)-(?P<lr>\d+)\.jsonl$")
@@ -72,15 +73,17 @@ def _walk(root: Path) -> Iterator[Path]:
                 yield Path(dirpath) / name
 
 
-def _looks_like_events(path: Path) -> bool:
-    """An unknown *.jsonl is ours if its first line is an event object (src + ev)."""
+def _event_file(path: Path) -> EventFile | None:
+    """PATH as an EventFile: by its name, else ("other") if its first line is an event with a ``src``."""
+    ef = classify(path)
+    if ef is not None:
+        return ef
     try:
         with open(path, "rb") as fh:
-            first = fh.readline(MAX_LINE)
-        rec = json.loads(first)
+            rec = decode_event(fh.readline(MAX_LINE))
     except (OSError, ValueError):
-        return False
-    return isinstance(rec, dict) and "ev" in rec and "src" in rec
+        return None
+    return EventFile(path, "other") if "src" in rec else None
 
 
 def discover(paths: list[Path]) -> list[EventFile]:
@@ -90,7 +93,7 @@ def discover(paths: list[Path]) -> list[EventFile]:
         if not given.exists():
             raise NotARun(f"{given}: no such file or directory (give a run's log dir, e.g. nvrx_logs/<run-id>)")
         if given.is_file():
-            ef = classify(given) or (EventFile(given, "other") if _looks_like_events(given) else None)
+            ef = _event_file(given)
             if ef is None:
                 raise NotARun(f"{given}: not an nvrx event file (expected agent-*.jsonl, monitor-*.jsonl "
                               "or resume*.jsonl)")
@@ -102,7 +105,7 @@ def discover(paths: list[Path]) -> list[EventFile]:
             raise NotARun(f"{given}: empty directory, nothing to inspect (give the --log-dir of a run "
                           "or <log-dir>/<run-id>)")
         for path in _walk(given):
-            ef = classify(path) or (EventFile(path, "other") if _looks_like_events(path) else None)
+            ef = _event_file(path)
             if ef is not None:
                 found.setdefault(path.resolve(), ef)
     files = list(found.values())
@@ -163,11 +166,9 @@ def first_event_time(ef: EventFile) -> float | None:
                 if not raw:
                     return None
                 try:
-                    rec = json.loads(raw)
+                    return float(decode_event(raw)["t"])
                 except ValueError:
                     continue
-                if isinstance(rec, dict) and isinstance(rec.get("t"), (int, float)):
-                    return float(rec["t"])
     except OSError:
         return None
     return None

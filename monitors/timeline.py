@@ -221,8 +221,8 @@ class Timeline:
         known = {ef.path for ef in self.files}
         new = [ef for ef in files if ef.path not in known]
         order = {"agent": 0, "monitor": 1, "resume": 2, "other": 3}
-        times = {ef.path: first_event_time(ef) for ef in new}
-        new.sort(key=lambda ef: (order.get(ef.kind, 9), times[ef.path] or math.inf, str(ef.path)))
+        times = {ef.path: first_event_time(ef) for ef in new if ef.kind == "agent"}  # other files: path order
+        new.sort(key=lambda ef: (order.get(ef.kind, 9), times.get(ef.path) or math.inf, str(ef.path)))
         for ef in new:
             self.files.append(ef)
             if ef.kind == "agent":
