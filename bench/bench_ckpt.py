@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
 import socket
 import statistics
@@ -42,6 +41,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench_launch import machine_info, save_json  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
 METHODS = ("ours", "ours_prepared", "ours_overlap", "dcp_save", "dcp_async", "torch_save")
 
@@ -86,14 +87,6 @@ def _make_state(total_bytes: int, tensors: int, world: int, mesh: Any) -> tuple[
             state[f"layer{i:04d}.weight"] = t
     state["step"] = 0
     return state, local
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Floors:
@@ -176,7 +169,9 @@ def _saver(method: str, world: int, enable_cache: bool) -> Any:
         t0 = time.perf_counter()
         torch.save(local, file)
         t1 = time.perf_counter()
-        _fsync(file)
+        from ckpt.async_ckpt.file_writer import fsync_path
+
+        fsync_path(str(file))
         return t1 - t0, time.perf_counter() - t0, {}
 
     return save
@@ -380,15 +375,8 @@ def main() -> None:
         raise SystemExit(f"bench_ckpt: unknown method(s) {sorted(unknown)}; choose from {','.join(METHODS)}")
     worlds = [int(w) for w in args.worlds.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="nvrx-bench-ckpt-", dir=args.dir))
-    info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "mem_available_gib": round(_mem_available() / (1 << 30), 1),
-            "load_before": _load(), "dir": str(workdir)}
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-    except ImportError:
-        pass
+    info = {**machine_info(), "mem_available_gib": round(_mem_available() / (1 << 30), 1), "load_before": _load(),
+            "dir": str(workdir)}
     print(f"bench_ckpt: {args.size_mib} MiB in {args.tensors} tensors, worlds {worlds}, methods {methods}, "
           f"{args.saves} saves; load {info['load_before']}, {info['mem_available_gib']} GiB free; dir {workdir}", flush=True)
     results: dict[str, Any] = {}
@@ -423,8 +411,7 @@ def main() -> None:
                                        "worlds": worlds, "methods": methods, "quick": args.quick},
            "loads": loads, "results": results, "plan_cache": cache, "targets": checks}
     out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
+    save_json(out, doc)
     print(table(results, cache, checks))
     print(f"written {out}")
 
