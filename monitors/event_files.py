@@ -116,14 +116,19 @@ def discover(paths: list[Path]) -> list[EventFile]:
     return files
 
 
-def event_name(raw: bytes) -> bytes | None:
-    """The ``ev`` value of a raw line without parsing it (None if the key is not where we write it)."""
-    i = raw.find(_EV_KEY)
+def raw_string(raw: bytes, key: bytes) -> bytes | None:
+    """The string value after KEY (``b'"name":"'``, as EventLog writes it) in a raw line, without parsing it."""
+    i = raw.find(key)
     if i < 0:
         return None
-    i += len(_EV_KEY)
+    i += len(key)
     j = raw.find(b'"', i)
     return raw[i:j] if j > 0 else None
+
+
+def event_name(raw: bytes) -> bytes | None:
+    """The ``ev`` value of a raw line without parsing it (None if the key is not where we write it)."""
+    return raw_string(raw, _EV_KEY)
 
 
 def read_chunk(ef: EventFile, final: bool, limit: int = CHUNK) -> tuple[int, list[bytes]]:

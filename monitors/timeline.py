@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from monitors.event_files import Damage, EventFile, event_name, first_event_time, read_chunk
+from monitors.event_files import Damage, EventFile, event_name, first_event_time, raw_string, read_chunk
 from monitors.events import decode_event
 
 
@@ -643,14 +643,10 @@ def _defer(m: MonitorFile, lineno: int, raw: bytes) -> bool:
         m.deferred_hb = (lineno, raw)
         return True
     if name == b"section_open":
-        i = raw.find(_SECTION_KEY)
-        if i < 0:
+        section = raw_string(raw, _SECTION_KEY)
+        if section is None or b"\\" in section:
             return False
-        i += len(_SECTION_KEY)
-        j = raw.find(b'"', i)
-        if j < 0 or b"\\" in raw[i:j]:
-            return False
-        m.deferred_open[raw[i:j].decode("utf-8", "replace")] = (lineno, raw)
+        m.deferred_open[section.decode("utf-8", "replace")] = (lineno, raw)
         return True
     return False
 
