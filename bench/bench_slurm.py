@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 import bench_launch as bl  # noqa: E402  (table, machine info and JSON helpers)
 from tests.slurm.chain import ResumeChain, wait_end, wait_running  # noqa: E402
-from tests.slurm.cluster import ClusterUnavailable, SlurmCluster  # noqa: E402
+from tests.slurm.cluster import ClusterUnavailable, SlurmCluster, wait_until  # noqa: E402
 
 LOG = logging.getLogger("bench_slurm")
 DEFAULT_OUTPUT = BENCH_DIR / "results" / "slurm.json"
@@ -71,14 +71,8 @@ dist.destroy_process_group()
 
 
 def wait_for(what: str, check, timeout: float, poll: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not happen within {timeout:.0f} s")
-        time.sleep(poll)
+    """A failed wait fails the run (RuntimeError), not the cluster."""
+    return wait_until(what, check, timeout, interval=poll, error=RuntimeError)
 
 
 def world_events(chain: ResumeChain, job: str, event: str) -> list[dict[str, Any]] | None:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import psutil
 
+from tests.conftest import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATES = REPO / "slurm" / "test_cluster"
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
@@ -40,20 +42,16 @@ class ClusterUnavailable(RuntimeError):
     """Slurm cannot run here; the message is the reason the Slurm tests skip."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_until(what: str, check, timeout: float, interval: float = 0.05):
+def wait_until(what: str, check, timeout: float, interval: float = 0.05,
+               error: type[Exception] = ClusterUnavailable):
+    """CHECK()'s first true value, polled every INTERVAL s; ERROR("WHAT did not happen...") after TIMEOUT s."""
     deadline = time.monotonic() + timeout
     while True:
         got = check()
         if got:
             return got
         if time.monotonic() > deadline:
-            raise ClusterUnavailable(f"{what} did not happen within {timeout:.0f} s")
+            raise error(f"{what} did not happen within {timeout:.0f} s")
         time.sleep(interval)
 
 
@@ -179,7 +177,7 @@ class SlurmCluster:
                f"--pid-file={mdir / 'munged.pid'}", f"--log-file={mdir / 'munged.log'}",
                f"--seed-file={mdir / 'munged.seed'}", "--num-threads=2"]
         self._spawn("munged", cmd, user=munge.pw_uid, group=munge.pw_gid, extra_groups=[])
-        _wait_until("munged creating its socket", lambda: self._check_alive("munged") and self.munge_socket.exists(), 10)
+        wait_until("munged creating its socket", lambda: self._check_alive("munged") and self.munge_socket.exists(), 10)
 
     def _write_config(self) -> None:
         reason = _cgroup_freezer_usable()
@@ -189,9 +187,9 @@ class SlurmCluster:
         node_lines = []
         for name in self.node_names:
             node_lines.append(f"NodeName={name} NodeHostname={socket.gethostname()} NodeAddr={self.node_addr(name)} "
-                              f"Port={_free_port()} CPUs=2 RealMemory=2000 State=UNKNOWN")
+                              f"Port={free_port()} CPUs=2 RealMemory=2000 State=UNKNOWN")
         # Job ids name cgroups and rendezvous ports: a random start keeps two test clusters apart.
-        fields = dict(base=str(self.base), ctld_host=socket.gethostname(), ctld_port=str(_free_port()),
+        fields = dict(base=str(self.base), ctld_host=socket.gethostname(), ctld_port=str(free_port()),
                       first_job_id=str(random.randrange(10_000, 2_000_000)),
                       munge_socket=str(self.munge_socket), proctrack=self.proctrack, nodes="\n".join(node_lines),
                       node_names=",".join(self.node_names))
@@ -203,10 +201,10 @@ class SlurmCluster:
 
     def _start_daemons(self) -> None:
         self._spawn("slurmctld", [_bin("slurmctld"), "-D", "-i", "-f", str(self.conf)])
-        _wait_until("slurmctld answering", lambda: self._check_alive("slurmctld") and self._ping(), 20)
+        wait_until("slurmctld answering", lambda: self._check_alive("slurmctld") and self._ping(), 20)
         for name in self.node_names:
             self._spawn(f"slurmd-{name}", [_bin("slurmd"), "-D", "-N", name, "-f", str(self.conf)])
-        _wait_until("all emulated nodes idle", self._all_idle, 30, interval=0.1)
+        wait_until("all emulated nodes idle", self._all_idle, 30, interval=0.1)
 
     def _spawn(self, name: str, cmd: list[str], **kw) -> None:
         env = self.env({MARK: str(self.base)})
