@@ -26,10 +26,12 @@ if rank == 1 and attempt == 0:
 '''
 
 
+INSPECT = [sys.executable, "-m", "nvrx_cli.main", "inspect"]
+ENV = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def inspect(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "nvrx_cli.main", "inspect", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    return subprocess.run([*INSPECT, *args], capture_output=True, text=True, env=ENV, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +119,8 @@ def test_follow_prints_new_entries_and_exits_0_on_ctrl_c(crashed_run, tmp_path):
 
     run = tmp_path / "crashy"
     shutil.copytree(crashed_run / "crashy", run)
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "nvrx_cli.main", "inspect", "--follow", "--interval", "0.1",
-                             str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([*INSPECT, "--follow", "--interval", "0.1", str(run)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
     try:
         seen = _read_until(proc, lambda out: "job crashy succeeded" in out)  # it has read what was there
         # the next job of the run starts: a new agent appends, as a live `nvrx launch` would
