@@ -45,6 +45,8 @@ STEP_S = 0.85               # simulated training step
 SECTION_PERIOD = 10.0       # monitors.rank_monitor.SECTION_EVENT_PERIOD
 STATS_PERIOD = 30.0         # monitors.rank_monitor.STATS_PERIOD
 CKPT_EVERY = 900.0
+TIMEOUTS = {"initial_heartbeat": 600.0, "heartbeat": 300.0, "sections": {"step": 60.0, "checkpointing": 600.0},
+            "out_of_section": None}
 
 
 class Chain:
@@ -114,8 +116,6 @@ class Chain:
         ft = {"workload_check_interval": 5.0, "initial_rank_heartbeat_timeout": 600.0, "rank_heartbeat_timeout": 300.0,
               "safety_factor": 5.0, "rank_termination_signal": "SIGKILL", "log_level": "INFO",
               "rank_section_timeouts": {"step": 60.0, "checkpointing": 600.0}, "rank_out_of_section_timeout": None}
-        timeouts = {"initial_heartbeat": 600.0, "heartbeat": 300.0, "sections": {"step": 60.0, "checkpointing": 600.0},
-                    "out_of_section": None}
         for g, ag in enumerate(agents):
             ag.emit("agent_start", t=self.t + 0.01 * g, pid=9000 + g, nproc=a.nproc, nnodes=f"{a.nodes}:{a.nodes}",
                     max_restarts=100, run_id=str(4242 + j))
@@ -123,7 +123,7 @@ class Chain:
             for lr in range(a.nproc):
                 ag.emit("monitor_spawned", t=self.t + 0.02, local_rank=lr, pid=20000 + lr)
                 monitors[g][lr].emit("monitor_start", t=self.t + 0.1, rank=lr, pid=20000 + lr, socket="/tmp/x.sock",
-                                     timeouts=timeouts, check_interval=5.0)
+                                     timeouts=TIMEOUTS, check_interval=5.0)
         self.t += 0.5
         r, restarts, pid = 0, 0, 30000
         while True:
@@ -155,7 +155,7 @@ class Chain:
                 hang = None
                 if kind == "hang":
                     hang = {"rank": lr, "pid": pids[bad], "generation": r + 1, "reason": "section_timeout", "section": "step",
-                            "elapsed": 60.3, "timeout": 60.0, "timeouts": timeouts, "signal": "SIGKILL", "t": end}
+                            "elapsed": 60.3, "timeout": 60.0, "timeouts": TIMEOUTS, "signal": "SIGKILL", "t": end}
                 sig = "SIGKILL" if hang else self.rng.choice(["SIGSEGV", None])
                 detail = {"rank": g * a.nproc + lr, "local_rank": lr, "group_rank": g, "pid": pids[bad],
                           "exitcode": None if sig else 1, "signal": sig, "abandoned": False,
@@ -194,9 +194,7 @@ class Chain:
 
     def session(self, mon: EventLog, lr: int, pid: int, start: float, end: float, hung: bool) -> None:
         """What one rank monitor logs over one round, at the real monitor's rate limits."""
-        timeouts = {"initial_heartbeat": 600.0, "heartbeat": 300.0, "sections": {"step": 60.0, "checkpointing": 600.0},
-                    "out_of_section": None}
-        mon.emit("monitor_connect", t=start + 2.0, rank=lr, pid=pid, generation=1, timeouts=timeouts)
+        mon.emit("monitor_connect", t=start + 2.0, rank=lr, pid=pid, generation=1, timeouts=TIMEOUTS)
         mon.emit("first_heartbeat", t=start + 7.0, rank=lr, pid=pid, delay=4.8)
         t, hb, closes, next_stats, next_ckpt, max_step = start + 7.0, 0, 0, start + 7.0, start + CKPT_EVERY, 0.0
         stop_at = end - 60.3 if hung else end
@@ -227,7 +225,7 @@ class Chain:
                              path=f"/state/rank{lr}.timeouts.json")
         if hung:
             hang = {"rank": lr, "pid": pid, "generation": 1, "reason": "section_timeout", "section": "step",
-                    "elapsed": 60.3, "timeout": 60.0, "timeouts": timeouts, "signal": "SIGKILL"}
+                    "elapsed": 60.3, "timeout": 60.0, "timeouts": TIMEOUTS, "signal": "SIGKILL"}
             mon.emit("hang_detected", t=end, **hang)
             mon.emit("rank_terminated", t=end + 0.001, rank=lr, pid=pid, signal="SIGKILL", reason="section_timeout")
         mon.emit("heartbeat_stats", t=end + 0.01, rank=lr, count=hb, max_interval=round(STEP_S * 1.2, 6), since_last=0.1)
