@@ -198,7 +198,7 @@ class Agent:
     def _supervise(self, result: Any, watch: _StopWatch) -> Any:
         """Wait for: a local rank failing, the round's stop record, or a signal. Returns the stop record."""
         wake_fd = watch.wake_fd
-        succeeded_reported = False
+        succeeded_reported = round_failed = False
         forwarded = self._forwarded = False
         try:
             while True:
@@ -212,9 +212,10 @@ class Agent:
                 failed = [e for e in exits if e.failed]
                 if self.cfg.workers.inprocess:
                     failed = self._inprocess_failures(exits, failed, result)
+                round_failed = round_failed or bool(failed)
                 if failed and not forwarded:
                     self._rdzv.report_stop(result.round, "failed", self._failure_detail(result, failed[0]))
-                elif not failed and not self.workers.alive() and not succeeded_reported and not forwarded:
+                elif not (round_failed or succeeded_reported or forwarded) and not self.workers.unreported():
                     succeeded_reported = True
                     self._rdzv.node_succeeded(result.round)
                 if watch.done.is_set():
@@ -235,7 +236,7 @@ class Agent:
             self._absorbed.append(ex)
             self.events.emit("inprocess_rank_lost", rank=ex.global_rank, local_rank=ex.local_rank, pid=ex.pid,
                              exitcode=ex.exitcode, signal=ex.signal, round=result.round)
-        if self.workers.alive() or self._rank_succeeded or not self._absorbed:
+        if self.workers.unreported() or self._rank_succeeded or not self._absorbed:
             return []
         return self._absorbed[-1:]
 

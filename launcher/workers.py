@@ -525,6 +525,13 @@ class WorkerGroup:
             self._pump(0)
         return [r.spec.local_rank for r in self._ranks if r.running]
 
+    def unreported(self) -> list[int]:
+        """Local ranks whose exit has not been returned by wait() yet (running, or dead and draining output).
+        A job may only count as succeeded once this is empty: a dead rank's failure is reported a moment later."""
+        if not self._closed:
+            self._pump(0)
+        return [r.spec.local_rank for r in self._ranks if not r.reported]
+
     def signal_all(self, sig: int) -> None:
         """Forward SIG to the process group of every running rank."""
         for rank in self._ranks:

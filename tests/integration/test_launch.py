@@ -236,3 +236,20 @@ def test_users_pythonpath_entry_survives_even_when_it_is_the_launcher_root(launc
                        env={"PYTHONPATH": str(REPO)}, timeout=60)
     assert res.returncode == 0, res.stderr
     assert "ROOT_ON_PATH True" in res.stdout
+
+
+def test_rank_that_dies_while_its_output_drains_still_fails_the_job(launcher, tmp_path):
+    # Rank 1 fails first but a grandchild keeps its stdout open, so its exit is reported only after
+    # the drain; rank 0 then exits 0. The node must not count as succeeded in between.
+    script = write_script(tmp_path / "drain.py", r'''
+import os, subprocess, sys, time
+if os.environ["LOCAL_RANK"] == "1":
+    subprocess.Popen(["sleep", "0.8"])  # inherits stdout: the pipe stays open after this rank exits
+    print("rank 1 fails", flush=True)
+    sys.exit(5)
+time.sleep(0.3)
+''')
+    res = launcher.run("--nproc-per-node", "2", "--rdzv-id", "drain", str(script))
+    assert res.returncode == 1, res.stderr
+    assert "exited with code 5" in res.stderr
+    wait_for(lambda: launcher.leftovers() == [], 5)
