@@ -19,6 +19,7 @@ from typing import Any, BinaryIO, Iterator
 from launcher import exit_codes
 from launcher.config import LaunchConfig
 from launcher.monitor_procs import MonitorGroup
+from launcher.rdzv_errors import RendezvousError
 from launcher.workers import RankExit, RankSpec, WorkerGroup
 from monitors.events import EventLog
 
@@ -126,6 +127,11 @@ class Agent:
         except AgentSignal as sig:
             self.events.emit("agent_signal", signal=signal.Signals(sig.signum).name, phase="rendezvous")
             return exit_codes.interrupted(sig.signum)
+        except RendezvousError as err:  # e.g. the store's host is gone: the log says so, not only stderr
+            if not err.usage:  # a usage error is the CLI's one line; no job ran
+                self.events.emit("job_end", status="failed", exit_code=exit_codes.FAILED, detail=str(err),
+                                 seconds=round(time.monotonic() - t0, 3), failures=self.failures)
+            raise
         finally:
             self._restore_signal_handlers()
             self._shutdown()

@@ -206,7 +206,7 @@ class _ReportBuilder:
                              "restart_count": stop.get("restart_count"), "give_up": bool(stop.get("give_up"))}
         fault_t = rd.stop_t
         if kind == "failed":
-            hang = d.get("hang") if isinstance(d.get("hang"), dict) else self._hang_for(rd, d.get("pid"))
+            hang = d.get("hang") if isinstance(d.get("hang"), dict) else self._hang_for(rd, d)
             cause = self._failed_cause(d, hang)
             pid = d.get("pid")
             fault_t = rd.exits.get(pid, fault_t) if isinstance(pid, int) else fault_t
@@ -265,11 +265,19 @@ class _ReportBuilder:
         meaning = _EXIT_MEANINGS.get(code) if code in exit_codes.STEERING_CODES else None
         return f"{who} exited with code {code}" + (f" ({meaning})" if meaning else "")
 
-    def _hang_for(self, rd: RoundState, pid: Any) -> dict[str, Any] | None:
-        """The monitor's hang_detected for this rank process, when the failure detail lacks it."""
+    def _hang_for(self, rd: RoundState, d: dict[str, Any]) -> dict[str, Any] | None:
+        """The monitor's hang_detected for the failed rank process, when the failure detail lacks it.
+        Pids repeat across nodes sharing a log dir: the monitor must be on the failed rank's node, and
+        a hang that names a global rank must name this one."""
+        agent = self.agents_by_id.get(self._node_of_group_rank(rd, d.get("group_rank")) or "")
         for m, hang in self.tl.hangs:
-            if hang.get("pid") == pid and m.ef.run_dir == rd.job.run_dir:
-                return hang
+            if hang.get("pid") != d.get("pid") or m.ef.run_dir != rd.job.run_dir:
+                continue
+            if agent is not None and m.ef.node != agent.ef.node:
+                continue
+            if None not in (hang.get("global_rank"), d.get("rank")) and hang["global_rank"] != d["rank"]:
+                continue
+            return hang
         return None
 
     def _node_of_group_rank(self, rd: RoundState, g: Any) -> str | None:
@@ -356,13 +364,16 @@ class _ReportBuilder:
                                f"{info.get('nnodes')}, {info.get('nproc')} rank(s) per node, max restarts "
                                f"{info.get('max_restarts')}", job=job.index))
             status, code = self._job_status(job)
+            errors = "".join(f"; node {e['node']}: {e['detail']}" for e in job.ends
+                             if e.get("status") == "failed" and e.get("detail"))
             if job.open:  # a state, not an event: --follow does not print it
                 items.append(Entry(("job_open", job.index), job.last_t, "job_open",
-                                   f"job {job.run_id or '?'}: {status}; its last event so far", "warn", job=job.index))
+                                   f"job {job.run_id or '?'}: {status}; its last event so far{errors}", "warn",
+                                   job=job.index))
                 continue
             meaning = exit_meaning(code)
             text = (f"job {job.run_id or '?'} {status} (exit code {code}" + (f": {meaning}" if meaning else "")
-                    + f") after {duration(job.last_t - job.start)}")
+                    + f") after {duration(job.last_t - job.start)}{errors}")
             level = {"succeeded": "ok", "interrupted": "warn"}.get(status, "error")
             items.append(Entry(("job_end", job.index), job.last_t, "job_end", text, level, job=job.index))
         return items
@@ -460,9 +471,7 @@ _EXIT_MEANINGS = {
     exit_codes.OK: "finished",
     exit_codes.FAILED: "failed",
     exit_codes.USAGE: "usage error",
-    exit_codes.RESUME_ELSEWHERE: "resume on different hardware",
-    exit_codes.VALIDATION_FAILED: "failed result validation, stop",
-    exit_codes.DO_NOT_REQUEUE: "do not requeue",
+    **exit_codes.STEERING_MEANINGS,
 }
 
 

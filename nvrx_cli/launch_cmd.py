@@ -117,16 +117,13 @@ def _run_agent(cfg: Any, events: Any) -> int:
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     from launcher import exit_codes
     from launcher.agent import Agent
-    from launcher.rdzv_errors import EndpointUnreachable, PortInUse, RendezvousError, RendezvousMismatch
+    from launcher.rdzv_errors import RendezvousError
 
     try:
         return Agent(cfg, events, sys.stdout.buffer, sys.stderr.buffer).run()
-    except (EndpointUnreachable, PortInUse, RendezvousMismatch) as err:
-        click.echo(f"nvrx: error: {err}", err=True)
-        return exit_codes.USAGE
     except RendezvousError as err:
         click.echo(f"nvrx: error: {err}", err=True)
-        return exit_codes.FAILED
+        return exit_codes.USAGE if err.usage else exit_codes.FAILED
     finally:
         events.close()
 

@@ -7,6 +7,8 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from launcher import exit_codes
+
 
 class StatusPrinter:
     """Subscribed to the agent's EventLog; renders a few events as one line each on stderr."""
@@ -75,8 +77,7 @@ class StatusPrinter:
             return (f"[yellow]job stopped on a signal[/yellow] after {e.get('seconds', 0):.1f} s (exit code "
                     f"{e.get('exit_code')}: interrupted, resume it)")
         if status == "steered":
-            meaning = {16: "resume on other hardware", 17: "failed validation, do not resume",
-                       93: "do not requeue"}.get(e.get("exit_code"), "")
+            meaning = exit_codes.STEERING_MEANINGS.get(e.get("exit_code"), "")
             return f"[yellow]job ended by a rank's exit code {e.get('exit_code')}[/yellow] ({meaning})"
         lines = [f"[red]job failed[/red] after {e.get('seconds', 0):.1f} s (exit code {e.get('exit_code')})"]
         for f in e.get("failures") or []:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, wait_for, write_script
+from tests.conftest import free_port, run_events, wait_for, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -130,7 +130,8 @@ def test_two_agents_form_one_world_of_four(launcher, rank_script, tmp_path):
     assert launcher.leftovers() == []
 
 
-def test_killed_agent_is_dropped_and_the_other_continues(launcher, rank_script, tmp_path):
+def _two_elastic_agents(launcher, rank_script, tmp_path):
+    """Two 1-rank agents in one 1:2 job on one endpoint, the first owning the store; returns once both run."""
     out = tmp_path / "out"
     out.mkdir()
     port = free_port()
@@ -138,10 +139,17 @@ def test_killed_agent_is_dropped_and_the_other_continues(launcher, rank_script, 
               "--rdzv-id", "elastic", "--max-restarts", "3",
               "--rdzv-conf", "join_timeout=60,last_call_timeout=2,keepalive_interval=0.2,keepalive_timeout=2"]
     host = launcher.start(*common, str(rank_script), str(out), "sleep")
-    assert wait_for(lambda: (tmp_path / "nvrx_logs").exists(), 30)
+    # `host` must own the store (whoever binds the endpoint first does): wait until it joined through it
+    run_dir = tmp_path / "nvrx_logs" / "elastic"
+    assert wait_for(lambda: run_dir.exists() and any(e["ev"] == "rdzv_join" for e in run_events(run_dir, "agent-")), 30)
     other = launcher.start(*common, str(rank_script), str(out), "sleep")
     assert wait_for(lambda: (out / "ready.1.0").exists() or (out / "ready.1.1").exists(), 60), \
         "the two agents never formed a 2-node world"
+    return host, other, out, run_dir
+
+
+def test_killed_agent_is_dropped_and_the_other_continues(launcher, rank_script, tmp_path):
+    host, other, out, _ = _two_elastic_agents(launcher, rank_script, tmp_path)
     other.kill()
     other.wait()
     # the surviving agent must form a 1-node round and run its rank again
@@ -151,6 +159,19 @@ def test_killed_agent_is_dropped_and_the_other_continues(launcher, rank_script, 
     host.send_signal(signal.SIGTERM)
     host.communicate(timeout=60)
     assert launcher.leftovers() == []
+
+
+def test_losing_the_store_host_fails_the_other_agent_with_one_line(launcher, rank_script, tmp_path):
+    host, other, _, run_dir = _two_elastic_agents(launcher, rank_script, tmp_path)
+    host.kill()
+    host.wait()
+    _, err = other.communicate(timeout=60)
+    assert other.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("nvrx: error: lost the rendezvous store") and "Traceback" not in err
+    ends = [e for e in run_events(run_dir, "agent-") if e["ev"] == "job_end"]
+    assert len(ends) == 1 and ends[0]["status"] == "failed" and "lost the rendezvous store" in ends[0]["detail"]
+    assert wait_for(lambda: launcher.leftovers() == [], 10)
 
 
 def test_sigterm_reaches_ranks_and_agent_exits_within_grace(launcher, rank_script, tmp_path):

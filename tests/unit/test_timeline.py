@@ -154,6 +154,49 @@ def test_hang_cause_names_section_elapsed_and_timeout(tmp_path, hang_in_detail):
         assert f["lost_s"] == pytest.approx(62 - 29.0)
 
 
+def test_a_hang_on_another_node_with_the_same_pid_is_not_the_cause(tmp_path):
+    # Two hosts share the log dir and their ranks happen to get the same pids: node B's monitor
+    # reporting a hang of its pid P must not explain node A's rank P exiting with a code.
+    run = tmp_path / "two"
+    a, b = Node(run, "hostA", 7), Node(run, "hostB", 7)
+    nodes = [a.node_id, b.node_id]
+    a.start(T, "two", nnodes="2:2")
+    b.start(T, "two", nnodes="2:2")
+    pa = a.round(T + 1, 0, nodes, 0, group_rank=0, run_at=T + 2)
+    pb = b.round(T + 1, 0, nodes, 0, group_rank=1, run_at=T + 2)
+    assert pa == pb
+    b.mons[1].emit("hang_detected", t=T + 30, rank=1, global_rank=3, pid=pb[1], generation=1,
+                   reason="heartbeat_timeout", elapsed=9.0, timeout=8.0, timeouts=TIMEOUTS, signal="SIGKILL")
+    a.agent.emit("rank_exit", t=T + 29.9, local_rank=1, rank=1, pid=pa[1], exitcode=13, signal=None, attempt=0,
+                 abandoned=False)
+    a.stop(T + 30, 0, "failed", {"rank": 1, "local_rank": 1, "group_rank": 0, "pid": pa[1], "exitcode": 13,
+                                 "signal": None, "abandoned": False, "tail": [], "describe": "x", "round": 0,
+                                 "hang": None}, 0, give_up=True)
+    a.end(T + 31, "failed", 1)
+    b.end(T + 31, "failed", 1)
+    a.close()
+    b.close()
+    (f,) = build_report([run]).faults
+    assert f["cause"] == "rank 1 exited with code 13 on node " + a.node_id
+    assert f["hang"] is None
+
+
+def test_an_agent_error_after_the_store_host_died_is_in_the_report(tmp_path):
+    run = tmp_path / "lost"
+    a, b = Node(run, "hostA", 7, nproc=1), Node(run, "hostB", 8, nproc=1)
+    nodes = [a.node_id, b.node_id]
+    a.start(T, "lost", nnodes="1:2")
+    b.start(T, "lost", nnodes="1:2")
+    a.round(T + 1, 0, nodes, 0, group_rank=0)
+    b.round(T + 1, 0, nodes, 0, group_rank=1)
+    a.close()  # killed: no job_end
+    why = "lost the rendezvous store at 127.0.0.1:29500 (Connection reset by peer); its host agent is gone"
+    b.agent.emit("job_end", t=T + 20, status="failed", exit_code=1, detail=why, seconds=19.0, failures=[])
+    b.close()
+    (item,) = [i for i in build_report([run]).timeline if i["kind"] in ("job_end", "job_open")]
+    assert f"node {b.node_id}: {why}" in item["text"]
+
+
 def test_node_left_counts_from_the_lost_nodes_last_event(tmp_path):
     run = tmp_path / "two"
     a, b = Node(run, "hostA", 7, nproc=1), Node(run, "hostB", 8, nproc=1)
