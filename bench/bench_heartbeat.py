@@ -2,9 +2,11 @@
 
     python bench/bench_heartbeat.py [--calls 100000] [--trials 3] [--timeout 2] [--output bench/results/heartbeat.json]
 
-1. cost: a rank process (this file with ``--as-rank cost``) times ``send_heartbeat()`` and a
-   ``start_section()+end_section()`` pair ``--calls`` times each with perf_counter_ns; the timer's own
-   cost (an empty timed call) is measured too and reported separately (not subtracted).
+1. cost: a rank started by ``nvrx launch --standalone`` (this file with ``--as-rank cost``, so the real agent,
+   bootstrap and monitor are in place) times ``send_heartbeat()`` and a ``start_section()+end_section()`` pair
+   ``--calls`` times each with perf_counter_ns; the timer's own cost (an empty timed call) is measured too and
+   reported separately (not subtracted). The peer, NVIDIA's ft_launcher, cannot be installed here (not on the
+   package index); its numbers measured on this machine class (the issue's) are the ratio's denominator.
 2. detection: a rank sends heartbeats, reports the monotonic time of its last one, then hangs; with
    ``rank_heartbeat_timeout=--timeout`` the monitor kills it. Latency = rank death seen by the parent
    (blocking waitpid) - last heartbeat; overshoot = latency - timeout.
@@ -42,7 +44,12 @@ def _summary(samples: list[int]) -> dict[str, float]:
 # ---------------------------------------------------------------- rank side
 
 
-def rank_cost(calls: int) -> None:
+# ft_launcher on this machine class, from the issue (us): the peer column of the table.
+PEER_US = {"send_heartbeat": {"median_us": 7.0, "p99_us": 41.0},
+           "section_pair": {"median_us": 17.6, "p99_us": 800.0}}
+
+
+def rank_cost(calls: int, out: Path | None) -> None:
     from monitors.client import RankMonitorClient
 
     client = RankMonitorClient()
@@ -66,7 +73,10 @@ def rank_cost(calls: int) -> None:
         samples[i] = clock() - t0
     results["section_pair"] = _summary(samples)
     client.shutdown_workload_monitoring()
-    print(json.dumps(results), flush=True)
+    if out is not None:
+        out.write_text(json.dumps(results))
+    else:
+        print(json.dumps(results), flush=True)
 
 
 def rank_hang(beats: int) -> None:
@@ -110,6 +120,21 @@ class Monitor:
             self.proc.wait()
 
 
+def measure_cost_launched(root: Path, calls: int) -> dict[str, Any]:
+    """The cost in a rank that ``nvrx launch`` started: the configuration users run."""
+    out = root / "launched_cost.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("NVRX_MONITOR_TOKEN", None)
+    cmd = [sys.executable, "-m", "nvrx_cli.main", "launch", "--standalone", "--nproc-per-node", "1", "-q",
+           "--log-dir", str(root / "logs"), "--ft-param-initial-rank-heartbeat-timeout", "600",
+           "--ft-param-rank-heartbeat-timeout", "600", __file__, "--as-rank", "cost", "--calls", str(calls),
+           "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, timeout=600, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.exists():
+        raise SystemExit(f"launched cost rank failed with {proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(out.read_text())
+
+
 def measure_cost(root: Path, calls: int) -> dict[str, Any]:
     mon = Monitor(root / "cost", {"workload_check_interval": 5.0, "initial_rank_heartbeat_timeout": 600.0,
                                   "rank_heartbeat_timeout": 600.0})
@@ -146,12 +171,25 @@ def measure_detection(root: Path, timeout: float, trials: int) -> dict[str, Any]
             "median_overshoot_s": statistics.median(r["overshoot_s"] for r in runs)}
 
 
+def ratios(cost: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """nvrx / ft_launcher per operation and statistic (below 1 = nvrx is cheaper)."""
+    return {op: {stat: cost[op][stat] / peer for stat, peer in stats.items()} for op, stats in PEER_US.items()}
+
+
 def print_table(result: dict[str, Any]) -> None:
-    print(f"{'operation':<34}{'median us':>12}{'p99 us':>12}{'max us':>12}")
+    cost, rat = result["cost_launched"], result["ratios_vs_ft_launcher"]
+    print(f"{'operation (launched rank)':<30}{'median us':>10}{'p99 us':>9}{'ft_l. med':>10}{'ft_l. p99':>10}"
+          f"{'ratio med':>10}{'ratio p99':>10}")
     for key in ("send_heartbeat", "section_pair", "timer_overhead"):
-        row = result["cost"][key]
+        row = cost[key]
         label = {"section_pair": "start_section+end_section"}.get(key, key)
-        print(f"{label:<34}{row['median_us']:>12.3f}{row['p99_us']:>12.3f}{row['max_us']:>12.1f}")
+        peer = PEER_US.get(key)
+        tail = (f"{peer['median_us']:>10.1f}{peer['p99_us']:>10.1f}{rat[key]['median_us']:>10.3f}"
+                f"{rat[key]['p99_us']:>10.3f}") if peer else ""
+        print(f"{label:<30}{row['median_us']:>10.3f}{row['p99_us']:>9.3f}{tail}")
+    bare = result["cost"]["send_heartbeat"]
+    print(f"(bare rank, monitor started by hand: send_heartbeat median {bare['median_us']:.3f} us, "
+          f"p99 {bare['p99_us']:.3f} us)")
     det = result["detection"]
     print(f"\ndetection with rank_heartbeat_timeout={det['timeout_s']} s:")
     for i, run in enumerate(det["trials"]):
@@ -167,16 +205,19 @@ def main() -> None:
     p.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "heartbeat.json")
     p.add_argument("--as-rank", choices=["cost", "hang"], help=argparse.SUPPRESS)
     p.add_argument("--beats", type=int, default=20, help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.as_rank == "cost":
-        return rank_cost(args.calls)
+        return rank_cost(args.calls, args.out)
     if args.as_rank == "hang":
         return rank_hang(args.beats)
     with tempfile.TemporaryDirectory(prefix="nvrx-hb-bench-") as tmp:
         root = Path(tmp)
         result = {"python": sys.version.split()[0], "cpus": os.cpu_count(), "time": time.time(),
+                  "cost_launched": measure_cost_launched(root, args.calls),
                   "cost": measure_cost(root, args.calls),
                   "detection": measure_detection(root, args.timeout, args.trials)}
+        result["ratios_vs_ft_launcher"] = ratios(result["cost_launched"])
     print_table(result)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + "\n")
