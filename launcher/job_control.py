@@ -154,16 +154,27 @@ class StopAgreement:
 _agreement: StopAgreement | None = None
 
 
-def should_stop(step: int | None = None) -> bool:
-    """True when the job is being stopped gracefully and STEP is the agreed step (same on every rank).
+def install() -> StopAgreement:
+    """Take over the graceful-stop signals now (idempotent; main thread only).
 
-    Call it once per training step, from the main thread, with the step number (or with no argument:
-    calls are counted). The first call installs the signal handlers.
+    Until this (or the first :func:`should_stop`) runs, a stop signal has its default action: a signal
+    during a long setup (loading data, building the model) would kill the rank instead of being reported.
+    Call it early, e.g. right after the imports, and the first should_stop() reports a signal that came
+    in between.
     """
     global _agreement
     if _agreement is None:
         _agreement = StopAgreement(os.environ)
-    return _agreement.should_stop(step)
+    return _agreement
+
+
+def should_stop(step: int | None = None) -> bool:
+    """True when the job is being stopped gracefully and STEP is the agreed step (same on every rank).
+
+    Call it once per training step, from the main thread, with the step number (or with no argument:
+    calls are counted). The first call installs the signal handlers if :func:`install` did not already.
+    """
+    return install().should_stop(step)
 
 
 def stop_signal() -> signal.Signals | None:

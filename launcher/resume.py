@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
@@ -210,11 +211,90 @@ class SlurmFacts:
             return None
         return self.job_id if not self.restart_count else f"{self.job_id}+requeue{self.restart_count}"
 
-    def exclude_target(self, scope: str) -> str | None:
-        """The node(s) to avoid next time when a rank asks for different hardware."""
+    def exclude_target(self, scope: str, bad_node: str | None = None) -> str | None:
+        """The node(s) to avoid next time when a rank asks for different hardware (exit 16).
+
+        BAD_NODE is the node whose rank exited 16 (from the agents' logs, see find_bad_node). Without it
+        only a one-node job can tell: in a multi-node job this driver's node (the batch host) is not
+        necessarily the bad one, so nothing is excluded rather than a healthy node."""
         if scope == "job":
             return self.nodelist or self.node_name
-        return self.node_name or (self.nodelist if self.num_nodes == 1 else None)
+        if bad_node:
+            return bad_node
+        if self.num_nodes is None or self.num_nodes == 1:
+            return self.node_name or (self.nodelist if self.num_nodes == 1 else None)
+        return None
+
+
+_AGENT_FILE = re.compile(r"^agent-(?P<node>.+)-(?P<pid>\d+)\.jsonl$")
+
+
+def find_bad_node(log_dir: Path | None, job_id: str | None, since: float | None = None) -> str | None:
+    """The node (Slurm node name) whose rank ended the launch with exit 16, from the agents' event logs.
+
+    Every agent writes ``<log-dir>/<run-id>/agent-<node>-<pid>.jsonl``; the agent whose rank exited 16
+    claims the round's stop record (``rdzv_stop``, kind ``failed``, ``detail.steer`` 16, ``by_node`` = its
+    own rendezvous id from ``rdzv_join``). The run dir of JOB_ID is searched first, else every run dir;
+    stops before SINCE (the attempt's start) are ignored. The newest such stop wins; None if none is found.
+    """
+    if log_dir is None or not log_dir.is_dir():
+        return None
+    preferred = log_dir / job_id if job_id else None
+    dirs = [preferred] if preferred is not None and preferred.is_dir() else [log_dir, *_subdirs(log_dir)]
+    found: list[tuple[float, str]] = []
+    for d in dirs:
+        for path in sorted(d.glob("agent-*.jsonl")):
+            m = _AGENT_FILE.match(path.name)
+            try:
+                if m is None or (since is not None and path.stat().st_mtime < since - 1):
+                    continue
+            except OSError:
+                continue
+            t = _steer_stop_time(path, since)
+            if t is not None:
+                found.append((t, m["node"]))
+    return max(found)[1] if found else None
+
+
+def _is_job_node(node: str, nodelist: str | None) -> bool:
+    """NODE is one of the job's nodes (always true when the node list is unknown or unreadable)."""
+    from launcher.slurm_env import SlurmEnvError, expand_hostlist
+
+    if not nodelist:
+        return True
+    try:
+        return node in expand_hostlist(nodelist)
+    except (SlurmEnvError, ValueError):
+        return True
+
+
+def _subdirs(d: Path) -> list[Path]:
+    try:
+        return sorted(p for p in d.iterdir() if p.is_dir())
+    except OSError:
+        return []
+
+
+def _steer_stop_time(path: Path, since: float | None) -> float | None:
+    """When this agent claimed a stop for its rank's exit 16 (the newest one), if it did."""
+    from monitors.events import read_events
+
+    own: set[str] = set()
+    newest = None
+    try:
+        for e in read_events(path):
+            if not isinstance(e, dict):
+                continue
+            if e["ev"] == "rdzv_join" and isinstance(e.get("node_id"), str):
+                own.add(e["node_id"])
+            elif e["ev"] == "rdzv_stop" and e.get("kind") == "failed" and e.get("by_node") in own:
+                detail = e.get("detail")
+                if (isinstance(detail, dict) and detail.get("steer") == exit_codes.RESUME_ELSEWHERE
+                        and (since is None or e["t"] >= since)):
+                    newest = e["t"]
+    except OSError as exc:
+        log.debug("cannot read %s: %s", path, exc)
+    return newest
 
 
 STOPPED_BY_USER = "stopped on purpose with nvrx resume --stop"
@@ -237,6 +317,7 @@ class ResumeConfig:
     submit: SubmitSettings | None = None
     slurm: SlurmFacts = SlurmFacts()
     cwd: Path | None = None
+    launch_log_dir: Path | None = None  # the launches' --log-dir: where to find the node that exited 16
 
 
 # ==================================================================== signals
@@ -396,8 +477,28 @@ class ResumeDriver:
         return Outcome(exit_code=code, finished=cfg.finished_flag.exists(),
                        progress=read_progress(cfg.progress) if cfg.progress.tracked else None,
                        progress_before=before, tracked=cfg.progress.tracked,
-                       exclude=cfg.slurm.exclude_target(submit.exclude_scope if submit else "node"),
+                       exclude=self._exclude(code, submit.exclude_scope if submit else "node", extra.get("start")),
                        record=extra)
+
+    def _exclude(self, code: int, scope: str, since: float | None) -> str | None:
+        """After exit 16: the node to avoid (the one whose rank exited 16), or the job's nodes (scope job)."""
+        cfg = self.cfg
+        if code != exit_codes.RESUME_ELSEWHERE:
+            return None
+        bad = find_bad_node(cfg.launch_log_dir, cfg.slurm.job_id, since) if scope == "node" else None
+        if bad and not _is_job_node(bad, cfg.slurm.nodelist):
+            # e.g. a launch outside Slurm's topology (--standalone) names its log after the host name
+            log.warning("exit %d came from a rank on %s, which is not a node of this job (%s); not using it",
+                        code, bad, cfg.slurm.nodelist)
+            bad = None
+        target = cfg.slurm.exclude_target(scope, bad)
+        if bad:
+            log.info("exit %d came from a rank on node %s (agent log under %s)", code, bad, cfg.launch_log_dir)
+        elif target is None and scope == "node" and cfg.slurm.job_id:
+            log.warning("exit %d: no agent log under %s names the node whose rank asked for other hardware; "
+                        "excluding no node (pass --launch-log-dir, or --exclude-scope job to avoid all of this "
+                        "job's nodes)", code, cfg.launch_log_dir)
+        return target
 
     def _commit(self, state: ResumeState, decision: Decision) -> ResumeState:
         state = self.store.save(state)

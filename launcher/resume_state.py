@@ -77,7 +77,8 @@ class ResumeState:
 
     @classmethod
     def from_dict(cls, raw: Any) -> "ResumeState":
-        """Validate a parsed state; raise CorruptState on anything that is not a state we wrote."""
+        """Validate a parsed state, every field and list item; raise CorruptState on anything that is not
+        a state we wrote (a wrong type would otherwise fail later, after the file was rewritten)."""
         if not isinstance(raw, dict):
             raise CorruptState("not a JSON object")
         if raw.get("version") != STATE_VERSION:
@@ -86,17 +87,25 @@ class ResumeState:
         kw = {k: v for k, v in raw.items() if k in names}
         for key in cls._COUNTS:
             value = kw.get(key, 0)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise CorruptState(f"{key} is {value!r}, not a count")
-        for key in ("excluded_nodes", "jobs", "submitted", "history"):
+            if not _is_int(value) or value < 0:
+                raise CorruptState(f"{key} is {_shown(value)}, not a count")
+        for key, kind in _FIELD_KINDS.items():
+            value = kw.get(key)
+            if value is not None and not _KINDS[kind](value):
+                raise CorruptState(f"{key} is {_shown(value)}, not {kind}")
+        for key, kind in _LIST_KINDS.items():
             value = kw.get(key, [])
             if not isinstance(value, list):
-                raise CorruptState(f"{key} is not a list")
+                raise CorruptState(f"{key} is {_shown(value)}, not a list")
+            bad = next((x for x in value if not _KINDS[kind](x)), _OK)
+            if bad is not _OK:
+                raise CorruptState(f"{key} holds {_shown(bad)}, not {kind}")
             kw[key] = tuple(value)
-        if kw.get("last_progress") is not None and not isinstance(kw["last_progress"], int):
-            raise CorruptState("last_progress is not an integer")
-        if kw.get("running") is not None and not isinstance(kw["running"], dict):
-            raise CorruptState("running is not an object")
+        running = kw.get("running")
+        if running is not None:
+            for key, kind in _RUNNING_KINDS.items():
+                if running.get(key) is not None and not _KINDS[kind](running[key]):
+                    raise CorruptState(f"running.{key} is {_shown(running[key])}, not {kind}")
         return cls(**kw)
 
     def with_attempt(self, record: dict[str, Any]) -> "ResumeState":
@@ -252,6 +261,31 @@ class StateStore:
                 os.close(fd)
             return self.state_dir / name
         raise AssertionError("unreachable: the names never run out")
+
+
+_OK = object()
+_KINDS: dict[str, Callable[[Any], bool]] = {
+    "an integer": lambda v: _is_int(v),
+    "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "a string": lambda v: isinstance(v, str),
+    "true or false": lambda v: isinstance(v, bool),
+    "an object": lambda v: isinstance(v, dict),
+}
+# Optional fields (null allowed) and their types; list fields and the type of their items.
+_FIELD_KINDS = {"created": "a number", "updated": "a number", "last_progress": "an integer",
+                "last_exit_code": "an integer", "last_cause": "a string", "stopped": "a string",
+                "finished": "true or false", "running": "an object"}
+_LIST_KINDS = {"excluded_nodes": "a string", "jobs": "a string", "submitted": "an object", "history": "an object"}
+_RUNNING_KINDS = {"attempt": "an integer", "start": "a number", "job_id": "a string", "node": "a string"}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _shown(v: Any) -> str:
+    text = json.dumps(v, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _newest_snapshot(snapshots: Iterable[dict[str, Any]]) -> ResumeState | None:

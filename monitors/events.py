@@ -13,8 +13,9 @@ import math
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 SCHEMA_VERSION = 1
 
@@ -81,7 +82,117 @@ def decode_event(raw: bytes | str) -> dict[str, Any]:
     t = record.get("t")
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
         raise ValueError("event without a valid time 't'")
+    if not 0 <= t < MAX_TIME:
+        raise ValueError(f"event time 't' out of range ({t:g})")
     return record
+
+
+# ---------------------------------------------------------------- field types
+#
+# The fields a reader interprets, by event. A field that is absent or null is fine (readers default it);
+# one that is present with another type makes the whole record unusable: readers skip it as corrupt
+# (`field_problem`) instead of tripping over it later. Fields not listed here are free-form.
+
+MAX_TIME = 253402300800.0  # 10000-01-01: later "times" cannot be shown as dates and are corrupt
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A field type: a predicate and its name in messages."""
+
+    name: str
+    ok: Callable[[Any], bool]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+INT = Kind("an integer", _is_int)
+NUM = Kind("a finite number", _is_num)
+STR = Kind("a string", lambda v: isinstance(v, str))
+BOOL = Kind("true or false", lambda v: isinstance(v, bool))
+SCALAR = Kind("a string or a number", lambda v: isinstance(v, str) or _is_num(v))
+STRS = Kind("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+NUM_MAP = Kind("an object of numbers",
+               lambda v: isinstance(v, dict) and all(v2 is None or _is_num(v2) for v2 in v.values()))
+Spec = Mapping[str, "Kind | Mapping[str, Any]"]  # a nested Mapping: the field is an object with these fields
+
+TIMEOUTS: Spec = {"initial_heartbeat": NUM, "heartbeat": NUM, "sections": NUM_MAP, "out_of_section": NUM}
+HANG: Spec = {"t": NUM, "rank": INT, "global_rank": INT, "pid": INT, "reason": STR, "section": STR,
+              "elapsed": NUM, "timeout": NUM, "signal": STR, "timeouts": TIMEOUTS, "stalled_first": INT}
+STOP_DETAIL: Spec = {"rank": INT, "local_rank": INT, "group_rank": INT, "pid": INT, "exitcode": INT,
+                     "signal": STR, "signum": INT, "abandoned": BOOL, "tail": STRS, "describe": STR,
+                     "round": INT, "hang": HANG, "steer": INT, "no_restart": BOOL, "node": STR}
+FT_CONFIG: Spec = {"initial_rank_heartbeat_timeout": NUM, "rank_heartbeat_timeout": NUM,
+                   "rank_section_timeouts": NUM_MAP, "rank_out_of_section_timeout": NUM,
+                   "workload_check_interval": NUM, "safety_factor": NUM, "rank_termination_signal": STR}
+_RANK = {"rank": INT, "local_rank": INT, "global_rank": INT, "pid": INT}
+
+EVENT_FIELDS: dict[str, Spec] = {
+    # agent
+    "agent_start": {"pid": INT, "nproc": INT, "nnodes": SCALAR, "max_restarts": INT, "run_id": STR},
+    "ft_config": {"config": FT_CONFIG},
+    "monitor_spawned": {"local_rank": INT, "pid": INT},
+    "rdzv_join": {"round": INT, "node_id": STR},
+    "rdzv_round": {"round": INT, "group_rank": INT, "nodes": STRS, "world_size": INT, "restart_count": INT,
+                   "waited": NUM},
+    "rdzv_standby": {"round": INT, "node_id": STR, "nodes": INT, "reason": STR},
+    "rank_start": _RANK,
+    "rank_exit": {**_RANK, "exitcode": INT, "signal": STR, "abandoned": BOOL},
+    "rank_stuck": {**_RANK, "state": STR},
+    "rdzv_stop": {"round": INT, "kind": STR, "by_node": STR, "detail": STOP_DETAIL, "restart_count": INT,
+                  "give_up": BOOL},
+    "agent_signal": {"signal": STR, "phase": STR, "round": INT},
+    "monitor_died": {"local_rank": INT, "pid": INT, "returncode": INT},
+    "monitor_stuck": {"pid": INT},
+    "job_end": {"status": STR, "exit_code": INT, "seconds": NUM},
+    # rank monitor
+    "monitor_start": {**_RANK, "timeouts": TIMEOUTS},
+    "monitor_exit": {"rank": INT},
+    "monitor_attach": {**_RANK, "timeouts": TIMEOUTS},
+    "monitor_connect": {**_RANK, "timeouts": TIMEOUTS},
+    "monitor_disconnect": {**_RANK},
+    "first_heartbeat": {**_RANK, "delay": NUM},
+    "heartbeat_stats": {**_RANK, "count": INT, "max_interval": NUM, "since_last": NUM},
+    "section_open": {**_RANK, "section": STR, "open_for": NUM},
+    "section_close": {**_RANK, "section": STR, "closes": INT, "last_duration": NUM, "max_duration": NUM,
+                      "total": NUM},
+    "hang_detected": HANG,
+    "rank_terminated": {**_RANK, "signal": STR},
+    "timeouts_set": {"rank": INT, "timeouts": TIMEOUTS},
+    "timeouts_loaded": {"rank": INT, "timeouts": TIMEOUTS},
+}
+
+
+def field_problem(record: Mapping[str, Any], spec: Spec | None = None, prefix: str = "") -> str | None:
+    """What is wrong with RECORD's field types (SPEC: its event's entry in EVENT_FIELDS), or None."""
+    if spec is None:
+        spec = EVENT_FIELDS.get(str(record.get("ev")), {})
+    for name, kind in spec.items():
+        value = record.get(name)
+        if value is None:
+            continue
+        where = f"{prefix}{name}"
+        if isinstance(kind, Kind):
+            if not kind.ok(value):
+                return f"field {where!r} should be {kind.name}, not {_shown(value)}"
+            continue
+        if not isinstance(value, dict):
+            return f"field {where!r} should be an object, not {_shown(value)}"
+        inner = field_problem(value, kind, f"{where}.")
+        if inner is not None:
+            return inner
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def read_events(path: Path) -> Iterator[dict[str, Any] | str]:

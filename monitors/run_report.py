@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher import exit_codes
-from monitors.event_files import discover
+from monitors.event_files import NotARun, discover
 from monitors.timeline import (Entry, Filters, JobState, MonitorFile, RankSession, RoundState, SectionTally, Timeline,
                                duration, iso, rounded)
 
@@ -486,8 +486,21 @@ def exit_meaning(code: Any) -> str | None:
 
 
 def build_report(paths: list[Path], filters: Filters | None = None) -> Report:
-    """One-shot: discover event files under PATHS, fold them all, return the report (raises NotARun)."""
+    """One-shot: discover event files under PATHS, fold them all, return the report.
+
+    Raises NotARun when there are no event files, or when not one line of them is a usable event.
+    """
     tl = Timeline(filters)
     tl.add_files(discover(paths))
     tl.read_all()
+    if tl.readable == 0:
+        raise NotARun(nothing_readable(paths, tl))
     return make_report(tl)
+
+
+def nothing_readable(paths: list[Path], tl: Timeline) -> str:
+    """Why a set of event files gave no report: every line was empty or corrupt."""
+    shown = ", ".join(str(p) for p in paths)
+    first = f"; first: {tl.damage.first[0]}" if tl.damage.first else ""
+    return (f"{shown}: nothing readable: {len(tl.files)} event file(s), {tl.lines} line(s), none of them a usable "
+            f"event ({tl.damage.count} corrupt{first})")

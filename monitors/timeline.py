@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from monitors.event_files import Damage, EventFile, event_name, first_event_time, raw_string, read_chunk
-from monitors.events import decode_event
+from monitors.events import decode_event, field_problem
 
 
 @dataclass(frozen=True)
@@ -203,6 +203,7 @@ class Timeline:
         self.damage = Damage()
         self.unknown: dict[str, int] = {}
         self.lines = 0
+        self.readable = 0  # events folded (or counted as unknown): 0 after reading means nothing usable
         self.jobs: list[JobState] = []
         self.agents: dict[Path, AgentFile] = {}
         self.monitors: dict[Path, MonitorFile] = {}
@@ -260,16 +261,18 @@ class Timeline:
                     last_t = e["t"]
                 if owner is None:  # the resume driver's and other writers' files
                     self._generic(ef, e, i)
+                    self.readable += 1
                     continue
                 ev = e["ev"]
-                if lazy and owner.deferred_open and ev == "section_close":
-                    owner.deferred_open.pop(e.get("section"), None)  # the close supersedes the open
+                if lazy and owner.deferred_open and ev == "section_close" and isinstance(e.get("section"), str):
+                    owner.deferred_open.pop(e["section"], None)  # the close supersedes the open
                 elif lazy and ev in _SESSION_BOUNDARIES:
                     self._apply_deferred(owner)
                 handler = table.get(ev)
                 if handler is None:
-                    key = f"{e.get('src', ef.kind)}/{ev}"
+                    key = f"{_short(e.get('src', ef.kind), 40)}/{_short(ev, 40)}"
                     self.unknown[key] = self.unknown.get(key, 0) + 1
+                    self.readable += 1
                     continue
                 self._apply(owner, handler, e, i)
             if owner is not None:
@@ -284,10 +287,17 @@ class Timeline:
         return n
 
     def _apply(self, owner: Any, handler: Callable[[Any, dict[str, Any]], None], e: dict[str, Any], lineno: int) -> None:
+        """Fold one event; a record whose fields have the wrong types is skipped as a corrupt line."""
+        problem = field_problem(e)
+        if problem is not None:
+            self.damage.add(owner.ef, lineno, f"{e['ev']} event: {problem}")
+            return
         try:
             handler(owner, e)
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
             self.damage.add(owner.ef, lineno, f"{e['ev']} event with unexpected fields ({exc})")
+            return
+        self.readable += 1
 
     def _apply_deferred(self, m: MonitorFile) -> None:
         """Parse and fold the lines _defer() held back (the last heartbeat_stats, unclosed section_open)."""
@@ -526,13 +536,13 @@ class Timeline:
     # ---- resume driver and unknown sources
     def _generic(self, ef: EventFile, e: dict[str, Any], lineno: int) -> None:
         """Resume-driver (and other writers') events: one timeline line each; unknown names are counted."""
-        name, src = e["ev"], str(e.get("src", ef.kind))
+        name, src = e["ev"], _short(e.get("src", ef.kind), 40)
         fmt = _RESUME_TEXT.get(name)
         text, level = None, "info"
         if fmt is not None:
             try:
                 text, level = fmt(_Fields(e))
-            except (TypeError, ValueError, KeyError):
+            except (TypeError, ValueError, KeyError, AttributeError, OverflowError):
                 text = None
         else:
             key = f"{src}/{name}"

@@ -7,6 +7,7 @@ The analysis lives in ``monitors.timeline``; this module parses flags and render
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -26,6 +27,7 @@ _REL = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)\s*d)?\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?
                   r"\s*(?:(\d+(?:\.\d+)?)\s*s)?\s*(?:ago)?\s*$", re.I)
 _LEVEL_STYLE = {"error": "red", "warn": "yellow", "ok": "green", "info": ""}
 _LEVEL_MARK = {"error": "!!", "warn": "! ", "ok": "ok", "info": "  "}
+log = logging.getLogger("nvrx.inspect")
 FOLLOW_BUDGET = 4 << 20  # bytes folded per file per --follow poll: a poll stays short on a huge backlog
 
 
@@ -78,12 +80,19 @@ def inspect(log_dir: tuple[Path, ...], as_json: bool, follow: bool, rank: int | 
             report = build_report(paths, filters)
         except NotARun as err:
             raise click.UsageError(str(err)) from None
-        if as_json:
-            click.echo(json.dumps(report.to_dict(), indent=2, default=str))
-        elif sys.stdout.isatty():
-            _render_rich(report, tail_lines)
-        else:
-            click.echo(render_text(report, tail_lines), nl=False)
+        try:
+            if as_json:
+                click.echo(json.dumps(report.to_dict(), indent=2, default=str))
+            elif sys.stdout.isatty():
+                _render_rich(report, tail_lines)
+            else:
+                click.echo(render_text(report, tail_lines), nl=False)
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+            # The readers skip malformed records; a value that still slips through must not end in a traceback.
+            log.debug("rendering the report failed", exc_info=True)
+            raise click.ClickException(f"cannot show the report of {', '.join(map(str, paths))}: "
+                                       f"{type(exc).__name__}: {exc} (a bug in nvrx inspect; please report it "
+                                       "with the log dir)") from None
         return 0
     except BrokenPipeError:  # `nvrx inspect ... | head`: the reader is gone; that is fine
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -176,7 +185,10 @@ def _clock(t: float | None, with_date: bool = True) -> str:
     if t is None:
         return "-"
     fmt = "%Y-%m-%d %H:%M:%S.%f" if with_date else "%H:%M:%S.%f"
-    return datetime.fromtimestamp(t).strftime(fmt)[:-3]
+    try:
+        return datetime.fromtimestamp(t).strftime(fmt)[:-3]
+    except (TypeError, ValueError, OverflowError, OSError):
+        return f"t={t!r:.20}"
 
 
 def _secs(x: float | None) -> str:
@@ -201,7 +213,10 @@ def _bytes(n: int) -> str:
 
 def _multi_day(report: Report) -> bool:
     s, e = report.span.get("start"), report.span.get("end")
-    return bool(s and e and datetime.fromtimestamp(s).date() != datetime.fromtimestamp(e).date())
+    try:
+        return bool(s and e and datetime.fromtimestamp(s).date() != datetime.fromtimestamp(e).date())
+    except (TypeError, ValueError, OverflowError, OSError):
+        return True  # times that are not dates: show the date part too
 
 
 def _summary(report: Report) -> list[str]:
@@ -250,10 +265,12 @@ def _rank_rows(report: Report) -> list[list[str]]:
     return rows
 
 
-def _fmt_timeouts(t: dict[str, Any] | None) -> str:
+def _fmt_timeouts(t: Any) -> str:
     if not t:
         return "-"
-    secs = t.get("sections") or {}
+    if not isinstance(t, dict):
+        return _num(t)
+    secs = t.get("sections") if isinstance(t.get("sections"), dict) else {}
     parts = [f"first hb {_num(t.get('initial_heartbeat'))}", f"hb {_num(t.get('heartbeat'))}"]
     parts += [f"{n} {_num(v)}" for n, v in secs.items()]
     parts.append(f"out-of-section {_num(t.get('out_of_section'))}")
@@ -261,12 +278,19 @@ def _fmt_timeouts(t: dict[str, Any] | None) -> str:
 
 
 def _num(v: Any) -> str:
-    return "-" if v is None else f"{v:g}" if isinstance(v, (int, float)) else str(v)
+    if v is None:
+        return "-"
+    if isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool) and abs(v) < 10**15):
+        return f"{v:g}"
+    text = str(v)
+    return text if len(text) <= 20 else text[:17] + "..."
 
 
-def _configured(cfg: dict[str, Any] | None) -> str:
+def _configured(cfg: Any) -> str:
     if not cfg:
         return "not logged (no ft_config event)"
+    if not isinstance(cfg, dict):
+        return f"unreadable ({_num(cfg)})"
     t = {"initial_heartbeat": cfg.get("initial_rank_heartbeat_timeout"), "heartbeat": cfg.get("rank_heartbeat_timeout"),
          "sections": cfg.get("rank_section_timeouts") or {}, "out_of_section": cfg.get("rank_out_of_section_timeout")}
     return (f"{_fmt_timeouts(t)}; check every {_num(cfg.get('workload_check_interval'))} s, "

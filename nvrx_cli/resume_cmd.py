@@ -67,7 +67,11 @@ class ResumeFailure(click.ClickException):
 @click.option("--sbatch-arg", "sbatch_args", multiple=True, metavar="ARG",
               help="Extra argument for sbatch (repeatable), e.g. --sbatch-arg=--time=4:00:00.")
 @click.option("--exclude-scope", type=click.Choice(["node", "job"]), default="node", show_default=True,
-              help="After exit 16, exclude this node (SLURMD_NODENAME) or every node of the job.")
+              help="After exit 16, exclude the node whose rank exited 16 (found in the agents' logs, see "
+                   "--launch-log-dir) or every node of the job.")
+@click.option("--launch-log-dir", type=click.Path(path_type=Path),
+              help="Where the launches write their event logs (their --log-dir; default: the --log-dir in the "
+                   "command after --, else ./nvrx_logs). After exit 16 the node to exclude is read from them.")
 @click.option("--submit-timeout", type=click.FloatRange(min=1), default=30.0, show_default=True,
               help="Seconds to wait for sbatch/scontrol.")
 @click.option("--job-id", default=None, help="This job's id (default: SLURM_JOB_ID).")
@@ -135,7 +139,23 @@ def build_resume_config(raw: dict[str, Any], environ: Mapping[str, str], explici
         state_dir=state_dir, finished_flag=flag, env=env, command=command, exit_code=raw["exit_code"],
         check_only=raw["check"], reset=raw["reset"], stop=raw["stop"],
         limits=Limits(raw["max_attempts"], raw["max_failures"], raw["max_no_progress"]),
-        progress=progress, submit=submit, slurm=slurm_facts(environ, raw["job_id"]), cwd=cwd)
+        progress=progress, submit=submit, slurm=slurm_facts(environ, raw["job_id"]), cwd=cwd,
+        launch_log_dir=_abs(raw.get("launch_log_dir") or _log_dir_of(command) or Path("nvrx_logs"), cwd))
+
+
+def _log_dir_of(command: tuple[str, ...]) -> Path | None:
+    """The --log-dir given to nvrx launch in COMMAND: looked for after the `launch` word and before the
+    training script (the first *.py), so that a --log-dir of the training script is not taken."""
+    start = command.index("launch") + 1 if "launch" in command else 0
+    for i, arg in enumerate(command[start:], start):
+        if arg.endswith(".py"):
+            return None
+        for flag in ("--log-dir", "--log_dir"):
+            if arg == flag and i + 1 < len(command):
+                return Path(command[i + 1])
+            if arg.startswith(flag + "="):
+                return Path(arg[len(flag) + 1:])
+    return None
 
 
 def slurm_facts(environ: Mapping[str, str], job_id: str | None = None) -> Any:

@@ -35,6 +35,20 @@ mkdir -p "$state_dir" || exit 2
 export FAULT_TOL_FINISHED_FLAG_FILE="${FAULT_TOL_FINISHED_FLAG_FILE:-$state_dir/finished.flag}"
 read -r -a nvrx <<< "${NVRX:-nvrx}"
 read -r -a extra <<< "${RESUME_ARGS:-}"
+# The launch's --log-dir (before the training script), so that after an exit 16 nvrx resume finds in the
+# agents' logs which node to exclude (default: ./nvrx_logs, as nvrx launch's).
+log_dir=()
+prev=""
+for arg in "$@"; do
+    case $arg in
+        *.py) break ;;
+        --log-dir=*|--log_dir=*) log_dir=(--launch-log-dir "${arg#*=}") ;;
+    esac
+    if [ "$prev" = --log-dir ] || [ "$prev" = --log_dir ]; then
+        log_dir=(--launch-log-dir "$arg")
+    fi
+    prev=$arg
+done
 submit=()
 if [ -n "${SLURM_JOB_ID:-}" ]; then
     submit=(--submit --sbatch-script "$0")  # $0 is Slurm's copy of this script, readable while the job runs
@@ -65,7 +79,7 @@ while true; do
     esac
     run_launch "$@"
     rc=$?
-    "${nvrx[@]}" resume --state-dir "$state_dir" --exit-code "$rc" "${submit[@]}" "${extra[@]}"
+    "${nvrx[@]}" resume --state-dir "$state_dir" --exit-code "$rc" "${log_dir[@]}" "${submit[@]}" "${extra[@]}"
     status=$?
     case $status in
         0) echo "auto_resume: training is finished" >&2; exit 0 ;;

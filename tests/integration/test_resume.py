@@ -251,6 +251,42 @@ def test_unrecoverable_state_file(resume):
     assert not list(resume.work.iterdir())  # nothing launched
 
 
+def test_wrongly_typed_state_file_is_one_line_and_kept(resume, tmp_path):
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    for name, body in (("sbatch", "echo 777"), ("scontrol", "echo JobId=9; echo '   Command=/bin/true'")):
+        (fake_bin / name).write_text(f"#!/bin/sh\n{body}\n")
+        (fake_bin / name).chmod(0o755)
+    bad = b'{"version":1,"seq":3,"attempts":1,"failures":0,"submitted":["x"],"excluded_nodes":[5]}'
+    (resume.state_dir / "state.json").write_bytes(bad)
+    res = resume.run("--state-dir", str(resume.state_dir), "--submit", "--exit-code", "16",
+                     env={"PATH": f"{fake_bin}:{os.environ.get('PATH', '')}", "SLURM_JOB_ID": "9"})
+    line = one_line_error(res, "state.json is corrupt", "excluded_nodes holds 5, not a string", "--reset")
+    assert "state.json.corrupt-" in line
+    assert (resume.state_dir / "state.json").read_bytes() == bad  # not rewritten, nothing submitted
+
+
+def test_exit_16_excludes_the_node_whose_rank_exited_not_the_batch_host(resume, tmp_path):
+    from tests.unit.test_resume import write_agent_logs
+
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    args_file = tmp_path / "sbatch.args"
+    for name, body in ((("sbatch", f'echo "$@" > {args_file}; echo 778')),
+                       ("scontrol", "echo JobId=55; echo '   Command=/bin/true'")):
+        (fake_bin / name).write_text(f"#!/bin/sh\n{body}\n")
+        (fake_bin / name).chmod(0o755)
+    logs = tmp_path / "logs"
+    write_agent_logs(logs / "55", bad="n2")
+    slurm = {"PATH": f"{fake_bin}:{os.environ.get('PATH', '')}", "SLURM_JOB_ID": "55", "SLURMD_NODENAME": "n1",
+             "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
+    res = resume.run("--state-dir", str(resume.state_dir), "--submit", "--launch-log-dir", str(logs),
+                     "--exit-code", "16", env=slurm)
+    assert res.returncode == 3, res.stderr
+    assert "--exclude=n2" in args_file.read_text() and "n1" not in args_file.read_text()
+    assert resume.state()["excluded_nodes"] == ["n2"]
+
+
 def test_sbatch_not_on_path(resume, tmp_path):
     empty = tmp_path / "bin"
     empty.mkdir()

@@ -14,7 +14,9 @@ import pytest
 from launcher import exit_codes
 from launcher.progress import ProgressSource, newest_checkpoint_iteration, read_progress
 from launcher.resume import (CONTINUE, FINISHED, GIVE_UP, Decision, Limits, Outcome, SlurmFacts, classify, decide,
-                             precheck, settle_lost_attempt, signal_reached_child)
+                             find_bad_node, precheck, settle_lost_attempt, signal_reached_child)
+from monitors.events import EventLog
+from nvrx_cli.resume_cmd import _log_dir_of
 from launcher.resume_state import BACKUP_FILE, STATE_FILE, ResumeError, ResumeState, StateStore
 from launcher.slurm_submit import (SubmitError, command_of_job, parse_sbatch_job_id, sbatch_command, submit_env)
 
@@ -148,10 +150,46 @@ def test_exclude_target():
     one = SlurmFacts(job_id="1", node_name="n3", nodelist="n3", num_nodes=1)
     many = SlurmFacts(job_id="1", node_name="n1", nodelist="n[1-4]", num_nodes=4)
     assert one.exclude_target("node") == "n3"
-    assert many.exclude_target("node") == "n1"
+    assert many.exclude_target("node") is None  # the batch host is not necessarily the bad node
+    assert many.exclude_target("node", bad_node="n3") == "n3"
+    assert many.exclude_target("job", bad_node="n3") == "n[1-4]"
     assert many.exclude_target("job") == "n[1-4]"
     assert SlurmFacts().exclude_target("node") is None
     assert SlurmFacts(job_id="5", restart_count=2).run_key == "5+requeue2"
+
+
+def write_agent_logs(run_dir: Path, bad: str, t: float = 1000.0, nodes: tuple[str, ...] = ("n1", "n2")) -> None:
+    """Agent logs of a launch on NODES in which a rank on node BAD exited 16 (as launcher.agent writes them)."""
+    ids = {n: f"samehost-{100 + i}-abc{i}" for i, n in enumerate(nodes)}
+    for i, node in enumerate(nodes):
+        ev = EventLog(run_dir / f"agent-{node}-{100 + i}.jsonl", "agent")
+        ev.emit("rdzv_join", t=t, round=0, node_id=ids[node])
+        ev.emit("rdzv_round", t=t, round=0, group_rank=i, nodes=list(ids.values()), world_size=2, restart_count=0)
+        ev.emit("rdzv_stop", t=t + 5, round=0, kind="failed", by_node=ids[bad], restart_count=1, give_up=True,
+                detail={"rank": nodes.index(bad), "group_rank": nodes.index(bad), "exitcode": 16, "steer": 16,
+                        "no_restart": True})
+        ev.emit("job_end", t=t + 6, status="steered", exit_code=16)
+        ev.close()
+
+
+def test_find_bad_node_names_the_node_whose_rank_exited_16(tmp_path):
+    write_agent_logs(tmp_path / "logs" / "55", bad="n2")
+    assert find_bad_node(tmp_path / "logs", "55") == "n2"
+    assert find_bad_node(tmp_path / "logs", None) == "n2"  # every run dir is searched
+    assert find_bad_node(tmp_path / "logs", "55", since=1010.0) is None  # before this attempt
+    write_agent_logs(tmp_path / "logs" / "55", bad="n1", t=2000.0, nodes=("n1", "n3"))  # a later launch
+    assert find_bad_node(tmp_path / "logs", "55") == "n1"
+    assert find_bad_node(tmp_path / "missing", "55") is None
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "agent-n9-1.jsonl").write_bytes(b"\0garbage\n{\"ev\": \"rdzv_stop\"}\n")
+    assert find_bad_node(tmp_path / "junk", None) is None
+
+
+def test_log_dir_of_the_launch_command():
+    assert _log_dir_of(("srun", "-N2", "nvrx", "launch", "--log-dir", "L", "train.py")) == Path("L")
+    assert _log_dir_of(("py", "-m", "nvrx_cli.main", "launch", "--log-dir=L2", "t.py")) == Path("L2")
+    assert _log_dir_of(("nvrx", "launch", "t.py", "--log-dir", "mine")) is None  # the script's own flag
+    assert _log_dir_of(()) is None
 
 
 def test_signal_reached_child():
@@ -230,6 +268,44 @@ def test_unrecoverable_state_is_an_error_and_loses_nothing(tmp_path):
 def test_state_validation(raw, needle):
     with pytest.raises(ValueError, match=needle):
         ResumeState.from_dict(raw)
+
+
+@pytest.mark.parametrize("field_value,needle", [
+    ({"submitted": ["x"]}, "submitted holds \"x\", not an object"),
+    ({"excluded_nodes": [5]}, "excluded_nodes holds 5, not a string"),
+    ({"jobs": [None]}, "jobs holds null, not a string"),
+    ({"history": [3]}, "history holds 3, not an object"),
+    ({"running": {"attempt": "x"}}, "running.attempt is \"x\", not an integer"),
+    ({"running": []}, "running is \\[\\], not an object"),
+    ({"last_exit_code": "143"}, "last_exit_code is \"143\", not an integer"),
+    ({"last_progress": True}, "last_progress is true, not an integer"),
+    ({"finished": "no"}, "finished is \"no\", not true or false"),
+    ({"stopped": 17}, "stopped is 17, not a string"),
+    ({"seq": True}, "seq is true, not a count"),
+])
+def test_state_items_are_type_checked(field_value, needle):
+    with pytest.raises(ValueError, match=needle):
+        ResumeState.from_dict({"version": 1, "attempts": 1, **field_value})
+
+
+def test_semantically_corrupt_state_is_recovered_from_the_backup_and_kept(tmp_path):
+    store = StateStore(tmp_path)
+    store.save(ResumeState(attempts=3, failures=1, excluded_nodes=("n2",)))
+    bad = json.dumps({"version": 1, "seq": 9, "attempts": 1, "submitted": ["x"]}).encode()
+    (tmp_path / STATE_FILE).write_bytes(bad)
+    loaded = store.load()
+    assert (loaded.state.attempts, loaded.state.failures, loaded.state.excluded_nodes) == (3, 1, ("n2",))
+    assert loaded.corrupt_copy is not None and loaded.corrupt_copy.read_bytes() == bad
+    assert "submitted holds" in loaded.note
+
+
+def test_semantically_corrupt_state_without_backup_is_an_error_and_kept(tmp_path):
+    bad = json.dumps({"version": 1, "seq": 3, "attempts": 1, "running": {"attempt": "x"}}).encode()
+    (tmp_path / STATE_FILE).write_bytes(bad)
+    snapshots = [{"version": 1, "seq": 4, "attempts": 2, "excluded_nodes": [5]}]  # also corrupt: not used
+    with pytest.raises(ResumeError, match=r"state.json is corrupt \(running.attempt is \"x\", not an integer\)"):
+        StateStore(tmp_path).load(lambda: snapshots)
+    assert (tmp_path / STATE_FILE).read_bytes() == bad
 
 
 def test_newer_backup_wins(tmp_path):
