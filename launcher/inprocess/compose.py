@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 
@@ -17,6 +18,9 @@ class Compose:
         if not components:
             raise ValueError("Compose() needs at least one component, e.g. Compose(ShiftRanks())")
         for component in components:
+            if inspect.isclass(component):  # a class is callable too, but calling it builds, it does not run
+                raise ValueError(f"Compose: {component.__name__} is a class; pass an instance: "
+                                 f"{component.__name__}()")
             if not callable(component):
                 raise ValueError(f"Compose: {component!r} is not callable; pass instances such as ShiftRanks(), "
                                  "not the class or its result")

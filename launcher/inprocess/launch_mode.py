@@ -5,7 +5,13 @@ rank's environment; the bootstrap then runs the script through :func:`run`. Ever
 the script afresh as ``__main__`` in the same process (``import torch`` and other imports stay loaded).
 A script that reaches its end, or calls ``sys.exit(0)``, has completed; another exit status is a fault
 (restarted in place), except the steering codes (16, 17, 93), which end the job as without
-``--inprocess``. The script may also use ``Wrapper`` itself; that inner Wrapper then defers to this one.
+``--inprocess``.
+
+The script may also use ``Wrapper`` itself. Its settings are then honoured: when the script calls the
+function it wrapped, that Wrapper runs a complete session of its own (its components, timeouts and
+restarts) while this one stands aside, and an error that ends it ends the rank (the script is not
+re-run over the user's decision). This Wrapper still restarts the script for faults outside that
+function. ``--inprocess-spares`` spares are not lent to the script's Wrapper (give it a rank_filter).
 """
 
 from __future__ import annotations
@@ -31,12 +37,18 @@ def enabled(env: Mapping[str, str]) -> bool:
 
 
 def build_wrapper(env: Mapping[str, str]) -> Wrapper:
-    """The Wrapper for a launched script: defaults, plus spares from --inprocess-spares."""
+    """The Wrapper for a launched script: defaults, plus spares from --inprocess-spares.
+
+    It yields to a Wrapper the script applies itself (see ``Session.defer``).
+    """
     spares = int(env.get(SPARES_ENV) or 0)
     if spares <= 0:
-        return Wrapper()
-    world = int(env.get("WORLD_SIZE") or 1)
-    return Wrapper(rank_filter=MaxActiveWorldSize(max(1, world - spares)))
+        wrapper = Wrapper()
+    else:
+        world = int(env.get("WORLD_SIZE") or 1)
+        wrapper = Wrapper(rank_filter=MaxActiveWorldSize(max(1, world - spares)))
+    wrapper._yields_to_script_wrapper = True
+    return wrapper
 
 
 def _as_completion(run: Callable[[], None]) -> Callable[[], None]:
@@ -59,6 +71,9 @@ def run(script: Callable[[], None], env: Mapping[str, str]) -> int:
     try:
         build_wrapper(env)(_as_completion(script))()
     except (InprocessError, RetriesExhausted) as exc:
-        sys.stderr.write(f"nvrx: in-process restart: {exc}\n")
+        message = str(exc)
+        if not message.startswith("in-process restart"):  # RetryController's messages already say it
+            message = f"in-process restart: {message}"
+        sys.stderr.write(f"nvrx: {message}\n")
         return FAILED
     return OK

@@ -57,6 +57,11 @@ def active_call_wrapper() -> CallWrapper | None:
     return getattr(_active, "call_wrapper", None)
 
 
+def active_session() -> "Session | None":
+    """The Session running in this thread, if any."""
+    return getattr(_active, "session", None)
+
+
 class _Restart(Exception):
     """Internal: the iteration ended without completing; carries why."""
 
@@ -65,8 +70,9 @@ class Session:
     """Runs FN under the restart loop; ``run()`` returns FN's result on active ranks (None on spares)."""
 
     def __init__(self, wrapper: "Wrapper", fn: Callable[..., Any], call_wrapper_param: str | None,
-                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                 args: tuple[Any, ...], kwargs: dict[str, Any], parent: "Session | None" = None) -> None:
         self.w = wrapper
+        self.parent = parent  # the launcher's session this one runs inside (see defer())
         self.fn = fn
         self.param = call_wrapper_param
         self.args = args
@@ -74,7 +80,7 @@ class Session:
         self.saved_env = {k: os.environ.get(k) for k in ENV_KEYS}
         self.rank, self.world_size = _torchrun_rank()
         self.master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        self.session = str(next(_sessions))
+        self.session = parent.child_session_name() if parent is not None else str(next(_sessions))
         self.members: frozenset[int] = frozenset(range(self.world_size))
         self.current_rank: dict[int, int] = {r: r for r in range(self.world_size)}  # initial -> current
         self.hostnames: dict[int, str] = {}
@@ -91,6 +97,9 @@ class Session:
         self.timings: dict[str, float] = {}
         self.finished = False
         self.left = False  # recorded as terminated by our own hand
+        self.unhealthy: BaseException | None = None  # what the health check before the run raised
+        self.deferred_failure: BaseException | None = None  # what ended a script's own Wrapper (see defer())
+        self._children = 0  # script Wrappers run inside the current iteration (names their store sessions)
 
     # ------------------------------------------------------------ set-up and tear-down
 
@@ -125,8 +134,7 @@ class Session:
                                             soft_timeout=w.soft_timeout).start()
         self.call_wrapper = CallWrapper(self.gate, self.recorder)
         self.call_wrapper.state = self.state
-        set_current(self.call_wrapper)
-        _active.call_wrapper = self.call_wrapper
+        self._make_current()
         try:
             self.monitor_process.wait_ready()
         except RuntimeError as exc:
@@ -135,6 +143,14 @@ class Session:
     def _make_store(self) -> StoreMixin:
         w = self.w
         kwargs = dict(w.store_kwargs)
+        if self.parent is not None and self.parent.store is not None and _default_store(w):
+            # A script's Wrapper under nvrx launch: the default store would connect to MASTER_ADDR, which now
+            # names the launcher Wrapper's per-iteration store on rank 0; share the launcher's store (the
+            # agent's) instead, under this session's own keys, so losing rank 0 does not lose it.
+            with self.parent.store.errors_as_unavailable():
+                store = self.parent.store.new_client()
+            store.use_session(self.session)
+            return store
         try:
             store = w.store_factory(**kwargs)
         except ConfigurationError:
@@ -157,8 +173,14 @@ class Session:
                 "heartbeat_timeout": w.heartbeat_timeout, "hard_timeout": w.hard_timeout,
                 "termination_grace_time": w.termination_grace_time}
 
+    def _make_current(self) -> None:
+        set_current(self.call_wrapper)
+        _active.call_wrapper = self.call_wrapper
+        _active.session = self
+
     def _close(self) -> None:
         _active.call_wrapper = None
+        _active.session = None
         set_current(None)
         for step in (self._stop_monitor_thread, self._stop_monitor_process, self._stop_pg_server,
                      self._linger_if_hosting, self._close_recorder):
@@ -259,6 +281,7 @@ class Session:
 
     def _run_iteration(self, iteration: int, fault_base: int) -> Any:
         """Initialize, health check, run or idle, completion barrier; _Restart unless all ranks completed."""
+        self._children = 0
         gate, recorder, monitor = self.gate, self.recorder, self.monitor_thread
         assert gate is not None and recorder is not None and monitor is not None and self.call_wrapper is not None
         self.call_wrapper.state = self.state
@@ -312,6 +335,12 @@ class Session:
             log.debug("the wrapped function suppressed the restart exception (%s)", swallow_location(delivered))
         if exc is None and decision is not None and _completed(decision):
             return self.result
+        if exc is not None and exc is self.unhealthy:
+            self._end_unhealthy(exc)
+        if exc is not None and self.deferred_failure is not None and _caused_by(exc, self.deferred_failure):
+            # The script's own Wrapper ended (retries exhausted, rank removed, unhealthy): its decision stands.
+            self._leave_job(f"the script's Wrapper ended: {type(exc).__name__}: {str(exc)[:200]}")
+            raise exc
         if exc is not None and not isinstance(exc, (Exception, RestartInterrupt)):
             self._leave_job(f"{type(exc).__name__} ended the Wrapper on this rank")
             raise exc
@@ -329,6 +358,17 @@ class Session:
             raise _Restart(f"{type(exc).__name__} on this rank") from exc
         raise _Restart("a fault elsewhere")
 
+    def _end_unhealthy(self, exc: BaseException) -> None:
+        """The health check before the run failed: this rank leaves for good and the others restart without it.
+
+        The spec has an unhealthy rank re-raise the health check's exception (which should end the
+        process) rather than restart: a rank that cannot run the workload must not rejoin.
+        """
+        log.error("health check failed before iteration %d: %s: %s; this rank leaves the job and does not rejoin",
+                  self.state.iteration, type(exc).__name__, exc)
+        self._leave_job(f"health check failed: {type(exc).__name__}: {str(exc)[:200]}")
+        raise exc
+
     def _initialize_and_check(self) -> None:
         w = self.w
         if w.initialize is not None:
@@ -336,7 +376,13 @@ class Session:
             assert self.call_wrapper is not None
             self.call_wrapper.state = self.state
         if w.health_check is not None:
-            w.health_check(self.state)
+            try:
+                w.health_check(self.state)
+            except RestartInterrupt:
+                raise  # a fault elsewhere reached us during the check: a restart, not a verdict on this rank
+            except BaseException as exc:
+                self.unhealthy = exc  # _outcome ends this rank instead of restarting it (spec: "Health check")
+                raise
 
     def _kwargs(self) -> dict[str, Any]:
         if self.param is None or self.param in self.kwargs:
@@ -361,11 +407,12 @@ class Session:
             return self.store.decide(f"completion/{iteration}", empty_decision(aborted=True))
 
     def _record_local_fault(self, iteration: int, exc: BaseException) -> bool:
-        """Record EXC as this rank's fault; False when another rank's fault came first (EXC is likely its
-        consequence, e.g. a collective broken by the peer's abort)."""
+        """Record EXC as this rank's fault; False when EXC looks like the consequence of a fault another rank
+        recorded first (a collective broken by the peer's abort). Any other exception is a fault of its own
+        and is recorded even when another rank failed first: concurrent faults are all reported."""
         assert self.store is not None and self.monitor_thread is not None
         with self.store.errors_as_unavailable():
-            earlier = self._faults_elsewhere(wait=self.w.last_call_wait if _looks_secondary(exc) else 0.0)
+            earlier = self._faults_elsewhere(wait=self.w.last_call_wait) if _looks_secondary(exc) else []
             if earlier:
                 log.info("%s (%s) after the fault on rank %s; restarting", type(exc).__name__,
                          (str(exc).splitlines() or [""])[0][:120], earlier[0]["rank"])
@@ -384,6 +431,46 @@ class Session:
             if faults or time.monotonic() >= deadline:
                 return faults
             time.sleep(0.005)
+
+    # ------------------------------------------------------------ a script's own Wrapper (nvrx launch --inprocess)
+
+    def child_session_name(self) -> str:
+        """Store namespace of the next script Wrapper run in this iteration: the same on every rank that runs
+        the script, however many times this session restarted it."""
+        self._children += 1
+        return f"{self.session}.{self.state.iteration}.{self._children}"
+
+    def defer(self, run_child: Callable[[], Any]) -> Any:
+        """Run a script's own Wrapper (RUN_CHILD) with this session's monitoring suspended.
+
+        Under ``nvrx launch --inprocess`` this session runs the whole script; when the script calls a
+        function it wrapped itself, that Wrapper's configuration is the user's intent, so it runs a full
+        session of its own (its components, timeouts, restarts) while this one stands aside: no fault
+        polling, no soft/hard timeout, no interrupt. Faults recorded here meanwhile were the child's to
+        handle and are not replayed afterwards. If the child ends with an exception, that ends this rank
+        too (``_outcome``): the user's Wrapper decided, and re-running the script would override it.
+        """
+        gate, monitor, recorder, store = self.gate, self.monitor_thread, self.recorder, self.store
+        assert gate is not None and monitor is not None and recorder is not None and store is not None
+        _log_deferral_once(self)
+        monitor.disarm()
+        if gate.close():  # a restart of the script was already under way: let it happen first
+            raise RestartInterrupt("a fault was recorded before the script's Wrapper started; restarting")
+        recorder.end_iteration()
+        try:
+            result = run_child()
+        except BaseException as exc:
+            self.deferred_failure = exc
+            raise
+        finally:
+            self._make_current()
+            set_context(initial_rank=self.rank, iteration=self.state.iteration)
+        with store.errors_as_unavailable():
+            fault_base = store.fault_count()
+        recorder.start_iteration()
+        gate.open()
+        monitor.arm(self.state.iteration, fault_base)
+        return result
 
     # ------------------------------------------------------------ the restart path
 
@@ -424,8 +511,18 @@ class Session:
                         "termination_barrier": t3 - t2, "rank_assignment": time.monotonic() - t3}
 
     def _abort(self, state: State) -> None:
-        if self.w.abort is not None:
-            self.w.abort(state)
+        """The configured abort, then stop this iteration's process-group store if this rank hosts it.
+
+        Stopping that store is what frees ranks blocked in ``init_process_group``: gloo's rendezvous
+        waits in C++ on the store for a rank that will never arrive (one that left, say, after a failed
+        health check), where neither the abort nor the restart exception reaches it; with the store
+        gone the wait fails at once. The store is replaced at the next iteration anyway.
+        """
+        try:
+            if self.w.abort is not None:
+                self.w.abort(state)
+        finally:
+            self._stop_pg_server()
 
     def _abort_from_monitor(self) -> None:
         self._abort(self.state)
@@ -600,3 +697,26 @@ def _clear_frames(exc: BaseException) -> None:
         traceback.clear_frames(exc.__traceback__)
     except Exception:
         pass
+
+
+def _default_store(wrapper: "Wrapper") -> bool:
+    from launcher.inprocess.store import TCPStore
+
+    return wrapper.store_factory is TCPStore and not wrapper.store_kwargs
+
+
+_deferral_logged = threading.Event()
+
+
+def _log_deferral_once(session: Session) -> None:
+    """Say once per process that the script's Wrapper is in charge, and what of the launcher's no longer applies."""
+    if _deferral_logged.is_set():
+        return
+    _deferral_logged.set()
+    log.info("the script wraps its entry point in its own Wrapper: that Wrapper's settings apply to it (restarts, "
+             "timeouts, components); nvrx launch --inprocess restarts the script only for faults outside it")
+    if session.state.active_world_size < session.state.world_size:
+        log.warning("--inprocess-spares: the %d spare rank(s) wait in the launcher's Wrapper and are not used by the "
+                    "script's own Wrapper; to keep spares, give that Wrapper a rank_filter (e.g. "
+                    "MaxActiveWorldSize) and launch without --inprocess-spares",
+                    session.state.world_size - session.state.active_world_size)

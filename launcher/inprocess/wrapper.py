@@ -6,7 +6,9 @@
         ...
 
 Every argument is checked when the Wrapper is built: a bad value raises ``ValueError`` before any
-thread or process is started. Defaults (seconds):
+thread or process is started. Durations are seconds (int or float) or ``datetime.timedelta``; timeouts
+may be at most a week, the three ``*_interval`` periods between 1 ms and an hour, ``last_call_wait``
+at most an hour. Defaults (seconds):
 
 =========================== ======= ================================================================
 monitor_thread_interval       0.1   how often the monitor thread reads the store for faults
@@ -21,7 +23,8 @@ completion_timeout          120     after the first rank finished, how long the 
 termination_grace_time        5     between SIGTERM and SIGKILL on a hard timeout
 =========================== ======= ================================================================
 
-Components (``None`` disables one; a tuple or list of components means their ``Compose``):
+Components are instances (``ShiftRanks()``, not ``ShiftRanks``; ``None`` disables one; a tuple or list
+of components means their ``Compose``):
 ``initialize`` (none), ``abort`` (``AbortTorchDistributed()``),
 ``finalize`` (none), ``health_check`` (``CudaHealthCheck()``, skipped without CUDA),
 ``rank_assignment`` (``ShiftRanks()``), ``rank_filter`` (none: all ranks active).
@@ -29,13 +32,14 @@ Components (``None`` disables one; a tuple or list of components means their ``C
 
 from __future__ import annotations
 
+import datetime
 import functools
 import inspect
 import json
 import logging
 import math
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 from launcher.inprocess.abort import AbortTorchDistributed
 from launcher.inprocess.call_wrapper import wants_call_wrapper
@@ -43,20 +47,41 @@ from launcher.inprocess.compose import Compose
 from launcher.inprocess.health_check import CudaHealthCheck
 from launcher.inprocess.log_setup import setup_rank_logging
 from launcher.inprocess.rank_assignment import ShiftRanks
-from launcher.inprocess.session import Session, active_call_wrapper
+from launcher.inprocess.session import Session, active_call_wrapper, active_session
 from launcher.inprocess.store import StoreMixin, TCPStore
 
 log = logging.getLogger(__name__)
 
 _DEFAULT = object()
+Seconds = Union[float, datetime.timedelta]  # every duration parameter takes either
 
 
-def _seconds(value: Any, name: str, allow_zero: bool = False) -> float:
+MIN_INTERVAL = 0.001  # monitoring intervals: anything shorter is a busy loop hammering the store
+MAX_INTERVAL = 3600.0  # ... and anything longer leaves faults unnoticed for over an hour
+MAX_TIMEOUT = 7 * 24 * 3600.0  # timeouts: a week; beyond that a value is a unit mistake (ms for s, ...)
+
+
+def _seconds(value: Any, name: str, allow_zero: bool = False, upper: float = MAX_TIMEOUT) -> float:
+    """VALUE as seconds: a number or a ``datetime.timedelta`` (the spec's examples use both), finite,
+    positive (or zero when ALLOW_ZERO) and at most UPPER, else a ValueError naming NAME."""
+    if isinstance(value, datetime.timedelta):
+        value = value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"Wrapper: {name} must be a number of seconds, not {value!r}")
+        raise ValueError(f"Wrapper: {name} must be a number of seconds or a datetime.timedelta, not {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"Wrapper: {name} must be {'>= 0' if allow_zero else '> 0'} seconds, not {value!r}")
+    if value > upper:
+        raise ValueError(f"Wrapper: {name} must be at most {upper:g} seconds, not {value!r}")
     return float(value)
+
+
+def _interval(value: Any, name: str) -> float:
+    """A monitoring loop's period: between MIN_INTERVAL and MAX_INTERVAL seconds."""
+    seconds = _seconds(value, name, upper=MAX_INTERVAL)
+    if seconds < MIN_INTERVAL:
+        raise ValueError(f"Wrapper: {name} must be at least {MIN_INTERVAL:g} seconds (a shorter period is a busy "
+                         f"loop), not {value!r}")
+    return seconds
 
 
 def _component(value: Any, name: str) -> Any:
@@ -65,6 +90,9 @@ def _component(value: Any, name: str) -> Any:
             value = Compose(*value)
         except ValueError as exc:
             raise ValueError(f"Wrapper: {name}: {exc}") from None
+    if inspect.isclass(value):  # calling a class would build a component per call, not run one
+        raise ValueError(f"Wrapper: {name} must be a component instance, not the class {value.__name__}; "
+                         f"pass an instance: {value.__name__}()")
     if value is not None and not callable(value):
         raise ValueError(f"Wrapper: {name} must be callable (an instance such as {name}=Compose(...)) or None, "
                          f"not {value!r}")
@@ -121,17 +149,17 @@ class Wrapper:
         health_check: Callable[..., Any] | None = _DEFAULT,  # type: ignore[assignment]
         rank_assignment: Callable[..., Any] = _DEFAULT,  # type: ignore[assignment]
         rank_filter: Callable[..., Any] | None = None,
-        monitor_thread_interval: float = 0.1,
-        monitor_process_interval: float = 0.5,
-        progress_watchdog_interval: float = 0.5,
+        monitor_thread_interval: Seconds = 0.1,
+        monitor_process_interval: Seconds = 0.5,
+        progress_watchdog_interval: Seconds = 0.5,
         monitor_process_logfile: str | None = None,
-        last_call_wait: float = 0.1,
-        soft_timeout: float = 60.0,
-        hard_timeout: float = 90.0,
-        heartbeat_timeout: float = 30.0,
-        barrier_timeout: float = 120.0,
-        completion_timeout: float = 120.0,
-        termination_grace_time: float = 5.0,
+        last_call_wait: Seconds = 0.1,
+        soft_timeout: Seconds = 60.0,
+        hard_timeout: Seconds = 90.0,
+        heartbeat_timeout: Seconds = 30.0,
+        barrier_timeout: Seconds = 120.0,
+        completion_timeout: Seconds = 120.0,
+        termination_grace_time: Seconds = 5.0,
         enabled: bool = True,
     ) -> None:
         self.store_factory = _store_factory(store_factory)
@@ -145,11 +173,11 @@ class Wrapper:
         if self.rank_assignment is None:
             raise ValueError("Wrapper: rank_assignment cannot be None; the default is ShiftRanks()")
         self.rank_filter = _component(rank_filter, "rank_filter")
-        self.monitor_thread_interval = _seconds(monitor_thread_interval, "monitor_thread_interval")
-        self.monitor_process_interval = _seconds(monitor_process_interval, "monitor_process_interval")
-        self.progress_watchdog_interval = _seconds(progress_watchdog_interval, "progress_watchdog_interval")
+        self.monitor_thread_interval = _interval(monitor_thread_interval, "monitor_thread_interval")
+        self.monitor_process_interval = _interval(monitor_process_interval, "monitor_process_interval")
+        self.progress_watchdog_interval = _interval(progress_watchdog_interval, "progress_watchdog_interval")
         self.monitor_process_logfile = _logfile(monitor_process_logfile)
-        self.last_call_wait = _seconds(last_call_wait, "last_call_wait", allow_zero=True)
+        self.last_call_wait = _seconds(last_call_wait, "last_call_wait", allow_zero=True, upper=MAX_INTERVAL)
         self.soft_timeout = _seconds(soft_timeout, "soft_timeout")
         self.hard_timeout = _seconds(hard_timeout, "hard_timeout")
         self.heartbeat_timeout = _seconds(heartbeat_timeout, "heartbeat_timeout")
@@ -159,6 +187,9 @@ class Wrapper:
         if not isinstance(enabled, bool):
             raise ValueError(f"Wrapper: enabled must be True or False, not {enabled!r}")
         self.enabled = enabled
+        # Set by nvrx launch --inprocess on the Wrapper it runs the script in: a Wrapper the script applies
+        # itself then runs its own session inside this one (Session.defer) instead of only calling its function.
+        self._yields_to_script_wrapper = False
         self._check_relations()
 
     def _check_relations(self) -> None:
@@ -186,11 +217,16 @@ class Wrapper:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if not self.enabled:
                 return fn(*args, **kwargs)
-            outer = active_call_wrapper()
-            if outer is not None:
+            outer = active_session()
+            if outer is not None and outer.w._yields_to_script_wrapper:
+                # nvrx launch --inprocess runs the script; the script's own Wrapper is the user's intent
+                child = Session(self, fn, param, args, kwargs, parent=outer)
+                return outer.defer(child.run)
+            outer_call_wrapper = active_call_wrapper()
+            if outer_call_wrapper is not None:
                 _warn_nested(fn)
                 if param is not None and param not in kwargs:
-                    kwargs = {**kwargs, param: outer}
+                    kwargs = {**kwargs, param: outer_call_wrapper}
                 return fn(*args, **kwargs)
             setup_rank_logging()
             return Session(self, fn, param, args, kwargs).run()
@@ -215,5 +251,5 @@ _nested_warned = threading.Event()
 def _warn_nested(fn: Callable[..., Any]) -> None:
     if not _nested_warned.is_set():
         _nested_warned.set()
-        log.warning("%s is wrapped again inside a running Wrapper (e.g. by nvrx launch --inprocess); the outer "
-                    "Wrapper restarts it, this one only calls it", getattr(fn, "__qualname__", fn))
+        log.warning("%s is wrapped again inside a running Wrapper; the outer Wrapper restarts it and this one only "
+                    "calls it (its settings are not used)", getattr(fn, "__qualname__", fn))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 
@@ -208,3 +209,67 @@ def test_spec_snippet_tuple_of_components_is_accepted():
         inprocess.rank_assignment.FilterGroupedByKey(key_or_fn=lambda rank, _: rank // 8, condition=lambda count: count == 8),
     ),))
     assert w.rank_assignment(ctx(3, 16, gone={9})).state.rank == 3
+
+
+# ---------------------------------------------------------------- component classes instead of instances
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"rank_assignment": ra.ShiftRanks}, "rank_assignment must be a component instance, not the class ShiftRanks; "
+                                         "pass an instance: ShiftRanks()"),
+    ({"rank_filter": rf.MaxActiveWorldSize}, "pass an instance: MaxActiveWorldSize()"),
+    ({"abort": inprocess.abort.AbortTorchDistributed}, "pass an instance: AbortTorchDistributed()"),
+    ({"health_check": inprocess.health_check.CudaHealthCheck}, "pass an instance: CudaHealthCheck()"),
+    ({"initialize": inprocess.initialize.RetryController}, "pass an instance: RetryController()"),
+    ({"rank_assignment": (ra.ShiftRanks(), ra.ShiftRanks)}, "rank_assignment: Compose: ShiftRanks is a class; "
+                                                            "pass an instance: ShiftRanks()"),
+])
+def test_component_classes_are_refused_at_construction(kwargs, message):
+    before = _snapshot()
+    with pytest.raises(ValueError) as err:
+        inprocess.Wrapper(**kwargs)
+    assert message in str(err.value)
+    assert _snapshot() == before
+
+
+def test_compose_refuses_a_class_among_instances():
+    with pytest.raises(ValueError, match=r"Compose: ShiftRanks is a class; pass an instance: ShiftRanks\(\)"):
+        inprocess.Compose(ra.ShiftRanks, ra.FilterGroupedByKey(key_or_fn=lambda r, w: r // 2, condition=bool))
+    with pytest.raises(ValueError, match=r"pass an instance: WorldSizeDivisibleBy\(\)"):
+        inprocess.Compose(rf.MaxActiveWorldSize(4), rf.WorldSizeDivisibleBy)
+
+
+# ---------------------------------------------------------------- durations: timedelta, bounds
+
+
+def test_timedelta_durations_are_accepted_as_seconds():
+    w = inprocess.Wrapper(soft_timeout=datetime.timedelta(seconds=30), hard_timeout=datetime.timedelta(minutes=1),
+                          monitor_thread_interval=datetime.timedelta(milliseconds=50),
+                          termination_grace_time=datetime.timedelta(0), last_call_wait=datetime.timedelta(0),
+                          barrier_timeout=datetime.timedelta(minutes=5), completion_timeout=90)
+    assert (w.soft_timeout, w.hard_timeout, w.monitor_thread_interval) == (30.0, 60.0, 0.05)
+    assert (w.termination_grace_time, w.last_call_wait, w.barrier_timeout, w.completion_timeout) == (0, 0, 300, 90)
+    assert all(isinstance(v, float) for v in (w.soft_timeout, w.hard_timeout, w.monitor_thread_interval))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"soft_timeout": datetime.timedelta(seconds=-5)}, "soft_timeout must be > 0 seconds"),
+    ({"hard_timeout": datetime.timedelta(seconds=10), "soft_timeout": datetime.timedelta(seconds=20)},
+     "hard_timeout (10 s) must not be shorter than soft_timeout"),
+    ({"monitor_thread_interval": 0}, "monitor_thread_interval must be > 0"),
+    ({"monitor_thread_interval": float("inf")}, "monitor_thread_interval must be a number of seconds or a "
+                                                 "datetime.timedelta"),
+    ({"monitor_thread_interval": 1e-6}, "monitor_thread_interval must be at least 0.001 seconds"),
+    ({"monitor_thread_interval": 7200}, "monitor_thread_interval must be at most 3600 seconds"),
+    ({"monitor_process_interval": datetime.timedelta(hours=2)}, "monitor_process_interval must be at most 3600"),
+    ({"progress_watchdog_interval": -1}, "progress_watchdog_interval must be > 0"),
+    ({"last_call_wait": 1e5}, "last_call_wait must be at most 3600 seconds"),
+    ({"barrier_timeout": 1e9}, "barrier_timeout must be at most 604800 seconds"),
+    ({"hard_timeout": "90s"}, "hard_timeout must be a number of seconds or a datetime.timedelta, not '90s'"),
+])
+def test_bad_durations_raise_value_error_at_construction(kwargs, message):
+    before = _snapshot()
+    with pytest.raises(ValueError) as err:
+        inprocess.Wrapper(**kwargs)
+    assert message in str(err.value)
+    assert _snapshot() == before

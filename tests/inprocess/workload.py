@@ -33,6 +33,20 @@ def record(event: str, **fields: object) -> None:
         fh.write(line + "\n")
 
 
+class FailOnce(inprocess.health_check.HealthCheck):
+    """A user-defined health check: unhealthy on one rank at the start of one iteration (before the run)."""
+
+    def __init__(self, rank: int, iteration: int) -> None:
+        self.rank, self.iteration = rank, iteration
+
+    def __call__(self, state):
+        record("health_check", iteration=state.iteration, rank=state.rank)
+        if INITIAL_RANK == self.rank and state.iteration == self.iteration:
+            record("unhealthy", iteration=state.iteration)
+            raise RuntimeError("user health check: this rank is unhealthy")
+        return state
+
+
 def components() -> dict[str, object]:
     """Wrapper keyword arguments that cannot travel as JSON."""
     out: dict[str, object] = {}
@@ -42,6 +56,9 @@ def components() -> dict[str, object]:
             ra.ShiftRanks(), ra.FilterGroupedByKey(key_or_fn=lambda rank, _: rank // 2, condition=lambda n: n == 2))
     if PLAN.get("max_active"):
         out["rank_filter"] = rf.MaxActiveWorldSize(PLAN["max_active"])
+    if PLAN.get("unhealthy"):
+        out["health_check"] = inprocess.Compose(inprocess.health_check.CudaHealthCheck(),
+                                                FailOnce(**PLAN["unhealthy"]))
     if PLAN.get("max_iterations"):
         out["initialize"] = inprocess.initialize.RetryController(max_iterations=PLAN["max_iterations"])
     return out
@@ -68,6 +85,14 @@ def inject(action: str, call_wrapper: inprocess.CallWrapper) -> None:
         time.sleep(120)
     if action == "gil_hang":  # a C call that keeps the GIL: no Python thread of this process can run
         ctypes.PyDLL(None).sleep(120)
+    if action == "gil_hang_ignore_term":  # the same, deaf to SIGTERM: only the SIGKILL after the grace time ends it
+        import signal
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        record("ignoring_sigterm")
+        ctypes.PyDLL(None).sleep(120)
+    if action == "raise_after":  # a second fault, PLAN["raise_after_seconds"] after the first
+        time.sleep(float(PLAN.get("raise_after_seconds", 1.0)))
+        raise ValueError("injected fault")
     if action == "swallow":
         try:
             time.sleep(120)
@@ -91,7 +116,7 @@ def train(call_wrapper: inprocess.CallWrapper) -> str:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PLAN.get("gloo_timeout", 60)))
     rank, world = dist.get_rank(), dist.get_world_size()
     record("start", iteration=iteration, rank=rank, world=world, env_rank=os.environ["RANK"],
-           timings=call_wrapper.restart_timings)
+           timings=call_wrapper.restart_timings, slot_dir=str(call_wrapper._recorder.directory))
     planned = PLAN.get("actions", {})
     actions = planned.get(str(iteration), planned.get("*", {})).get(str(INITIAL_RANK), {})
     tensor = torch.ones(4)
