@@ -15,8 +15,12 @@ is on disk (ours: wait() published it; dcp_async: the future; torch_save: + fsyn
 a process is "cold", the others "warm" (medians). Floors, measured next to every save in the same
 process on the same tensors (the machine is shared, so load drifts): just before it, a copy of the
 state into already-allocated buffers; just after it, a sequential write + fsync of as many bytes.
-Ratios are per save (save / its own floors), then the median. ours_prepared: ckpt.prepare() (what
-ckpt.resume() does at start-up) before the first save; only its cold save is of interest.
+Ratios are per save (save / its own floors), then the median. Cold figures are the median of the first
+save of --cold-runs fresh process sets (default 3; the extra runs do one save each). ours_prepared: the
+checkpointer is given the state when it is created (AsyncCheckpointer(state_dict=...), as ckpt.resume()
+and ckpt.prepare() do), which reserves and faults in the staging memory on a background thread; the
+bench waits for that (start-up work, untimed, reported as reserve_s) before the first save, as a training
+loop would be busy with its first steps; only its cold save is of interest.
 ours_overlap: overlap_write=True (the writer starts writing while the copy is still going on).
 Plan cache: planning time of our save with and without the cache at 2 ranks (1 GiB state, and a state
 of many small tensors where planning matters more).
@@ -121,16 +125,23 @@ class Floors:
         return elapsed
 
 
-def _saver(method: str, world: int, enable_cache: bool) -> Any:
-    """A function (state, path) -> (blocked_s, durable_s, extra) for METHOD."""
+def _saver(method: str, world: int, enable_cache: bool, state: dict, setup: dict) -> Any:
+    """A function (state, path) -> (blocked_s, durable_s, extra) for METHOD; start-up costs go into SETUP."""
     import torch
     import torch.distributed.checkpoint as dcp
 
     if method.startswith("ours"):
         import ckpt
         from ckpt.async_ckpt import state_dict_saver
+        from ckpt.async_ckpt.staging import default_pool
 
-        cp = ckpt.AsyncCheckpointer(enable_cache=enable_cache, overlap_write=method == "ours_overlap")
+        t0 = time.perf_counter()
+        cp = ckpt.AsyncCheckpointer(enable_cache=enable_cache, overlap_write=method == "ours_overlap",
+                                    state_dict=state if method == "ours_prepared" else None)
+        setup["construct_s"] = time.perf_counter() - t0  # what creating it blocks the training thread for
+        if method == "ours_prepared":
+            default_pool().wait_reserved()  # background work a training loop overlaps with its first steps
+            setup["reserve_s"] = time.perf_counter() - t0
 
         def save(state: dict, path: Path) -> tuple[float, float, dict]:
             t0 = time.perf_counter()
@@ -191,14 +202,8 @@ def rank_main(cfg: dict[str, Any]) -> None:
     state, local = _make_state(cfg["bytes"], cfg["tensors"], world, mesh)
     workdir = Path(cfg["dir"])
     floors = Floors(local, workdir, rank)
-    save = _saver(method, world, cfg.get("cache", True))
-    if method == "ours_prepared":  # what ckpt.resume() does at start-up: staging reserved before the first save
-        import ckpt
-
-        from ckpt.async_ckpt.staging import default_pool
-
-        ckpt.checkpointer().prepare(state)
-        default_pool().wait_reserved()  # start-up work, not timed
+    setup: dict[str, float] = {}
+    save = _saver(method, world, cfg.get("cache", True), state, setup)
     samples = []
     for k in range(cfg["saves"]):
         for t in local:
@@ -216,11 +221,11 @@ def rank_main(cfg: dict[str, Any]) -> None:
         if rank == 0:
             shutil.rmtree(workdir / f"{method}-{k}", ignore_errors=True)
         _barrier(world)
-    Path(cfg["out"]).write_text(json.dumps({"rank": rank, "samples": samples}))
+    Path(cfg["out"]).write_text(json.dumps({"rank": rank, "samples": samples, "setup": setup}))
     if method.startswith("ours"):
-        import ckpt
+        from ckpt.async_ckpt.writer_process import default_writer
 
-        ckpt.checkpointer().finalize_before_exit()
+        default_writer().stop()
     if world > 1:
         import torch.distributed as dist
 
@@ -296,6 +301,18 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             out[f"warm_{key}_s"] = _med([s[key] for s in warm])
             out[f"cold_{key}_s"] = per_save[0][key]
     out["saves"] = per_save
+    setup = {key: max(r.get("setup", {}).get(key, 0.0) for r in ranks) for key in ranks[0].get("setup", {})}
+    out.update({f"setup_{key}": value for key, value in setup.items()})
+    return out
+
+
+def with_cold_runs(first: dict[str, Any], extra: list[dict[str, Any]]) -> dict[str, Any]:
+    """FIRST's summary with its cold figures replaced by the medians over FIRST and the EXTRA runs' first saves."""
+    runs = [first, *extra]
+    out = dict(first)
+    for key in ("cold_blocked_s", "cold_durable_s", "cold_blocked_over_copy"):
+        out[key] = _med([r[key] for r in runs])
+        out[f"{key}_runs"] = [r[key] for r in runs]
     return out
 
 
@@ -356,6 +373,8 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=1024, help="total state size (default 1024 = 1 GiB)")
     ap.add_argument("--tensors", type=int, default=16, help="number of tensors in the state (default 16)")
     ap.add_argument("--saves", type=int, default=5, help="saves per method and world size: 1 cold + warm (default 5)")
+    ap.add_argument("--cold-runs", type=int, default=3,
+                    help="fresh process sets per method whose first (cold) save is timed; the median is reported (default 3)")
     ap.add_argument("--worlds", default="1,2", help="world sizes (default 1,2)")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
     ap.add_argument("--no-cache-bench", action="store_true", help="skip the plan-cache measurement")
@@ -387,8 +406,11 @@ def main() -> None:
             for m in methods:
                 loads[f"{world}/{m}"] = _load()
                 saves = 2 if m == "ours_prepared" else args.saves  # only its first (cold) save differs from ours
-                r[m] = summarize(run(m, world, args, workdir, saves=saves))
-                print(f"  {world} rank(s) {m}: blocked {r[m]['cold_blocked_s']:.3f} cold / {r[m]['warm_blocked_s']:.3f} warm "
+                first = summarize(run(m, world, args, workdir, saves=saves))
+                extra = [summarize(run(m, world, args, workdir, saves=1)) for _ in range(args.cold_runs - 1)]
+                r[m] = with_cold_runs(first, extra)
+                print(f"  {world} rank(s) {m}: blocked {r[m]['cold_blocked_s']:.3f} cold (median of {args.cold_runs}: "
+                      f"{', '.join(f'{v:.3f}' for v in r[m]['cold_blocked_s_runs'])}) / {r[m]['warm_blocked_s']:.3f} warm "
                       f"({r[m]['warm_blocked_over_copy']:.2f}x copy floor), durable {r[m]['warm_durable_s']:.3f} warm "
                       f"({r[m]['warm_durable_over_disk']:.2f}x disk floor) (load {loads[f'{world}/{m}']})", flush=True)
             results[str(world)] = r
@@ -408,6 +430,7 @@ def main() -> None:
     checks = verdicts(results)
     info["load_after"] = _load()
     doc = {"machine": info, "config": {"size_mib": args.size_mib, "tensors": args.tensors, "saves": args.saves,
+                                       "cold_runs": args.cold_runs,
                                        "worlds": worlds, "methods": methods, "quick": args.quick},
            "loads": loads, "results": results, "plan_cache": cache, "targets": checks}
     out = Path(args.output)

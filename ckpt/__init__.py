@@ -25,7 +25,7 @@ _EXPORTS = {
     "finalize_before_exit": "ckpt.api", "prepare": "ckpt.api",
     "CheckpointInfo": "ckpt.loader", "list_checkpoints": "ckpt.loader", "find_latest_checkpoint": "ckpt.loader",
     "verify_checkpoint": "ckpt.loader", "load_latest": "ckpt.loader", "load_metadata": "ckpt.loader",
-    "CheckpointError": "ckpt.errors", "CheckpointWriteError": "ckpt.errors",
+    "CheckpointError": "ckpt.errors", "CheckpointWriteError": "ckpt.errors", "CheckpointCleanupError": "ckpt.errors",
     "start_persistent_writer": "ckpt.async_ckpt.writer_process",
 }
 

@@ -6,7 +6,9 @@ A typical training loop (every rank runs the same calls)::
     from launcher import job_control
 
     info = ckpt.resume("ckpts", state)            # newest complete checkpoint, verified (None: fresh start);
-                                                 # also reserves staging memory, so even the first save is warm
+                                                 # also reserves staging memory, so even the first save is warm,
+                                                 # and removes unfinished checkpoints of crashed saves
+    # (no resume? ckpt.configure(state_dict=state) or ckpt.prepare(state) reserves the staging memory)
     for step in range(start, total):
         train_step()
         ckpt.maybe_finalize()                    # cheap; publishes saves whose writes are durable
@@ -23,15 +25,19 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
+from ckpt import publish
 from ckpt.async_ckpt.core import AsyncCallsQueue
+from ckpt.async_ckpt.dist_wrapper import DistWrapper
 from ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from ckpt.async_ckpt.state_dict_saver import CheckpointMetadataCache, async_request, save_state_dict_async_plan
 from ckpt.async_ckpt.staging import align, default_pool
 from ckpt.async_ckpt.writer_process import WriterProcess
 from ckpt.errors import CheckpointWriteError
 from ckpt.loader import CheckpointInfo, load_latest, load_metadata
+from ckpt.publish import STALE_PARTIAL_SECONDS
 from ckpt.torch_save_async import torch_save_request
 
 log = logging.getLogger("nvrx.ckpt")
@@ -46,25 +52,38 @@ class AsyncCheckpointer:
     OVERLAP_WRITE: let the writer start on the first items while later ones are still being copied
     (time to durable ~ max(copy, write) instead of their sum). Off by default: without a spare core the
     writer slows the copy, which is the part that blocks training (measured in bench/README.md).
+    STATE_DICT: the state that will be saved, if known now: its staging memory is reserved and faulted in
+    on a background thread at once (see ``prepare``), so the first save costs what later ones do.
+    STALE_PARTIAL_SECONDS: on ``resume`` and on the first save into a directory, unfinished checkpoints
+    (``.NAME.partial``) left by crashed saves are removed: at once when the process that wrote one is
+    known to be gone, else after this long without a change (None: never).
     """
 
     def __init__(self, *, process_group: Any = None, files_per_rank: int = 2, keep_last: int | None = None,
                  enable_cache: bool = True, retries: int = 0, skip_failed: bool = False, overlap_write: bool = False,
-                 writer: WriterProcess | None = None) -> None:
+                 writer: WriterProcess | None = None, state_dict: dict[str, Any] | None = None,
+                 stale_partial_seconds: float | None = STALE_PARTIAL_SECONDS) -> None:
         self.process_group = process_group
         self.files_per_rank = files_per_rank
         self.keep_last = keep_last
         self.enable_cache = enable_cache
         self.overlap_write = overlap_write
+        self.stale_partial_seconds = stale_partial_seconds
         self.cache = CheckpointMetadataCache()
         self.queue = AsyncCallsQueue(writer, retries=retries, skip_failed=skip_failed)
+        self._swept: set[Path] = set()  # checkpoint roots already cleared of crashed saves' partials
+        if state_dict is not None:
+            self.prepare(state_dict)
 
     def async_save(self, state_dict: dict[str, Any], path: str | os.PathLike, *, update_latest: bool = True) -> int:
         """Save STATE_DICT as a DCP checkpoint directory PATH; returns once the values are copied (collective)."""
         self._refuse_pending(path)
+        root = Path(os.path.abspath(path)).parent
+        sweep = self.stale_partial_seconds if root not in self._swept else None
         writer = FileSystemWriterAsync(path, files_per_rank=self.files_per_rank, keep_last=self.keep_last,
-                                       update_latest=update_latest,
+                                       update_latest=update_latest, sweep_stale_partials=sweep,
                                        writer_process=self.queue.writer if self.overlap_write else None)
+        self._swept.add(root)  # once per directory: later saves there are this checkpointer's own
         planned = save_state_dict_async_plan(state_dict, writer, self.process_group, enable_cache=self.enable_cache,
                                              metadata_cache=self.cache)
         return self.queue.schedule_async_request(async_request(*planned))
@@ -104,10 +123,23 @@ class AsyncCheckpointer:
     def resume(self, root: str | os.PathLike, state_dict: dict[str, Any], verify: str | None = "full") -> CheckpointInfo | None:
         """Load the newest complete checkpoint under ROOT into STATE_DICT, seed the plan cache, prepare staging."""
         info = load_latest(root, state_dict, process_group=self.process_group, verify=verify)
+        self.sweep(root)
         if info is not None and self.enable_cache:
             self.cache.set_cached_global_metadata(load_metadata(info.path))
         self.prepare(state_dict)
         return info
+
+    def sweep(self, root: str | os.PathLike) -> list[str]:
+        """Remove unfinished checkpoints of crashed saves under ROOT (coordinator only; see STALE_PARTIAL_SECONDS).
+
+        Saves still pending in this checkpointer are kept; returns the names removed (empty on other ranks).
+        """
+        path = Path(os.path.abspath(root))
+        self._swept.add(path)
+        if self.stale_partial_seconds is None or not DistWrapper(self.process_group).is_coordinator:
+            return []
+        mine = {publish.partial_path(Path(d)).name for d in self.queue.pending_destinations() if Path(d).parent == path}
+        return publish.sweep_stale_partials(path, keep=mine, idle_seconds=self.stale_partial_seconds)
 
     def finalize_before_exit(self) -> None:
         """Publish every pending save, then stop the writer process. Call it before the process exits."""

@@ -8,4 +8,12 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointWriteError(CheckpointError):
-    """Writing a checkpoint failed (in the writer process or while publishing it); the previous one is intact."""
+    """Saving a checkpoint failed (staging, the writer process, or finalize); the message says what is intact."""
+
+
+class CheckpointCleanupError(CheckpointWriteError):
+    """The checkpoint was published and is complete, but moving ``latest`` or removing older ones failed.
+
+    A subclass of ``CheckpointWriteError`` so loops that catch save failures catch it too; unlike them
+    the new checkpoint exists and loads (the loader picks the newest complete checkpoint by itself).
+    """

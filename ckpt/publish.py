@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import logging
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -144,26 +146,148 @@ def sweep_leftovers(root: Path) -> None:
             log.debug("cannot remove leftover %s: %s", root / name, exc)
 
 
+OWNER_FILE = ".nvrx_owner.json"  # inside a partial directory: which process started that save
+STALE_PARTIAL_SECONDS = 3600.0  # a partial nobody can vouch for is stale after this long without a change
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process PID started (clock ticks since boot), or None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    try:
+        return int(stat[stat.rindex(")") + 2:].split()[19])  # field 22; the name in (...) may hold spaces
+    except (ValueError, IndexError):
+        return None
+
+
+def write_owner(partial: Path) -> None:
+    """Record in PARTIAL which process is writing it (removed before it is published), for ``sweep_stale_partials``."""
+    owner = {"boot_id": _boot_id(), "pid": os.getpid(), "start": _start_ticks(os.getpid())}
+    try:
+        (partial / OWNER_FILE).write_text(json.dumps(owner))
+    except OSError as exc:  # only the sweep loses: it falls back to the idle time
+        log.debug("cannot record the owner of %s: %s", partial, exc)
+
+
+def _owner_alive(partial: Path) -> bool | None:
+    """Whether the process that started PARTIAL still runs; None when that cannot be told from here."""
+    try:
+        owner = json.loads((partial / OWNER_FILE).read_text())
+        pid, start, boot = int(owner["pid"]), owner["start"], owner["boot_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if boot is None or start is None or boot != _boot_id():
+        return None  # written on another node (or before a reboot we cannot see): use the idle time
+    return _start_ticks(pid) == start  # a reused pid has another start time
+
+
+def _last_change(path: Path) -> float:
+    """The newest modification time of PATH and, for a directory, of the entries directly in it."""
+    newest = path.lstat().st_mtime
+    if path.is_dir():
+        for entry in os.scandir(path):
+            try:
+                newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+            except OSError:
+                continue
+    return newest
+
+
+def is_partial_name(name: str) -> bool:
+    """True for the ``.NAME.partial`` names this package gives unfinished checkpoints (and only those)."""
+    inner = name[1:-len(PARTIAL_SUFFIX)] if name.startswith(".") and name.endswith(PARTIAL_SUFFIX) else ""
+    return bool(inner) and not is_hidden(inner) and "/" not in inner and inner != LATEST
+
+
+def sweep_stale_partials(root: Path, keep: set[str] | frozenset[str] = frozenset(),
+                         idle_seconds: float = STALE_PARTIAL_SECONDS) -> list[str]:
+    """Remove ``.NAME.partial`` leftovers of saves that died in ROOT; returns the names removed.
+
+    A partial is stale when the process that started it is known to be gone (its owner record names a
+    process of this machine that no longer runs), or, when that cannot be told (another node, no record,
+    a torch.save-style file), when nothing in it changed for IDLE_SECONDS. Partials of live processes,
+    and the names in KEEP (saves this process still has pending), are never touched.
+    """
+    try:
+        names = [n for n in os.listdir(root) if is_partial_name(n) and n not in keep]
+    except OSError:
+        return []
+    removed = []
+    now = time.time()
+    for name in names:
+        path = root / name
+        try:
+            alive = _owner_alive(path) if path.is_dir() else None
+            stale = not alive if alive is not None else now - _last_change(path) > idle_seconds
+            if stale:
+                discard(path)
+                removed.append(name)
+        except OSError as exc:
+            log.debug("cannot sweep %s: %s", path, exc)
+    if removed:
+        log.info("removed %d unfinished checkpoint(s) left by crashed saves in %s: %s", len(removed), root,
+                 ", ".join(removed))
+    return removed
+
+
 def check_destination(final: Path) -> None:
-    """Fail now, with the reason, if a checkpoint cannot be written at FINAL; creates its parent."""
+    """Fail now, with the reason, if a checkpoint cannot be written at FINAL.
+
+    Creates the checkpoint root (FINAL's parent) if needed, but only that last level: if its parent is
+    missing too, the file system meant to hold checkpoints is most likely not mounted, and creating the
+    path would silently put checkpoints on the node's local disk, where a restarted job never finds them.
+    """
     if final.name == LATEST or is_hidden(final.name):
         raise CheckpointError(f"cannot save checkpoint {final}: the name {final.name!r} is reserved (the `latest` "
                               "pointer and dot-names for unfinished ones); choose another name")
-    parent = final.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise CheckpointError(f"cannot save checkpoint {final}: a path component of {parent} is a file, not a directory; "
-                              "choose another checkpoint path") from None
-    except OSError as exc:
-        raise CheckpointError(f"cannot save checkpoint {final}: cannot create {parent} ({exc.strerror}); "
-                              "check that the file system is mounted and writable") from None
-    if not os.access(parent, os.W_OK | os.X_OK):
-        reason = "read-only file system" if _read_only(parent) else "permission denied"
-        raise CheckpointError(f"cannot save checkpoint {final}: {parent} is not writable ({reason}); "
+    root = final.parent
+    if not root.is_dir():
+        _refuse_missing_parent(final, root)
+        try:
+            root.mkdir()
+        except FileExistsError:
+            if not root.is_dir():
+                raise CheckpointError(f"cannot save checkpoint {final}: {root} is a file, not a directory; "
+                                      "choose another checkpoint path") from None
+        except NotADirectoryError:
+            raise CheckpointError(f"cannot save checkpoint {final}: a path component of {root} is a file, not a "
+                                  "directory; choose another checkpoint path") from None
+        except OSError as exc:
+            raise CheckpointError(f"cannot save checkpoint {final}: cannot create {root} ({exc.strerror}); "
+                                  "check that the file system is mounted and writable") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        reason = "read-only file system" if _read_only(root) else "permission denied"
+        raise CheckpointError(f"cannot save checkpoint {final}: {root} is not writable ({reason}); "
                               "mount it read-write or choose another checkpoint path")
     if final.exists() and not final.is_dir():
         raise CheckpointError(f"cannot save checkpoint {final}: a file with that name exists; remove it or pick another path")
+
+
+def _refuse_missing_parent(final: Path, root: Path) -> None:
+    """Raise unless ROOT's parent is an existing directory (then creating ROOT alone is safe)."""
+    if root.exists():  # not a directory (checked by the caller)
+        raise CheckpointError(f"cannot save checkpoint {final}: {root} is a file, not a directory; "
+                              "choose another checkpoint path")
+    for ancestor in (root.parent, *root.parent.parents):
+        if ancestor.is_dir():
+            break
+        if ancestor.exists():
+            raise CheckpointError(f"cannot save checkpoint {final}: a path component of {root} ({ancestor}) is a file, "
+                                  "not a directory; choose another checkpoint path")
+    if root.parent.is_dir():
+        return
+    raise CheckpointError(f"cannot save checkpoint {final}: {root.parent} does not exist (is its file system mounted?); "
+                          f"only the last level ({root.name}) is created automatically, so that checkpoints never land "
+                          f"on a local disk by mistake: mount the file system or create {root.parent} first")
 
 
 def _read_only(path: Path) -> bool:

@@ -17,7 +17,7 @@ from ckpt import manifest as manifest_mod
 from ckpt import publish
 from ckpt.async_ckpt.core import AsyncRequest
 from ckpt.async_ckpt.staging import default_file_pool
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointCleanupError, CheckpointError, CheckpointWriteError
 
 
 def torch_save_request(obj: Any, path: str | os.PathLike, *, update_latest: bool = False) -> AsyncRequest:
@@ -48,14 +48,17 @@ def torch_save_request(obj: Any, path: str | os.PathLike, *, update_latest: bool
             entry = {"format": manifest_mod.FORMAT, "kind": "torch_save", "name": final.name, "size": reply["size"],
                      "digest": reply["digest"], "published_at_ns": time.time_ns()}
             publish.atomic_write(sidecar, manifest_mod.encode(entry))
-            if update_latest:
-                publish.update_latest(final.parent, final.name)
         except OSError as exc:
-            from ckpt.errors import CheckpointWriteError
-
             raise CheckpointWriteError(f"checkpoint {final} was not published: {exc}") from None
         finally:
             pool.release(staged)
+        if update_latest:
+            try:
+                publish.update_latest(final.parent, final.name)
+            except OSError as exc:
+                raise CheckpointCleanupError(f"checkpoint {final} was published and is complete, but updating the "
+                                             f"`latest` pointer failed: {exc}; check that {final.parent} is writable "
+                                             "and has space") from None
 
     def discard(remove_files: bool) -> None:
         pool.release(staged)

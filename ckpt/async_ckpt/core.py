@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ckpt.async_ckpt.writer_process import WriterProcess, default_writer
-from ckpt.errors import CheckpointWriteError
+from ckpt.errors import CheckpointCleanupError, CheckpointWriteError
 
 log = logging.getLogger("nvrx.ckpt.queue")
 
@@ -189,6 +189,11 @@ class AsyncCallsQueue:
                 request.on_result(call.reply)  # type: ignore[arg-type]
             for fn in request.finalize_fns:
                 fn()
+        except CheckpointCleanupError as exc:  # published: nothing to remove, only `latest`/pruning failed
+            if self.skip_failed:
+                log.warning("%s (training continues)", exc)
+                return True
+            raise
         except CheckpointWriteError as exc:
             if request.on_discard:
                 request.on_discard(True)

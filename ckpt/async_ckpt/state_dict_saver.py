@@ -28,7 +28,7 @@ from ckpt.async_ckpt import plan_codec
 from ckpt.async_ckpt.core import AsyncRequest
 from ckpt.async_ckpt.dist_wrapper import DistWrapper
 from ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync, describe_plans
-from ckpt.errors import CheckpointError, CheckpointWriteError
+from ckpt.errors import CheckpointCleanupError, CheckpointError, CheckpointWriteError
 
 log = logging.getLogger("nvrx.ckpt.saver")
 
@@ -232,11 +232,37 @@ def save_state_dict_async_plan(state_dict: dict[str, Any], storage_writer: FileS
             if dw.is_coordinator:
                 cache.cached_global_metadata = global_md
     planned = time.perf_counter()
-    storage_writer.prepare_write_data(planner.finish_plan(central_plan), planner)
+    _stage_collectively(storage_writer, planner, central_plan, dw)
     last_plan_timings.update(plan=planned - started, stage=time.perf_counter() - planned)
     log.debug("checkpoint %s: planned in %.4f s, staged in %.4f s", storage_writer.path, last_plan_timings["plan"],
               last_plan_timings["stage"])
     return storage_writer, global_md, dw
+
+
+def _stage_collectively(writer: FileSystemWriterAsync, planner: SavePlanner, central_plan: SavePlan,
+                        dw: DistWrapper) -> None:
+    """Copy this rank's data into staging, then agree with every rank that the copy worked (one all-reduce).
+
+    A rank whose copy failed (no memory for the staging buffer, a tensor that changed shape, a device
+    error) must not leave the other ranks to schedule a write whose finalize would wait for it forever:
+    every rank abandons the save together, the unpublished directory is removed and the same error is
+    raised everywhere. The previous checkpoint and ``latest`` are untouched.
+    """
+    error: str | None = None
+    cause: Exception | None = None
+    try:
+        writer.prepare_write_data(planner.finish_plan(central_plan), planner)
+    except Exception as exc:  # reported on every rank below; BaseException (Ctrl-C) ends the process anyway
+        error, cause = (str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"), exc
+    if dw.all_true(error is None):
+        return
+    writer.abandon_staging(error or "staging failed on another rank")
+    errors = dw.all_gather_json(error)  # after it, no rank's writer still writes into the partial directory
+    _discard_after_failed_plan(dw, writer)
+    where = "; ".join(f"rank {r}: {e}" if dw.world_size > 1 else str(e) for r, e in enumerate(errors) if e)
+    log.warning("checkpoint %s abandoned on every rank: staging failed (%s)", writer.path, where)
+    raise CheckpointWriteError(f"checkpoint {writer.path} was not saved: copying the state into staging memory failed "
+                               f"({where}); every rank abandoned this save and the previous checkpoint is intact") from cause
 
 
 def _reuse_cached(cache: CheckpointMetadataCache | None, dw: DistWrapper, local_plan: SavePlan | None,
@@ -275,7 +301,7 @@ def save_state_dict_async_finalize(storage_writer: FileSystemWriterAsync, global
     except CheckpointError as exc:
         local = {"error": str(exc)}
     per_rank = dist_wrapper.all_gather_json(local)
-    status: str | None = None
+    status: dict[str, Any] | None = None  # what went wrong, and whether the checkpoint is published anyway
     last_finalize_timings.clear()
     last_finalize_timings["write"] = storage_writer.write_seconds
     if dist_wrapper.is_coordinator:
@@ -288,13 +314,18 @@ def save_state_dict_async_finalize(storage_writer: FileSystemWriterAsync, global
             started = time.perf_counter()
             storage_writer.finish_from_ranks(global_metadata, [m["ok"] for m in per_rank])
             last_finalize_timings["publish"] = time.perf_counter() - started
+        except CheckpointCleanupError as exc:  # published; only `latest` / pruning failed: keep it
+            status = {"published": True, "error": str(exc)}
         except Exception as exc:
-            status = str(exc) if isinstance(exc, (CheckpointError, OSError)) else f"{type(exc).__name__}: {exc}"
+            error = str(exc) if isinstance(exc, (CheckpointError, OSError)) else f"{type(exc).__name__}: {exc}"
+            status = {"published": False, "error": error}
             storage_writer.discard_partial()
     status = dist_wrapper.broadcast_json(status)
     storage_writer.release_staging()
+    if status and status["published"]:
+        raise CheckpointCleanupError(status["error"])
     if status:
-        raise CheckpointWriteError(f"checkpoint {storage_writer.path} was not published: {status}; "
+        raise CheckpointWriteError(f"checkpoint {storage_writer.path} was not published: {status['error']}; "
                                    "the previous checkpoint is intact")
 
 

@@ -7,6 +7,7 @@ import threading
 import warnings
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -61,6 +62,8 @@ def test_round_trip_of_nested_state_through_plain_dcp_load(tmp_path: Path) -> No
     assert visible(tmp_path) == ["latest", "step_11"] and hidden(tmp_path) == []
     assert (tmp_path / "latest").read_text().strip() == "step_11"
     ckpt.verify_checkpoint(tmp_path / "step_11")
+    manifest = ckpt.list_checkpoints(tmp_path)[0].manifest
+    assert sorted(p.name for p in (tmp_path / "step_11").iterdir()) == sorted([*manifest["files"], "nvrx_manifest.json"])
 
 
 def test_checkpoint_holds_the_values_of_the_save_call(tmp_path: Path) -> None:
@@ -126,6 +129,37 @@ def test_plan_cache_is_reused_for_identical_saves_and_dropped_when_the_structure
     assert "empty" in ckpt.load_metadata(tmp_path / "b").state_dict_metadata
 
 
+def test_cached_plan_writes_byte_identical_files_and_skips_global_planning(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    global_plans = []
+    real = DefaultSavePlanner.create_global_plan
+    monkeypatch.setattr(DefaultSavePlanner, "create_global_plan",
+                        lambda self, plans: global_plans.append(len(plans)) or real(self, plans))
+    state = nested_state(scale=5.0)
+    cached = ckpt.AsyncCheckpointer(files_per_rank=3)
+    for name in ("miss", "hit"):
+        cached.async_save(state, tmp_path / name)
+        cached.wait()
+    assert global_plans == [1]  # the second save did no planning at all
+    fresh = ckpt.AsyncCheckpointer(files_per_rank=3, enable_cache=False)
+    fresh.async_save(state, tmp_path / "uncached")
+    fresh.wait()
+    assert global_plans == [1, 1]
+
+    data = sorted(p.name for p in (tmp_path / "miss").glob("*.distcp"))
+    assert len(data) == 3
+    for other in ("hit", "uncached"):
+        assert sorted(p.name for p in (tmp_path / other).glob("*.distcp")) == data
+        for name in data:  # same plan -> the same items at the same offsets of the same files, byte for byte
+            assert (tmp_path / other / name).read_bytes() == (tmp_path / "miss" / name).read_bytes(), (other, name)
+        md, ref = ckpt.load_metadata(tmp_path / other), ckpt.load_metadata(tmp_path / "miss")
+        assert md.state_dict_metadata == ref.state_dict_metadata and md.storage_data == ref.storage_data
+    loaded = dcp_load(blank_state(), tmp_path / "hit")
+    assert torch.equal(loaded["model"]["w"], state["model"]["w"]) and loaded["optim"] == state["optim"]
+
+
 def test_spec_three_stage_api(tmp_path: Path) -> None:
     """plan -> AsyncCallsQueue (writer process) -> finalize, with the spec's names."""
     queue = AsyncCallsQueue()
@@ -165,16 +199,32 @@ def test_staging_that_fails_midway_stops_the_already_started_write(tmp_path: Pat
     assert cp.wait() == [0]
     ckpt.verify_checkpoint(tmp_path / "good")
     assert not (tmp_path / "bad").exists() and writer_process.running()
+    assert hidden(tmp_path) == []  # the abandoned save's partial directory is gone too
+
+
+def writer_children() -> list[psutil.Process]:
+    """This process's live checkpoint writer processes, as the OS sees them."""
+    return [c for c in psutil.Process().children() if c.is_running() and c.status() != psutil.STATUS_ZOMBIE
+            and "ckpt.async_ckpt.writer_main" in " ".join(c.cmdline())]
 
 
 def test_writer_process_is_started_once_and_reused(tmp_path: Path) -> None:
     writer = default_writer()
-    pid, starts = writer.pid, writer.starts
+    before = writer_children()
+    assert [c.pid for c in before] == [writer.pid]  # one writer, and it is a real child process
+    born = before[0].create_time()
     cp = ckpt.AsyncCheckpointer()
+    torch_cp = ckpt.AsyncCheckpointer()
     for n in range(3):
         cp.async_save({"x": torch.full((100,), float(n))}, tmp_path / f"s{n}")
+        torch_cp.async_torch_save({"n": n}, tmp_path / f"t{n}.pt")
         cp.wait()
-    assert (writer.pid, writer.starts) == (pid, starts) and writer.running()
+        torch_cp.wait()
+        after = writer_children()
+        # the same OS process (pid and start time: not a new one that reused the pid) did every save
+        assert [(c.pid, c.create_time()) for c in after] == [(writer.pid, born)], n
+    assert writer.running() and torch.load(tmp_path / "t2.pt") == {"n": 2}
+    assert dcp_load({"x": torch.zeros(100)}, tmp_path / "s2")["x"][0] == 2.0
 
 
 def test_latest_pointer_and_keep_last(tmp_path: Path) -> None:
@@ -187,6 +237,37 @@ def test_latest_pointer_and_keep_last(tmp_path: Path) -> None:
     assert visible(tmp_path) == ["latest", "step_2", "step_3"] and hidden(tmp_path) == []
     assert (tmp_path / "latest").read_text().strip() == "step_3"
     assert [c.path.name for c in ckpt.list_checkpoints(tmp_path)] == ["step_3", "step_2"]
+
+
+def test_published_checkpoint_whose_latest_update_failed_is_reported_as_published(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cp = ckpt.AsyncCheckpointer()
+    cp.async_save({"x": torch.full((10,), 1.0)}, tmp_path / "step_1")
+    cp.wait()
+    (tmp_path / "latest").unlink()
+    (tmp_path / "latest").mkdir()  # `latest` cannot be replaced any more
+    (tmp_path / "latest" / "keep").write_text("x")
+    cp.async_save({"x": torch.full((10,), 2.0)}, tmp_path / "step_2")
+    with pytest.raises(ckpt.CheckpointCleanupError) as err:
+        cp.wait()
+    message = str(err.value)
+    assert message.startswith(f"checkpoint {tmp_path / 'step_2'} was published and is complete, but updating the "
+                              "`latest` pointer failed: Is a directory"), message
+    assert "not published" not in message and "\n" not in message
+    assert isinstance(err.value, ckpt.CheckpointWriteError) and cp.pending == 0
+    ckpt.verify_checkpoint(tmp_path / "step_2")  # kept, not discarded
+    assert ckpt.find_latest_checkpoint(tmp_path).path.name == "step_2"
+    assert dcp_load({"x": torch.zeros(10)}, tmp_path / "step_2")["x"][0] == 2.0
+
+    skipping = ckpt.AsyncCheckpointer(skip_failed=True)
+    skipping.async_save({"x": torch.full((10,), 3.0)}, tmp_path / "step_3")
+    assert skipping.wait() == [0]  # counted as published; a warning says what failed
+    assert "step_3 was published and is complete, but updating the `latest` pointer failed" in caplog.text
+    ckpt.verify_checkpoint(tmp_path / "step_3")
+    with pytest.raises(ckpt.CheckpointCleanupError, match="extra.pt was published and is complete"):
+        cp.async_torch_save({"a": 1}, tmp_path / "extra.pt", update_latest=True)
+        cp.wait()
+    assert torch.load(tmp_path / "extra.pt") == {"a": 1}
 
 
 def test_loader_skips_a_damaged_newest_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

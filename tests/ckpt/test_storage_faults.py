@@ -95,8 +95,8 @@ def test_read_only_mount_is_refused_at_the_call(tmpfs) -> None:
     try:
         with pytest.raises(ckpt.CheckpointError, match=r"is not writable \(read-only file system\)"):
             cp.async_save(small(2.0), root / "step_1")
-        with pytest.raises(ckpt.CheckpointError, match="Read-only file system"):
-            cp.async_save(small(2.0), root / "new" / "deeper" / "step_1")  # a path that does not exist yet
+        with pytest.raises(ckpt.CheckpointError, match=r"cannot create .*/ckpts/new \(Read-only file system\)"):
+            cp.async_save(small(2.0), root / "new" / "step_1")  # a checkpoint root that does not exist yet
         with pytest.raises(ckpt.CheckpointError, match="read-only file system"):
             cp.async_torch_save({"a": 1}, root / "extra.pt")
         assert cp.pending == 0
@@ -104,3 +104,21 @@ def test_read_only_mount_is_refused_at_the_call(tmpfs) -> None:
     finally:
         remount(mnt, "rw")
     assert visible(root) == ["latest", "step_0"] and hidden(root) == []
+
+
+def test_checkpoint_root_under_a_missing_mount_is_refused(tmp_path: Path) -> None:
+    """A root whose parent is missing (file system not mounted) must not be created on the local disk."""
+    cp = ckpt.AsyncCheckpointer()
+    cp.async_save(small(1.0), tmp_path / "ckpts" / "step_0")  # the root itself is created: its parent exists
+    cp.wait()
+    mountpoint = tmp_path / "scratch"  # where a file system should be mounted, but is not
+    for save in (lambda: cp.async_save(small(2.0), mountpoint / "run1" / "ckpts" / "step_1"),
+                 lambda: cp.async_torch_save({"a": 1}, mountpoint / "run1" / "ckpts" / "extra.pt")):
+        with pytest.raises(ckpt.CheckpointError) as err:
+            save()
+        message = str(err.value)
+        assert f"{mountpoint / 'run1'} does not exist (is its file system mounted?)" in message, message
+        assert "\n" not in message and "mount the file system or create" in message
+    assert not mountpoint.exists()  # nothing was created on the wrong disk
+    assert cp.pending == 0
+    assert_intact(tmp_path / "ckpts", "step_0", 1.0)
