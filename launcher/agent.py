@@ -103,7 +103,8 @@ class Agent:
         self.events = events
         self.workers = WorkerGroup(cfg.workers, events, cfg.run_log_dir, console_out, console_err)
         self.monitors = (MonitorGroup(cfg.ft, cfg.workers.nproc_per_node, cfg.run_log_dir, events,
-                                      dict(cfg.workers.base_env), cfg.state_dir / cfg.node_name, cfg.node_name)
+                                      dict(cfg.workers.base_env), cfg.state_dir, cfg.node_name,
+                                      term_grace=cfg.workers.term_timeout)
                          if cfg.ft is not None else None)
         self.failures: list[dict[str, Any]] = []  # one entry per fault stop, for the final report
         self._sig_r, self._sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -114,6 +115,7 @@ class Agent:
         self._old_handlers: dict[int, Any] = {}
         self._rdzv: Any = None
         self._rs: Any = None
+        self._monitor_failure_round: int | None = None  # the round in which a given-up monitor was reported
 
     # ------------------------------------------------------------ entry point
 
@@ -146,7 +148,7 @@ class Agent:
         if self.cfg.ft is not None:
             from monitors.ft_config import describe
 
-            log.info("fault tolerance: %s", describe(self.cfg.ft))
+            log.info("%s", describe(self.cfg.ft))  # describe() already starts with "fault tolerance:"
             self.events.emit("ft_config", config=self.cfg.ft.to_dict())
         with self._signals_raise():
             self._rs = open_rendezvous_store(self.cfg.rdzv)
@@ -208,10 +210,14 @@ class Agent:
         forwarded = self._forwarded = False
         try:
             while True:
+                # Before waiting too: a monitor given up on in an earlier round fails this one at once.
+                if self._monitors_failed(result, forwarded or round_failed or succeeded_reported):
+                    round_failed = True
                 monitor_fds = self.monitors.fds() if self.monitors is not None else []
-                exits = self.workers.wait([wake_fd, self._sig_r, *monitor_fds], timeout=None)
-                if self.monitors is not None:
-                    self.monitors.restart_dead()
+                wake_in = self.monitors.wake_in() if self.monitors is not None else None
+                exits = self.workers.wait([wake_fd, self._sig_r, *monitor_fds], timeout=wake_in)
+                if self._monitors_failed(result, forwarded or round_failed or succeeded_reported):
+                    round_failed = True
                 if self._drain_signal_pipe() and not forwarded:
                     forwarded = self._forwarded = True  # a signal wins over exits it may have caused
                     self._forward_signal(result)
@@ -230,6 +236,26 @@ class Agent:
                     return watch.record
         finally:
             os.close(wake_fd)
+
+    def _monitors_failed(self, result: Any, stopping: bool) -> bool:
+        """Restart dead monitors; True once one keeps dying, after ending the job with that reason.
+
+        A rank whose monitor cannot be kept alive runs unwatched, and a job that then "succeeds" hides it;
+        a restart of the job would not help either (monitors outlive rounds), so the job fails for good.
+        """
+        if self.monitors is None:
+            return False
+        self.monitors.restart_dead()
+        failure = self.monitors.failure
+        if failure is None or stopping:  # a round already ending reports this in the next one
+            return False
+        if self._monitor_failure_round != result.round:  # once per round: another node's stop may win it
+            self._monitor_failure_round = result.round
+            detail = {"local_rank": failure["local_rank"], "rank": result.rank_offset + failure["local_rank"],
+                      "group_rank": result.group_rank, "round": result.round, "describe": failure["describe"],
+                      "monitor_failed": True, "no_restart": True}
+            self._rdzv.report_stop(result.round, "failed", detail)
+        return True
 
     def _inprocess_failures(self, exits: list[RankExit], failed: list[RankExit], result: Any) -> list[RankExit]:
         """--inprocess (spec "Known issues" 6): a failed rank does not stop the job; the Wrapper in the other

@@ -248,6 +248,8 @@ def _attach_to_monitor(started: float) -> None:
             link.arm(())
             ProgressWatchdog(link.writer.auto_beat, float(interval)).start()
 
+    # Takes NVRX_MONITOR_TOKEN out of os.environ before returning, i.e. before user code can start a
+    # process that would inherit it; the client keeps it for this process.
     monitor_client.attach_in_background(os.environ, started=started, on_attached=on_attached)
 
 

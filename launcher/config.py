@@ -23,6 +23,8 @@ from launcher.slurm_env import SlurmEnvError, SlurmTopology, slurm_topology
 
 DEFAULT_RDZV_PORT = 29400
 STATE_DIR_ENV = "NVRX_STATE_DIR"  # state kept across the jobs of an auto-resume chain (--state-dir)
+RESUME_STATE_DIR_ENV = "NVRX_RESUME_STATE_DIR"  # exported by `nvrx resume` to the command it runs
+RESUME_FT_SUBDIR = "ft_state"  # under the resume state dir: the rank monitors' learned timeouts
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 
@@ -340,6 +342,20 @@ def parse_inprocess(raw: Mapping[str, Any], min_world_size: int) -> dict[str, An
 # ---------------------------------------------------------------- the builder
 
 
+def resolve_state_dir(flag: str | None, env: Mapping[str, str], run_log_dir: Path) -> Path:
+    """Where rank monitors keep learned timeouts, first match wins:
+
+    ``--state-dir``, ``$NVRX_STATE_DIR``, ``$NVRX_RESUME_STATE_DIR/ft_state`` (set by ``nvrx resume``, so
+    every job of an auto-resume chain shares it without extra flags), else ``<run_log_dir>/ft_state``
+    (this run only: a new run id starts from the configured timeouts).
+    """
+    resume_dir = env.get(RESUME_STATE_DIR_ENV)
+    chosen = (flag or env.get(STATE_DIR_ENV)
+              or (Path(resume_dir) / RESUME_FT_SUBDIR if resume_dir else None)
+              or run_log_dir / "ft_state")
+    return Path(chosen).expanduser().resolve()
+
+
 def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str], ft: Any = None) -> LaunchConfig:
     """Validate raw CLI values (keys as the click parameter names) into a LaunchConfig.
 
@@ -458,7 +474,7 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str], ft: Any 
         monitor_interval=positive_float(raw.get("monitor_interval", 0.1), "--monitor-interval"),
         signals_to_handle=parse_signals(raw.get("signals_to_handle") or DEFAULT_SIGNALS),
         run_log_dir=run_log_dir,
-        state_dir=Path(raw.get("state_dir") or env.get(STATE_DIR_ENV) or run_log_dir / "ft_state").expanduser().resolve(),
+        state_dir=resolve_state_dir(raw.get("state_dir"), env, run_log_dir),
         ft=ft,
         node_name=(slurm.node_name if slurm else None) or socket.gethostname(),
         slurm=slurm,

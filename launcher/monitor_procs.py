@@ -1,8 +1,15 @@
 """The agent's side of rank monitoring: one monitor process per local rank, started once.
 
 Monitors outlive rank restarts. Each gets a secret token (in its environment, never argv), a
-private 0700 directory for its control socket and heartbeat slot, and this node's state dir for
-learned timeouts and the reason of its last kill (which the agent reads to explain a failure).
+private 0700 directory for its control socket and heartbeat slot, this node's state dir for the
+reason of its last kill (which the agent reads to explain a failure), and the job's shared
+timeouts dir, where learned timeouts are kept per global rank (so a continuation job of an
+auto-resume chain finds them even when it runs on other nodes).
+
+A monitor that dies is restarted, with a growing delay (:data:`RESTART_DELAYS`); one that dies more
+than :data:`MAX_RESTARTS` times within :data:`RESTART_WINDOW` seconds is broken (a bad environment,
+a bug), and restarting it forever would leave its rank unwatched while the job looks healthy, so
+the group gives up and the agent fails the job with the monitor's last words.
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,24 +38,40 @@ from monitors.timeouts import last_hang_file
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = ENV_TOKEN  # the monitor reads its token from here too (never argv)
+MAX_RESTARTS = 5  # restarts of one monitor allowed within RESTART_WINDOW before the job fails
+RESTART_WINDOW = 60.0  # seconds
+RESTART_DELAYS = (0.0, 0.5, 1.0, 2.0, 4.0)  # delay before the n-th restart within the window (then the last)
+TIMEOUTS_SUBDIR = "timeouts"  # under the state dir: <state_dir>/timeouts/rank<GLOBAL>.timeouts.json
+
+
+@dataclass
+class _Restarts:
+    """One monitor's recent deaths and its pending restart."""
+
+    deaths: deque[float] = field(default_factory=deque)
+    due: float | None = None  # monotonic time of the scheduled restart
 
 
 class MonitorGroup:
     """Starts, watches (pidfds), restarts and stops the rank monitors of one node."""
 
     def __init__(self, ft: Any, nproc: int, run_log_dir: Path, events: EventLog, base_env: dict[str, str],
-                 state_dir: Path, node_name: str) -> None:
+                 state_dir: Path, node_name: str, term_grace: float = 5.0) -> None:
         self.ft = ft
         self.nproc = nproc
         self.events = events
         self.base_env = dict(base_env)
-        self.state_dir = state_dir  # this node's: learned timeouts survive jobs when it is kept across them
+        self.timeouts_dir = Path(state_dir) / TIMEOUTS_SUBDIR  # job-wide, by global rank: survives node changes
+        self.state_dir = Path(state_dir) / node_name  # this node's: last_hang files are by local rank
+        self.term_grace = term_grace  # a hung rank ignoring a non-SIGKILL termination signal is killed after this
         self.events_dir = run_log_dir
         self.node = f"{node_name}-{os.getpid()}"
         self.private = Path(tempfile.mkdtemp(prefix="nvrx-mon-"))  # 0700 by mkdtemp
         self.tokens = [secrets.token_hex(16) for _ in range(nproc)]
         self.procs: list[subprocess.Popen | None] = [None] * nproc
         self.pidfds: dict[int, int] = {}  # pidfd -> local rank
+        self.restarts = [_Restarts() for _ in range(nproc)]
+        self.failure: dict[str, Any] | None = None  # set once a monitor keeps dying: the job must fail
         self.started = False
 
     def paths(self, local_rank: int) -> tuple[Path, Path]:
@@ -62,16 +88,19 @@ class MonitorGroup:
         sock, shm = self.paths(lr)
         env = dict(self.base_env, **{TOKEN_ENV: self.tokens[lr]})
         cmd = [sys.executable, "-m", "monitors.rank_monitor", "--rank", str(lr), "--state-dir", str(self.state_dir),
+               "--timeouts-dir", str(self.timeouts_dir), "--term-grace", f"{self.term_grace:g}",
                "--socket", str(sock), "--shm", str(shm), "--token-env", TOKEN_ENV,
                "--config-json", json.dumps(self.ft.to_dict()), "--parent-pid", str(os.getpid()),
                "--events", str(self.events_dir / f"monitor-{self.node}-{lr}.jsonl")]
-        logfile = self.events_dir / f"monitor-{self.node}-{lr}.log"  # the monitor's own log, off the terminal
-        with open(logfile, "ab") as err:
+        with open(self.log_file(lr), "ab") as err:  # the monitor's own log, off the terminal
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
                                     start_new_session=True)
         self.procs[lr] = proc
         self.pidfds[os.pidfd_open(proc.pid)] = lr
         self.events.emit("monitor_spawned", local_rank=lr, pid=proc.pid)
+
+    def log_file(self, local_rank: int) -> Path:
+        return self.events_dir / f"monitor-{self.node}-{local_rank}.log"
 
     def rank_env(self, local_rank: int) -> dict[str, str]:
         """What the rank's RankMonitorClient needs to find its monitor."""
@@ -84,20 +113,61 @@ class MonitorGroup:
     def fds(self) -> list[int]:
         return list(self.pidfds)
 
-    def restart_dead(self) -> list[int]:
-        """Restart every monitor that exited; returns their local ranks."""
-        restarted = []
+    def restart_dead(self, now: float | None = None) -> list[int]:
+        """Notice monitors that exited and (re)start those whose restart is due; returns the restarted ranks.
+
+        A monitor that died more than MAX_RESTARTS times within RESTART_WINDOW is not restarted again:
+        :attr:`failure` says why, and the agent fails the job.
+        """
+        now = time.monotonic() if now is None else now
         for fd, lr in list(self.pidfds.items()):
             proc = self.procs[lr]
             if proc is None or proc.poll() is None:
                 continue
             os.close(fd)
             del self.pidfds[fd]
-            self.events.emit("monitor_died", local_rank=lr, pid=proc.pid, returncode=proc.returncode)
-            log.warning("rank monitor %d (pid %d) exited with %s; restarting it", lr, proc.pid, proc.returncode)
-            self._start_one(lr)
-            restarted.append(lr)
+            self._on_death(lr, proc, now)
+        restarted = []
+        for lr, r in enumerate(self.restarts):
+            if r.due is not None and r.due <= now and self.failure is None:
+                r.due = None
+                self._start_one(lr)
+                restarted.append(lr)
         return restarted
+
+    def _on_death(self, lr: int, proc: subprocess.Popen, now: float) -> None:
+        """Record a death; schedule the restart with backoff, or give up on a monitor that keeps dying."""
+        r = self.restarts[lr]
+        while r.deaths and now - r.deaths[0] > RESTART_WINDOW:
+            r.deaths.popleft()
+        r.deaths.append(now)
+        self.events.emit("monitor_died", local_rank=lr, pid=proc.pid, returncode=proc.returncode)
+        if len(r.deaths) > MAX_RESTARTS:
+            self._give_up(lr, proc, len(r.deaths))
+            return
+        delay = RESTART_DELAYS[min(len(r.deaths), len(RESTART_DELAYS)) - 1]
+        r.due = now + delay
+        log.warning("rank monitor %d (pid %d) exited with %s; restarting it%s", lr, proc.pid, proc.returncode,
+                    f" in {delay:g} s" if delay else "")
+
+    def _give_up(self, lr: int, proc: subprocess.Popen, deaths: int) -> None:
+        last = _last_line(self.log_file(lr))
+        reason = (f"the rank monitor of local rank {lr} died {deaths} times within {RESTART_WINDOW:g} s "
+                  f"(last exit code {proc.returncode}{': ' + last if last else ''}); not restarting it, so the "
+                  f"rank would run unwatched - see {self.log_file(lr)}")
+        log.error("%s", reason)
+        self.events.emit("monitor_gave_up", local_rank=lr, pid=proc.pid, returncode=proc.returncode,
+                         deaths=deaths, window=RESTART_WINDOW, last_line=last, log=str(self.log_file(lr)))
+        if self.failure is None:
+            self.failure = {"local_rank": lr, "describe": reason, "returncode": proc.returncode}
+
+    def wake_in(self, now: float | None = None) -> float | None:
+        """Seconds until the next scheduled monitor restart (None: nothing scheduled)."""
+        dues = [r.due for r in self.restarts if r.due is not None]
+        if not dues or self.failure is not None:
+            return None
+        now = time.monotonic() if now is None else now
+        return max(0.0, min(dues) - now)
 
     def last_progress(self) -> dict[int, float]:
         """Each local rank's last heartbeat, manual or automatic (monotonic time), peeked from its slot.
@@ -131,6 +201,8 @@ class MonitorGroup:
         return info if isinstance(info, dict) and info.get("pid") == pid else None
 
     def close(self, timeout: float = 5.0) -> None:
+        for r in self.restarts:
+            r.due = None
         for proc in self.procs:
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -149,3 +221,16 @@ class MonitorGroup:
             os.close(fd)
         self.pidfds.clear()
         shutil.rmtree(self.private, ignore_errors=True)
+
+
+def _last_line(path: Path, limit: int = 4096) -> str:
+    """The last non-empty line of a (log) file, shortened; '' if there is none."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - limit))
+            tail = fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""

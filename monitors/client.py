@@ -23,7 +23,11 @@ Usage::
 
 ``send_heartbeat``/``start_section``/``end_section`` only store into shared memory (no syscall); the
 first use of a section name unknown to the monitor costs one request to register it. If the monitor
-dies and the agent restarts it, the link re-attaches and carries the run's record into the new slot.
+dies and the agent restarts it, the link re-attaches and carries the run's record into the new slot;
+a control request that fails because the monitor died re-attaches and is retried once.
+
+The token is removed from ``os.environ`` when it is first read (and kept in this module), so processes
+the rank starts do not inherit it; the monitor also refuses a second live process for the same rank.
 """
 
 from __future__ import annotations
@@ -49,6 +53,28 @@ ENV_CONNECT_TIMEOUT = "NVRX_MONITOR_CONNECT_TIMEOUT"
 ENV_AUTO_HEARTBEAT = "NVRX_AUTO_HEARTBEAT"  # seconds between automatic heartbeats (bootstrap); unset = off
 REATTACH_TIMEOUT = 60.0  # how long a rank waits for the agent to restart a dead monitor
 
+_token: str | None = None  # this process's monitor token, once taken out of os.environ
+
+
+def take_monitor_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The monitor variables of ENV (default os.environ), with the token removed from os.environ.
+
+    The token proves a process is the rank nvrx launch started; left in the environment, every
+    subprocess the training script starts (data loaders, shells, tools) would inherit it. It is kept
+    here instead, so later clients in this process still find it.
+    """
+    global _token
+    env = os.environ if env is None else env
+    out = {k: v for k, v in env.items() if k.startswith("NVRX_MONITOR_") or k == "RANK"}
+    token = os.environ.pop(ENV_TOKEN, None)
+    if env is not os.environ:
+        token = env.get(ENV_TOKEN) or token
+    if token:
+        _token = token
+    if _token:
+        out[ENV_TOKEN] = _token
+    return out
+
 
 class MonitorLink:
     """This process's connection to its rank monitor: the control channel plus the heartbeat slot."""
@@ -60,6 +86,8 @@ class MonitorLink:
         self._token = token
         self.connect_timeout = connect_timeout
         self._lock = threading.RLock()
+        self._reattach_lock = threading.Lock()  # one re-attach at a time (watch thread or a failed request)
+        self._epoch = 0  # counts successful connects: tells a failed request whether someone re-attached
         self._channel: Channel | None = None
         self.writer: SlotWriter | None = None
         self.ids: dict[str, int] = {}
@@ -74,6 +102,10 @@ class MonitorLink:
     def from_env(cls, env: Mapping[str, str]) -> "MonitorLink":
         values = {name: env.get(name) for name in (ENV_SOCKET, ENV_TOKEN, ENV_SHM)}
         missing = sorted(name for name, value in values.items() if not value)
+        if missing == [ENV_TOKEN]:
+            raise RuntimeError(f"{ENV_TOKEN} is not set: nvrx launch gives the monitor token only to the rank process "
+                               "it started (processes the rank starts do not inherit it); use RankMonitorClient in "
+                               "the rank process itself")
         if missing:
             raise RuntimeError(f"no rank monitor for this process ({', '.join(missing)} not set): "
                                "start the script with `nvrx launch`")
@@ -94,14 +126,19 @@ class MonitorLink:
         """Start a monitored run (``init``); on an attached link the run counts from the rank's start."""
         names = [validate_section_name(n) for n in sections]
         with self._lock:
-            if self._channel is None:
+            connected = self._channel is not None
+            if not connected:  # a failure here never reached a monitor: no retry, it would wait as long again
                 reply = self._connect("init", None, sections=names)
-            else:
-                reply = self._request_locked("init", token=self._token, pid=os.getpid(), global_rank=self.global_rank,
-                                             sections=names)
-                self._adopt(reply)
-            self.armed = True
-            return reply
+        if connected:
+            reply = self._retrying("init", lambda: self._init_locked(names))
+        self.armed = True
+        return reply
+
+    def _init_locked(self, names: list[str]) -> dict[str, Any]:
+        reply = self._request_locked("init", token=self._token, pid=os.getpid(), global_rank=self.global_rank,
+                                     sections=names)
+        self._adopt(reply)
+        return reply
 
     def _connect(self, op: str, timeout: float | None, **fields: Any) -> dict[str, Any]:
         channel = Channel.connect(self.socket_path, connect_timeout=self.connect_timeout if timeout is None else timeout)
@@ -116,6 +153,7 @@ class MonitorLink:
             raise
         with self._lock:
             old, self._channel = self._channel, channel
+            self._epoch += 1
             if self.writer is None:
                 self.writer = SlotWriter(slot)
             else:
@@ -134,8 +172,47 @@ class MonitorLink:
 
     # ---- requests
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        """One control request; if the monitor died under it, re-attach to its replacement and retry once.
+
+        The agent restarts a dead monitor within about a second; a training script calling e.g.
+        ``calculate_and_set_timeouts`` at that moment should not crash for it.
+        """
+        return self._retrying(op, lambda: self._request_locked(op, **fields))
+
+    def _retrying(self, op: str, call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """CALL under the lock; on OSError from a monitor that has exited, re-attach and CALL once more."""
+        with self._lock:
+            epoch = self._epoch
+            try:
+                return call()
+            except OSError as exc:  # ConnectionError, BrokenPipeError, timeouts: the monitor went away?
+                if not self._monitor_exited():
+                    raise  # the monitor lives: re-attaching would reset its record of this run
+                log.info("rank monitor request %r failed (%s); re-attaching and retrying once", op, exc)
+        if not self._recover(epoch):
+            raise ConnectionError(f"the rank monitor is gone and did not come back within {REATTACH_TIMEOUT:.0f} s "
+                                  f"({op}); is the nvrx launch agent still running?")
+        with self._lock:
+            return call()
+
+    def request_once(self, op: str, **fields: Any) -> dict[str, Any]:
+        """One control request, no retry (e.g. ``shutdown``: not worth waiting for a new monitor)."""
         with self._lock:
             return self._request_locked(op, **fields)
+
+    def _monitor_exited(self, wait: float = 2.0) -> bool:
+        """True if the monitor process has exited (waiting up to WAIT s: a failing socket may precede it)."""
+        pid = self.monitor_pid
+        if pid is None:
+            return True
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return True
+        try:
+            return bool(select.select([fd], [], [], wait)[0])
+        finally:
+            os.close(fd)
 
     def _request_locked(self, op: str, **fields: Any) -> dict[str, Any]:
         if self._channel is None:
@@ -149,6 +226,7 @@ class MonitorLink:
 
     def _watch_loop(self) -> None:
         while self.monitor_pid is not None:
+            epoch = self._epoch
             try:
                 pidfd = os.pidfd_open(self.monitor_pid)
             except ProcessLookupError:
@@ -158,8 +236,17 @@ class MonitorLink:
                     select.select([pidfd], [], [])
                 finally:
                     os.close(pidfd)
-            if not self._reattach():
+            if self.monitor_pid is None or not self._recover(epoch):
                 return
+
+    def _recover(self, epoch: int) -> bool:
+        """Re-attach unless someone already did since EPOCH; True when connected to a live monitor."""
+        with self._reattach_lock:
+            if self._epoch != epoch:
+                return self._channel is not None
+            if self.monitor_pid is None:  # closed on purpose
+                return False
+            return self._reattach()
 
     def _reattach(self) -> bool:
         names = [name for name, _ in sorted(self.ids.items(), key=lambda kv: kv[1])]
@@ -199,11 +286,12 @@ def attach_in_background(env: Mapping[str, str], started: float,
     """Bootstrap side: attach this rank to its monitor without delaying user code."""
     global _attach_done
     done = _attach_done = threading.Event()
+    monitor_env = take_monitor_env(env)  # now, before user code could start a process inheriting the token
 
     def run() -> None:
         global _shared
         try:
-            link = MonitorLink.from_env(env)
+            link = MonitorLink.from_env(monitor_env)
             link.attach(started=started, armed=False)
             if on_attached is not None:
                 on_attached(link)
@@ -244,7 +332,7 @@ class RankMonitorClient:
             raise RuntimeError("workload monitoring is already initialized")
         link = shared_link()
         if link is None:
-            link = MonitorLink.from_env(os.environ)
+            link = MonitorLink.from_env(take_monitor_env())
         elif isinstance(link.owner, RankMonitorClient) and link.owner.is_initialized:
             raise RuntimeError("workload monitoring is already initialized by another RankMonitorClient")
         try:
@@ -329,7 +417,7 @@ class RankMonitorClient:
             return
         link.owner = None
         try:
-            link.request("shutdown")
+            link.request_once("shutdown")
         except (OSError, MonitorError, RuntimeError) as exc:
             log.debug("shutdown request failed: %s", exc)
         link.armed = False

@@ -34,6 +34,9 @@ from typing import Any, Callable, Collection, Iterator, Mapping
 import yaml
 
 from launcher.config import SIGNAL_HINT, ConfigError, parse_signal
+from monitors.heartbeat import MAX_SECTIONS
+from monitors.sections import validate_section_name
+from monitors.timeouts import MAX_TIMEOUT_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +47,13 @@ YAML_SECTION = "fault_tolerance"
 DEFAULT_PASSTHROUGH_FLAGS: frozenset[str] = frozenset({"--ft-cfg-path"})
 
 _NULL_WORDS = frozenset({"null", "none", "~"})
-_SECTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+
+# Value ranges. Timeouts above ~10 years would never fire anyway; far larger ones (1e308) overflow the
+# monitor's timers. The check interval is how often an idle monitor wakes: below 10 ms it burns a core,
+# above a day it is a typo.
+MIN_CHECK_INTERVAL = 0.01
+MAX_CHECK_INTERVAL = 86400.0
+MAX_SAFETY_FACTOR = 1000.0
 
 # Signals whose default action does not end the process: a hung rank would survive them.
 _NON_TERMINATING = frozenset(
@@ -135,9 +144,24 @@ class Kind:
     show: Callable[[Any], str]  # typed value -> short human text (describe / table)
 
 
-def _float_kind(optional: bool, unit: str) -> Kind:
-    example = "30" if unit == "seconds" else "5"
-    hint = f"give a positive number of {unit} like {example}" + (" (or null to deduce it at run time)" if optional else "")
+def _num(value: float) -> str:
+    """A bound for messages: 315360000 rather than 3.1536e+08."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def _float_kind(optional: bool, unit: str, low: float = 0.0, high: float = MAX_TIMEOUT_SECONDS,
+                low_inclusive: bool = False, example: str | None = None) -> Kind:
+    """A float in (LOW, HIGH] (or [LOW, HIGH] with LOW_INCLUSIVE), or None when OPTIONAL.
+
+    The upper bound is not cosmetic: the monitor sleeps and computes deadlines with these values, and
+    a value like 1e308 overflows the OS timer (the monitor would crash at run time, after the job
+    already started), so such values are refused here, where the user can still fix them.
+    """
+    example = example or ("30" if unit == "seconds" else "5")
+    lo_text = f"at least {_num(low)}" if low_inclusive else f"greater than {_num(low)}"
+    unit_text = f" {unit}" if unit == "seconds" else ""
+    hint = (f"give a positive number of {unit} like {example} ({lo_text} and at most {_num(high)}{unit_text})"
+            + (" (or null to deduce it at run time)" if optional else ""))
 
     def parse(value: Any, where: str) -> float | None:
         if value is None or (isinstance(value, str) and value.strip().lower() in _NULL_WORDS):
@@ -148,12 +172,14 @@ def _float_kind(optional: bool, unit: str) -> Kind:
             raise _error(f"{where}: {value!r} is not a number; {hint}")
         try:
             num = float(value.strip() if isinstance(value, str) else value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise _error(f"{where}: {value!r} is not a number; {hint}") from None
         if not math.isfinite(num):
             raise _error(f"{where}: {value!r} is not a finite number; {hint}")
-        if num <= 0:
-            raise _error(f"{where}: {value!r} must be greater than 0; {hint}")
+        if num < low or (num == low and not low_inclusive):
+            raise _error(f"{where}: {value!r} must be {lo_text}; {hint}")
+        if num > high:
+            raise _error(f"{where}: {value!r} is too large; {hint}")
         return num
 
     def show(value: float | None) -> str:
@@ -161,17 +187,20 @@ def _float_kind(optional: bool, unit: str) -> Kind:
             return "auto"
         return f"{value:g}s" if unit == "seconds" else f"{value:g}"
 
+    lo_label = f">= {_num(low)}" if low_inclusive else f"> {_num(low)}"
     return Kind(
-        label=("float > 0" + (" or null" if optional else "")) + (" (s)" if unit == "seconds" else ""),
+        label=f"float {lo_label} and <= {_num(high)}" + (", or null" if optional else "")
+        + (" (s)" if unit == "seconds" else ""),
         parse=parse,
         dump=lambda v: v,
         show=show,
     )
 
 
-POSITIVE_SECONDS = _float_kind(optional=False, unit="seconds")
+CHECK_INTERVAL = _float_kind(optional=False, unit="seconds", low=MIN_CHECK_INTERVAL, high=MAX_CHECK_INTERVAL,
+                             low_inclusive=True, example="5")
 OPTIONAL_SECONDS = _float_kind(optional=True, unit="seconds")
-POSITIVE_FACTOR = _float_kind(optional=False, unit="times")
+POSITIVE_FACTOR = _float_kind(optional=False, unit="times", high=MAX_SAFETY_FACTOR)
 
 
 def _parse_signal(value: Any, where: str) -> signal.Signals:
@@ -294,11 +323,15 @@ def _parse_section_map(value: Any, where: str) -> SectionTimeouts:
         return SectionTimeouts()
     if not isinstance(value, Mapping):
         raise _error(f"{where}: {value!r} is not a mapping of section names to seconds; {hint}")
+    if len(value) > MAX_SECTIONS:
+        raise _error(f"{where}: {len(value)} sections given, but a rank monitor tracks at most {MAX_SECTIONS}; "
+                     "merge or drop some sections")
     out: dict[str, float | None] = {}
     for key, raw in value.items():
-        if not isinstance(key, str) or not _SECTION_NAME.fullmatch(key):
-            raise _error(f"{where}: section name {key!r} must start with a letter or '_' and use letters, digits, "
-                         f"'_', '.', '-' only")
+        try:
+            validate_section_name(key)  # the monitor's own rule: a name it accepts here it accepts at run time
+        except ValueError as exc:
+            raise _error(f"{where}: {exc}") from None
         out[key] = OPTIONAL_SECONDS.parse(raw, f"{where} section {key!r}")
     return SectionTimeouts(out)
 
@@ -309,7 +342,8 @@ def _show_section_map(value: Mapping[str, float | None]) -> str:
     return "{" + ", ".join(f"{k}: {OPTIONAL_SECONDS.show(v)}" for k, v in value.items()) + "}"
 
 
-SECTION_TIMEOUTS = Kind(label="mapping section -> float > 0 or null (s)", parse=_parse_section_map,
+SECTION_TIMEOUTS = Kind(label=f"mapping section -> float > 0 or null (s); at most {MAX_SECTIONS} sections, "
+                              "names of 1-64 characters [A-Za-z0-9_.:-/]", parse=_parse_section_map,
                         dump=lambda m: dict(m), show=_show_section_map)
 
 
@@ -332,7 +366,7 @@ class FaultToleranceConfig:
     """
 
     workload_check_interval: float = _setting(
-        POSITIVE_SECONDS, "How often (seconds) a rank monitor checks its rank.", 5.0)
+        CHECK_INTERVAL, "How often (seconds) a rank monitor checks its rank.", 5.0)
     initial_rank_heartbeat_timeout: float | None = _setting(
         OPTIONAL_SECONDS, "Timeout (seconds) for the first heartbeat of a rank; covers initialization. "
         "null = deduce at run time.", 3600.0)

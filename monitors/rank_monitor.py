@@ -1,17 +1,26 @@
 """The rank monitor: one process per rank, started by the agent, outliving rank restarts.
 
     python -m monitors.rank_monitor --rank N --state-dir DIR --socket PATH --shm PATH \
+        [--timeouts-dir DIR] [--term-grace SECONDS] \
         [--token-env NVRX_MONITOR_TOKEN] [--config-json '{...FaultToleranceConfig.to_dict()...}'] \
         [--events PATH] [--parent-pid PID]
 
-The secret token is read from the environment variable named by ``--token-env`` (never argv). The
-monitor creates the heartbeat slot (``--shm``, 0600) and the control socket (``--socket``, 0600; both
-parents 0700), serves ``monitors.control`` requests, and sleeps until the earliest deadline (at most
-``workload_check_interval``). When a deadline passes it records the reason (event ``hang_detected`` and
-``<state-dir>/rank<N>.last_hang.json``) and sends ``rank_termination_signal`` to the rank's pid.
+The secret token is read from the environment variable named by ``--token-env`` (never argv), which is
+then removed from the environment. The monitor creates the heartbeat slot (``--shm``, 0600) and the
+control socket (``--socket``, 0600; both parents 0700), serves ``monitors.control`` requests, and sleeps
+until the earliest deadline (at most ``workload_check_interval``). When a deadline passes it records the
+reason (event ``hang_detected`` and ``<state-dir>/rank<N>.last_hang.json``) and sends
+``rank_termination_signal`` to the rank's pid; if that is not SIGKILL and the rank is still alive
+``--term-grace`` seconds later, it sends SIGKILL (a hung rank may well ignore or block SIGTERM).
 
-Learned timeouts are persisted at ``<state-dir>/rank<N>.timeouts.json`` and loaded at start. The
-monitor exits on SIGTERM/SIGINT/SIGHUP, on ``stop_monitor``, or when its parent (the agent) dies.
+One session at a time: while the process of the current session is alive, an attach/init from another
+pid is refused (a child process that inherited the rank's environment must not take the rank's place).
+
+Learned timeouts are persisted at ``<timeouts-dir>/rank<G>.timeouts.json``, where G is the global rank
+the attached rank reports (``RANK``; N when it reports none), and loaded when a rank with a new G
+attaches, so the next job of an auto-resume chain finds them even on other nodes. The monitor exits
+on SIGTERM/SIGINT/SIGHUP, on ``stop_monitor``, or when its parent (the agent) dies; in the last case
+it also removes its private socket directory once empty, since no agent is left to do it.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from monitors.timeouts import (HeartbeatStats, TimeoutTracker, Timeouts, last_ha
 log = logging.getLogger("nvrx.rank_monitor")
 
 PR_SET_PDEATHSIG = 1
+DEFAULT_TERM_GRACE = 5.0     # seconds between a non-SIGKILL termination signal and SIGKILL (--term-grace)
 STATS_PERIOD = 30.0          # min seconds between heartbeat_stats events
 SECTION_EVENT_PERIOD = 10.0  # min seconds between section_open/section_close events of one section
 MAX_PENDING_CONNS = 16
@@ -115,6 +125,14 @@ def run_observations(snap: SlotSnapshot, registry: SectionRegistry) -> tuple[Hea
     return hb, sections
 
 
+def _alive(proc: psutil.Process) -> bool:
+    """PROC is running (a zombie has exited, whatever psutil.is_running says)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def _int_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -140,6 +158,7 @@ class Session:
     global_rank: int | None = None  # the rank's RANK in this round (the monitor's own rank is the local one)
     first_hb_reported: bool = False
     terminated: bool = False
+    kill_at: float | None = None  # when a rank that survived the termination signal gets SIGKILL
     next_stats: float = 0.0
     last_hb_count: int = 0
     section_closes: dict[int, int] = field(default_factory=dict)
@@ -151,10 +170,14 @@ class RankMonitor:
     """Serves the control socket and watches one rank's heartbeat slot."""
 
     def __init__(self, rank: int, settings: FaultToleranceConfig, state_dir: Path, socket_path: Path,
-                 shm_path: Path, token: str, events: EventLog, parent_pid: int) -> None:
+                 shm_path: Path, token: str, events: EventLog, parent_pid: int,
+                 timeouts_dir: Path | None = None, term_grace: float = DEFAULT_TERM_GRACE) -> None:
         self.rank = rank
         self.settings = settings
         self.state_dir = ensure_private_dir(Path(state_dir))
+        self.timeouts_dir = ensure_private_dir(Path(timeouts_dir)) if timeouts_dir is not None else self.state_dir
+        self.term_grace = max(0.0, float(term_grace))
+        self._state_key: int | None = None  # the global rank whose learned timeouts the tracker holds
         self.socket_path = Path(socket_path)
         self.shm_path = Path(shm_path)
         self._token = token.encode()
@@ -167,7 +190,6 @@ class RankMonitor:
         self.stopping: str | None = None
         self.conns: dict[socket.socket, Conn] = {}
         self.sel = selectors.DefaultSelector()
-        self._load_state()
         ensure_private_dir(self.shm_path.parent)
         self.slot = Slot.create(self.shm_path)
         self.listener = listen(self.socket_path)
@@ -178,13 +200,24 @@ class RankMonitor:
         self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
 
     # ---- lifecycle
-    def _load_state(self) -> None:
-        path = state_file(self.state_dir, self.rank)
+    def _state_key_for(self, global_rank: int | None) -> int:
+        """Learned timeouts belong to a global rank (a job's rank keeps its role across nodes and jobs)."""
+        return global_rank if global_rank is not None else self.rank
+
+    def _use_state_of(self, global_rank: int | None) -> None:
+        """Make the tracker hold the learned timeouts of GLOBAL_RANK (loaded when it changes)."""
+        key = self._state_key_for(global_rank)
+        if key == self._state_key:
+            return
+        if self._state_key is not None:  # another rank's learning must not carry over
+            self.tracker = TimeoutTracker(timeouts_from_config(self.settings), self.settings.safety_factor)
+        self._state_key = key
+        path = state_file(self.timeouts_dir, key)
         try:
             state = load_json(path)
             if state is not None:
                 self.tracker.load_state_dict(state)
-                self.events.emit("timeouts_loaded", rank=self.rank, path=str(path),
+                self.events.emit("timeouts_loaded", rank=self.rank, global_rank=key, path=str(path),
                                  timeouts=self.tracker.in_force().to_dict())
                 log.info("loaded learned timeouts from %s", path)
         except (OSError, ValueError, TypeError) as exc:
@@ -206,7 +239,7 @@ class RankMonitor:
                          check_interval=self.settings.workload_check_interval)
         try:
             while self.stopping is None:
-                if os.getppid() != self.parent_pid:
+                if os.getppid() != self.parent_pid:  # cheap; close() checks more thoroughly
                     self.stopping = "parent died"
                     break
                 timeout = self._tick(time.monotonic())
@@ -217,6 +250,9 @@ class RankMonitor:
         return 0
 
     def close(self) -> None:
+        orphaned = self._parent_gone()
+        if orphaned and self.stopping and self.stopping.startswith("signal"):
+            self.stopping = f"parent died ({self.stopping})"  # PR_SET_PDEATHSIG delivers a signal
         log.debug("rank monitor stopping: %s", self.stopping)
         self.events.emit("monitor_exit", rank=self.rank, reason=self.stopping or "error")
         for conn in list(self.conns.values()):
@@ -232,15 +268,45 @@ class RankMonitor:
             self.shm_path.unlink()
         except FileNotFoundError:
             pass
+        if orphaned:
+            self._remove_private_dirs()
         self.events.close()
+
+    def _parent_gone(self) -> bool:
+        """Our agent died (or is dying).
+
+        getppid() alone is not enough: PR_SET_PDEATHSIG fires when the agent *thread* that started us
+        exits, and while the rest of a SIGKILLed agent is still being torn down we are re-parented to
+        one of its other threads, so getppid() still names the agent; its leader is a zombie by then.
+        """
+        if os.getppid() != self.parent_pid:
+            return True
+        try:
+            return psutil.Process(self.parent_pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+        except psutil.Error:
+            return True
+
+    def _remove_private_dirs(self) -> None:
+        """The agent that made our socket dir is gone and cannot remove it: the last monitor out does.
+
+        Only empty directories are removed (rmdir), so a sibling monitor still running keeps its files and
+        the last one to exit removes the directory.
+        """
+        for d in {self.socket_path.parent, self.shm_path.parent}:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
 
     # ---- periodic work
     def _tick(self, now: float) -> float:
         """Check the slot; returns seconds until the next wake-up."""
         interval = self.settings.workload_check_interval
         sess = self.session
-        if sess is None or sess.terminated:
+        if sess is None:
             return interval
+        if sess.terminated:
+            return self._escalate(sess, now, interval)
         if not sess.proc.is_running():
             self._end_session("rank_exited")
             return interval
@@ -260,6 +326,31 @@ class RankMonitor:
         if deadline is not None:
             wake = min(wake, deadline.at - now)
         return max(0.0005, wake)
+
+    def _escalate(self, sess: Session, now: float, interval: float) -> float:
+        """SIGKILL a hung rank that is still alive term_grace seconds after the termination signal.
+
+        Returns seconds until the next wake-up (the kill time, if one is pending).
+        """
+        if sess.kill_at is None:
+            return interval
+        if not _alive(sess.proc):
+            sess.kill_at = None
+            return interval
+        if now < sess.kill_at:
+            return min(interval, max(0.0005, sess.kill_at - now))
+        sess.kill_at = None
+        sig = self.settings.rank_termination_signal
+        log.error("rank %d (pid %d) is still alive %.1f s after %s; sending SIGKILL", self.rank, sess.proc.pid,
+                  self.term_grace, sig.name)
+        try:
+            sess.proc.send_signal(signal.SIGKILL)
+            self.events.emit("rank_killed", rank=self.rank, pid=sess.proc.pid, signal="SIGKILL",
+                             after=sig.name, grace=self.term_grace)
+        except psutil.Error as exc:
+            self.events.emit("rank_killed", rank=self.rank, pid=sess.proc.pid, signal="SIGKILL",
+                             after=sig.name, grace=self.term_grace, error=f"already gone: {exc}")
+        return interval
 
     def _emit_progress(self, sess: Session, snap: SlotSnapshot, now: float, final: bool = False) -> None:
         """first_heartbeat, heartbeat_stats and section events, rate-limited unless FINAL (run end)."""
@@ -310,6 +401,8 @@ class RankMonitor:
         sess.terminated = True
         try:
             sess.proc.send_signal(sig)  # psutil refuses if the pid was reused (create time differs)
+            if sig != signal.SIGKILL:
+                sess.kill_at = now + self.term_grace
             self.events.emit("rank_terminated", rank=self.rank, pid=sess.proc.pid, signal=sig.name,
                              reason=deadline.reason)
         except psutil.Error as exc:
@@ -429,8 +522,27 @@ class RankMonitor:
             raise ValueError(f"pid {pid!r} does not match the connecting process (pid {peer_pid}, uid {peer_uid})")
         return psutil.Process(pid)
 
-    def _open_session(self, conn: Conn, proc: psutil.Process, armed: bool, started: float | None) -> Session:
+    def _refuse_takeover(self, proc: psutil.Process) -> None:
+        """ValueError if another live process holds the session: a rank's session belongs to its process.
+
+        The token reaches every process that can read the rank's environment (a child it forks, a
+        shell it runs); such a process must not silently replace the live rank, which would then run
+        unwatched. A session whose process exited (a restarted rank's predecessor), or that this monitor
+        is already terminating, may be replaced.
+        """
+        old = self.session
+        if old is None or old.proc.pid == proc.pid or old.terminated or not _alive(old.proc):
+            return
+        self.events.emit("monitor_takeover_refused", rank=self.rank, pid=proc.pid, holder=old.proc.pid)
+        log.warning("refused pid %d: rank %d is monitored for live pid %d", proc.pid, self.rank, old.proc.pid)
+        raise ValueError(f"rank monitor {self.rank} is already watching pid {old.proc.pid}, which is still running; "
+                         f"pid {proc.pid} cannot take over its session (only the rank process that nvrx launch "
+                         "started may use RankMonitorClient; do not call it from child processes)")
+
+    def _open_session(self, conn: Conn, proc: psutil.Process, armed: bool, started: float | None,
+                      global_rank: int | None = None) -> Session:
         """A new rank run on CONN; the previous one (a restarted rank's predecessor) ends."""
+        self._refuse_takeover(proc)
         if self.session is not None:
             old = self.session
             self._end_session("replaced")
@@ -440,9 +552,10 @@ class RankMonitor:
         self.generation += 1
         start = started if isinstance(started, (int, float)) and 0 < started <= now else now
         self.slot.reset(self.generation, start)
+        self._use_state_of(global_rank)
         self.tracker.reset_run()
         conn.authed = True
-        self.session = Session(conn, proc, self.generation, armed=armed)
+        self.session = Session(conn, proc, self.generation, armed=armed, global_rank=global_rank)
         return self.session
 
     def _session_reply(self) -> dict[str, Any]:
@@ -459,8 +572,8 @@ class RankMonitor:
             return None
         proc = self._verified_proc(conn, msg)
         self._register_sections(msg)
-        sess = self._open_session(conn, proc, bool(msg.get("armed")), msg.get("started"))
-        sess.global_rank = _int_or_none(msg.get("global_rank"))
+        sess = self._open_session(conn, proc, bool(msg.get("armed")), msg.get("started"),
+                                  _int_or_none(msg.get("global_rank")))
         self.events.emit("monitor_attach", rank=self.rank, global_rank=sess.global_rank, pid=proc.pid,
                          generation=sess.generation,
                          armed=sess.armed, reattach=bool(msg.get("resume")))
@@ -478,8 +591,7 @@ class RankMonitor:
         if sess is not None and sess.conn is conn and sess.proc.pid == proc.pid and not sess.terminated:
             sess.armed = True
         else:
-            sess = self._open_session(conn, proc, True, None)
-            sess.global_rank = _int_or_none(msg.get("global_rank"))
+            sess = self._open_session(conn, proc, True, None, _int_or_none(msg.get("global_rank")))
         self._emit_connect(sess)
         return self._session_reply()
 
@@ -508,7 +620,7 @@ class RankMonitor:
         self._refresh_observations()
         updated = self.tracker.calculate_and_set()
         timeouts = self.tracker.in_force().to_dict()
-        path = state_file(self.state_dir, self.rank)
+        path = state_file(self.timeouts_dir, self._state_key if self._state_key is not None else self.rank)
         save_json_atomic(path, self.tracker.state_dict())
         self.events.emit("timeouts_set", rank=self.rank, updated=updated, timeouts=timeouts, path=str(path))
         return {"updated": updated, "timeouts": timeouts}
@@ -557,7 +669,12 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m monitors.rank_monitor", description=__doc__.split("\n")[0])
     p.add_argument("--rank", type=int, required=True, help="global rank watched by this monitor")
-    p.add_argument("--state-dir", type=Path, required=True, help="learned timeouts and last_hang.json")
+    p.add_argument("--state-dir", type=Path, required=True, help="last_hang.json (and learned timeouts, unless "
+                                                                 "--timeouts-dir is given)")
+    p.add_argument("--timeouts-dir", type=Path, default=None,
+                   help="learned timeouts, rank<GLOBAL_RANK>.timeouts.json (default: --state-dir)")
+    p.add_argument("--term-grace", type=float, default=DEFAULT_TERM_GRACE,
+                   help="seconds before a hung rank that survived a non-SIGKILL termination signal gets SIGKILL")
     p.add_argument("--socket", type=Path, required=True, help="control socket path (parent dir becomes 0700)")
     p.add_argument("--shm", type=Path, required=True, help="heartbeat slot file (parent dir becomes 0700)")
     p.add_argument("--token-env", default="NVRX_MONITOR_TOKEN", help="env var holding the secret token")
@@ -581,12 +698,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format=f"[rank-monitor {args.rank}] %(asctime)s %(levelname)s %(message)s")
-    token = os.environ.get(args.token_env, "")
+    token = os.environ.pop(args.token_env, "")  # not inherited by anything this process might start
     if len(token) < 16:
         print(f"rank_monitor: ${args.token_env} must hold the secret token (>= 16 characters)", file=sys.stderr)
         return 2
     events = EventLog(args.events, f"monitor-{args.rank}")
-    monitor = RankMonitor(args.rank, settings, args.state_dir, args.socket, args.shm, token, events, parent_pid)
+    monitor = RankMonitor(args.rank, settings, args.state_dir, args.socket, args.shm, token, events, parent_pid,
+                          timeouts_dir=args.timeouts_dir, term_grace=args.term_grace)
     monitor.install_signal_handlers()
     return monitor.run()
 

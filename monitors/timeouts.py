@@ -1,13 +1,14 @@
 """Timeouts in force for a rank, the observations they are learned from, and their persistence.
 
 A timeout starts as the configured value (``FaultToleranceConfig``; ``None`` = not checked). After
-``calculate_and_set_timeouts`` it becomes ``observed maximum * safety_factor`` (at least MIN_LEARNED_TIMEOUT) for every quantity that
+``calculate_and_set_timeouts`` it becomes ``observed maximum * safety_factor`` (at least MIN_LEARNED_TIMEOUT,
+at most MAX_TIMEOUT_SECONDS) for every quantity that
 was observed at least once: the first-heartbeat delay, the heartbeat interval, each section's duration
 and the time spent outside sections. Observations merge (max) with those loaded from the previous run,
 so a rerun never learns a tighter timeout than what an earlier run needed.
 
 The state is a JSON-safe dict (``state_dict`` / ``load_state_dict``), persisted by the monitor at
-``<state-dir>/rank<N>.timeouts.json`` with :func:`save_json_atomic`.
+``<timeouts-dir>/rank<GLOBAL_RANK>.timeouts.json`` with :func:`save_json_atomic`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ STATE_VERSION = 1
 # Learned timeouts never go below this: a few fast samples (e.g. microseconds between two sections)
 # times safety_factor would otherwise kill a healthy rank at its first slower moment.
 MIN_LEARNED_TIMEOUT = 1.0
+# The longest timeout the configuration accepts (and learning produces): ~10 years never fires anyway,
+# while far larger values overflow the monitor's timers.
+MAX_TIMEOUT_SECONDS = 10 * 365 * 86400.0
 
 
 def _positive(value: Any, what: str) -> float | None:
@@ -136,7 +140,7 @@ class TimeoutTracker:
         hb, sections = self.observed()
 
         def scale(value: float) -> float:
-            return max(value * self.safety_factor, self.min_timeout)
+            return min(max(value * self.safety_factor, self.min_timeout), MAX_TIMEOUT_SECONDS)
 
         learned: dict[str, Any] = {"sections": {n: scale(v) for n, v in sections.max_duration.items()}}
         if hb.first_delay_max is not None:

@@ -37,7 +37,8 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--no-python", "--no_python"), dict(is_flag=True, help="Run the script as a program, not with python.")),
     (("--log-dir", "--log_dir"), dict(default=None, help="Directory for event logs and rank output files.")),
     (("--state-dir", "--state_dir"), dict(default=None, help="Where rank monitors keep learned timeouts across jobs "
-                                         "(env NVRX_STATE_DIR; default <log dir>/<run id>/ft_state).")),
+                                         "(env NVRX_STATE_DIR; under nvrx resume $NVRX_RESUME_STATE_DIR/ft_state; "
+                                         "default <log dir>/<run id>/ft_state).")),
     (("-r", "--redirects"), dict(default=None, help="Send rank streams to files: 0-3 or LOCAL_RANK:N,...")),
     (("-t", "--tee"), dict(default=None, help="Files and console, lines prefixed with the rank: 0-3 or LOCAL_RANK:N,...")),
     (("--local-ranks-filter", "--local_ranks_filter"), dict(default=None, help="Show only these local ranks on the console.")),

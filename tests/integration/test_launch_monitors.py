@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import time
 
 import psutil
 import pytest
@@ -218,4 +220,91 @@ def test_second_job_starts_with_the_timeouts_the_first_learned(launcher, tmp_pat
     assert _printed(second.stdout, "TIMEOUTS_AT_START")["heartbeat"] == learned["heartbeat"]
     loaded = [e for e in run_events(tmp_path / "nvrx_logs" / "job2", "monitor-") if e["ev"] == "timeouts_loaded"]
     assert loaded and loaded[0]["timeouts"]["heartbeat"] == learned["heartbeat"]
+    assert launcher.leftovers() == []
+
+
+def _monitor_socket_dirs(pid: int) -> set[str]:
+    """The private socket directories (--socket's parent) of the agent's live monitors."""
+    dirs = set()
+    for p in _monitor_children(pid):
+        try:
+            cmd = p.cmdline()
+        except psutil.Error:
+            continue
+        dirs.add(os.path.dirname(cmd[cmd.index("--socket") + 1]))
+    return dirs
+
+
+def test_monitor_that_keeps_dying_fails_the_job_with_the_reason(launcher, tmp_path):
+    """Restarting a broken monitor forever would leave its rank unwatched while the job 'succeeds'."""
+    from launcher.monitor_procs import MAX_RESTARTS
+
+    script = write_script(tmp_path / "hang.py", HANG_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = launcher.start("--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-id", "flaky",
+                          "--ft-param-rank-heartbeat-timeout", "30", str(script), str(out), "100000")
+    assert wait_for((out / "ready.0.0").exists, 60)
+    killed: set[int] = set()
+    deadline = time.monotonic() + 90
+    while proc.poll() is None and time.monotonic() < deadline:
+        for p in _monitor_children(proc.pid):
+            if p.pid not in killed:
+                killed.add(p.pid)
+                p.send_signal(signal.SIGKILL)
+        time.sleep(0.05)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert len(killed) == MAX_RESTARTS + 1
+    assert f"rank monitor of local rank 0 died {MAX_RESTARTS + 1} times" in err
+    events = run_events(tmp_path / "nvrx_logs" / "flaky", "agent-")
+    assert [e for e in events if e["ev"] == "monitor_gave_up"]
+    end = [e for e in events if e["ev"] == "job_end"][-1]
+    assert end["status"] == "failed" and end["failures"][0]["monitor_failed"]
+    assert not [e for e in events if e["ev"] == "rdzv_round" and e.get("round", 0) > 1]  # no useless job restart
+    assert launcher.leftovers() == []
+
+
+def test_monitors_clean_up_when_the_agent_is_killed(launcher, tmp_path):
+    """SIGKILL the agent: its monitors exit, remove their /tmp/nvrx-mon-* dir, and nothing is left running."""
+    script = write_script(tmp_path / "hang.py", HANG_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = launcher.start("--nproc-per-node", "2", "--rdzv-id", "killed", "--ft-param-rank-heartbeat-timeout", "30",
+                          str(script), str(out), "100000")
+    assert wait_for(lambda: (out / "ready.0.0").exists() and (out / "ready.1.0").exists(), 60)
+    assert wait_for(lambda: len(_monitor_children(proc.pid)) == 2, 10)
+    dirs = _monitor_socket_dirs(proc.pid)
+    assert len(dirs) == 1 and os.path.basename(next(iter(dirs))).startswith("nvrx-mon-")
+    tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    assert len(tree) >= 4  # 2 ranks + 2 monitors (+ fork server)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert wait_for(lambda: not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                                    for pid in tree), 15), "processes of the killed agent are still running"
+    assert wait_for(lambda: not any(os.path.exists(d) for d in dirs), 5), f"left behind: {dirs}"
+    assert launcher.leftovers() == []
+
+
+TOKEN_SCRIPT = r'''
+import os, subprocess, sys
+from monitors import RankMonitorClient
+print("TOKEN_IN_ENV", "NVRX_MONITOR_TOKEN" in os.environ, flush=True)
+child = subprocess.run([sys.executable, "-c", "import os; print('NVRX_MONITOR_TOKEN' in os.environ)"],
+                       capture_output=True, text=True)
+print("TOKEN_IN_CHILD", child.stdout.strip(), flush=True)
+c = RankMonitorClient()
+c.init_workload_monitoring()   # the bootstrap kept the token for this process
+c.send_heartbeat()
+c.shutdown_workload_monitoring()
+'''
+
+
+def test_bootstrap_removes_the_token_from_the_rank_environment(launcher, tmp_path):
+    script = write_script(tmp_path / "token_check.py", TOKEN_SCRIPT)
+    res = launcher.run("--nproc-per-node", "1", "--rdzv-id", "token", str(script), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "TOKEN_IN_ENV False" in res.stdout and "TOKEN_IN_CHILD False" in res.stdout
+    connects = [e for e in run_events(tmp_path / "nvrx_logs" / "token", "monitor-") if e["ev"] == "monitor_connect"]
+    assert connects
     assert launcher.leftovers() == []

@@ -31,7 +31,7 @@ SLACK = 0.25  # allowed detection overshoot (s)
 
 # A scripted rank: each argv item is one action; results go to stdout as "RESULT <json>".
 RANK_SCRIPT = r'''
-import json, sys, time
+import json, os, signal, subprocess, sys, time
 from monitors.client import RankMonitorClient
 
 def out(kind, value=None):
@@ -65,6 +65,20 @@ for action in sys.argv[1:]:
             out("state", c.state_dict())
         elif name == "hang":
             time.sleep(60)
+        elif name == "touch":
+            open(arg, "w").close()
+        elif name == "waitfile":
+            while not os.path.exists(arg):
+                time.sleep(0.02)
+        elif name == "ignore_term":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        elif name == "token_in_env":
+            out("token_in_env", "NVRX_MONITOR_TOKEN" in os.environ)
+        elif name == "child_init":  # a child process started the usual way inherits os.environ
+            child = subprocess.run([sys.executable, "-c", "from monitors.client import RankMonitorClient; "
+                                    "RankMonitorClient().init_workload_monitoring()"],
+                                   capture_output=True, text=True)
+            out("child_init", {"rc": child.returncode, "err": child.stderr.strip().splitlines()[-1:]})
         elif name == "shutdown":
             c.shutdown_workload_monitoring()
         elif name == "exit":
@@ -109,15 +123,15 @@ class Harness:
         env.update(extra)
         return env
 
-    def monitor_cmd(self, **cfg: Any) -> list[str]:
+    def monitor_cmd(self, *extra: str, **cfg: Any) -> list[str]:
         cfg.setdefault("workload_check_interval", 1.0)
         config = ft_config.FaultToleranceConfig(**cfg).to_dict()
         return [sys.executable, "-m", "monitors.rank_monitor", "--rank", "0", "--state-dir", str(self.state_dir),
                 "--socket", str(self.socket), "--shm", str(self.shm), "--config-json", json.dumps(config),
-                "--events", str(self.events_path)]
+                "--events", str(self.events_path), *extra]
 
-    def start_monitor(self, **cfg: Any) -> subprocess.Popen:
-        proc = subprocess.Popen(self.monitor_cmd(**cfg), env=self.env(), cwd=self.tmp, stderr=subprocess.PIPE,
+    def start_monitor(self, *extra: str, **cfg: Any) -> subprocess.Popen:
+        proc = subprocess.Popen(self.monitor_cmd(*extra, **cfg), env=self.env(), cwd=self.tmp, stderr=subprocess.PIPE,
                                 text=True)
         self.procs.append(proc)
         self.monitor = proc
@@ -367,3 +381,108 @@ def test_socket_slot_and_dirs_are_private(h: Harness) -> None:
     assert mode(h.state_dir) == 0o700
     assert h.stop_monitor() == 0
     assert not h.socket.exists() and not h.shm.exists()
+
+
+# ---------------------------------------------------------------- session token
+
+
+def test_token_leaves_the_environment_and_children_cannot_attach(h: Harness) -> None:
+    h.start_monitor(initial_rank_heartbeat_timeout=5.0, rank_heartbeat_timeout=5.0)
+    rc, results, err = h.finish(h.rank("init", "token_in_env", "child_init", "hb", "shutdown", "exit:0"), timeout=30)
+    assert rc == 0, err
+    got = {r["kind"]: r["value"] for r in results}
+    assert got["token_in_env"] is False  # read once, then removed: subprocesses do not inherit it
+    assert got["child_init"]["rc"] != 0 and "NVRX_MONITOR_TOKEN" in got["child_init"]["err"][0]
+    assert [e["generation"] for e in h.events("monitor_connect")] == [1]  # the child never got a session
+
+
+def test_live_session_cannot_be_taken_over_by_another_process(h: Harness) -> None:
+    h.start_monitor(initial_rank_heartbeat_timeout=5.0, rank_heartbeat_timeout=5.0)
+    go = h.tmp / "go"
+    first = h.rank("init", "touch:" + str(h.tmp / "ready"), "waitfile:" + str(go), "hb", "shutdown", "exit:0")
+    h.wait_for((h.tmp / "ready").exists, 15, "first rank")
+    # a process holding the token (e.g. it copied the environment before the rank removed it)
+    rc, results, _ = h.finish(h.rank("init", "hb"), timeout=15)
+    assert rc == 3 and results[0]["kind"] == "RuntimeError"
+    assert f"already watching pid {first.pid}" in results[0]["value"] and "still running" in results[0]["value"]
+    assert h.events("monitor_takeover_refused")
+    go.touch()
+    rc, _, err = h.finish(first)
+    assert rc == 0, err  # the live rank kept its session
+    assert not h.events("hang_detected")
+    # once the rank process has exited, its successor (a restarted rank) attaches as usual
+    rc, results, err = h.finish(h.rank("init", "hb", "shutdown", "exit:0"))
+    assert rc == 0 and results[0]["kind"] == "init", err
+    assert h.monitor.poll() is None
+
+
+# ---------------------------------------------------------------- termination escalation
+
+
+def test_rank_ignoring_sigterm_is_killed_after_the_grace(h: Harness) -> None:
+    h.start_monitor("--term-grace", "1", initial_rank_heartbeat_timeout=5.0, rank_heartbeat_timeout=1.0,
+                    rank_termination_signal="SIGTERM", workload_check_interval=0.5)
+    proc = h.rank("ignore_term", "init", "hb:3@0.05", "hang")
+    t0 = time.monotonic()
+    rc, _, err = h.finish(proc, timeout=15)
+    assert rc == -signal.SIGKILL, f"rank was not killed (rc={rc}):\n{err}"
+    assert time.monotonic() - t0 < 6
+    term = h.events("rank_terminated")
+    assert term and term[-1]["signal"] == "SIGTERM" and term[-1]["pid"] == proc.pid
+    killed = h.events("rank_killed")
+    assert killed and killed[-1]["pid"] == proc.pid and killed[-1]["after"] == "SIGTERM"
+    assert killed[-1]["t"] - term[-1]["t"] == pytest.approx(1.0, abs=SLACK)
+    assert h.last_hang()["signal"] == "SIGTERM"
+    assert h.monitor.poll() is None
+
+
+# ---------------------------------------------------------------- surviving a monitor restart
+
+
+def test_control_request_retries_after_the_monitor_restarts(h: Harness) -> None:
+    h.start_monitor(initial_rank_heartbeat_timeout=None, rank_heartbeat_timeout=None)
+    go = h.tmp / "go"
+    proc = h.rank("init", "hb:3@0.05", "touch:" + str(h.tmp / "ready"), "waitfile:" + str(go), "hb:3@0.05",
+                  "calc", "shutdown", "exit:0")
+    h.wait_for((h.tmp / "ready").exists, 15, "rank")
+    h.monitor.send_signal(signal.SIGKILL)  # as if it crashed; the agent would start a new one
+    h.monitor.wait(5)
+    h.start_monitor(initial_rank_heartbeat_timeout=None, rank_heartbeat_timeout=None)
+    go.touch()
+    rc, results, err = h.finish(proc, timeout=30)
+    assert rc == 0, err
+    calc = next(r for r in results if r["kind"] in ("calc", "RuntimeError", "ValueError"))
+    assert calc["kind"] == "calc" and calc["value"]["updated"], results
+    assert any(e.get("reattach") for e in h.events("monitor_attach"))
+
+
+# ---------------------------------------------------------------- learned timeouts follow the global rank
+
+
+def test_learned_timeouts_are_keyed_by_global_rank(h: Harness) -> None:
+    """A continuation job may place global rank 5 on another node (other local rank, other monitor)."""
+    shared = h.tmp / "shared-timeouts"
+    h.start_monitor("--timeouts-dir", str(shared), initial_rank_heartbeat_timeout=None, rank_heartbeat_timeout=None)
+    rc, results, err = h.finish(h.rank("init", "hb:5@0.2", "calc", "shutdown", "exit:0", RANK="5"))
+    assert rc == 0, err
+    learned = next(r["value"] for r in results if r["kind"] == "calc")["timeouts"]
+    assert learned["heartbeat"] is not None
+    assert (shared / "rank5.timeouts.json").exists() and not (shared / "rank0.timeouts.json").exists()
+    h.stop_monitor()
+
+    other = h.monitor_cmd("--timeouts-dir", str(shared), initial_rank_heartbeat_timeout=None,
+                          rank_heartbeat_timeout=None)
+    other[other.index("--rank") + 1] = "1"  # another node's local rank 1 now runs global rank 5
+    other[other.index("--state-dir") + 1] = str(h.tmp / "other-node-state")
+    h.monitor = subprocess.Popen(other, env=h.env(), cwd=h.tmp, stderr=subprocess.PIPE, text=True)
+    h.procs.append(h.monitor)
+    h.wait_for(h.socket.exists, 10, "monitor socket")
+    rc, results, err = h.finish(h.rank("init", "shutdown", "exit:0", RANK="5"))
+    assert rc == 0, err
+    assert results[0]["kind"] == "init" and results[0]["value"]["heartbeat"] == learned["heartbeat"]
+    loaded = h.events("timeouts_loaded")
+    assert loaded and loaded[-1]["global_rank"] == 5
+    # a different global rank does not inherit rank 5's learning
+    rc, results, err = h.finish(h.rank("init", "shutdown", "exit:0", RANK="6"))
+    assert rc == 0, err
+    assert results[0]["value"]["heartbeat"] is None

@@ -95,3 +95,20 @@ def test_build_errors(tmp_path, kw, needle):
     with pytest.raises(ConfigError) as err:
         build_launch_config(_raw(tmp_path, **kw), {})
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_state_dir_precedence_flag_env_resume_default(tmp_path, monkeypatch):
+    """Learned timeouts follow an auto-resume chain: `nvrx resume` exports NVRX_RESUME_STATE_DIR only."""
+    monkeypatch.chdir(tmp_path)
+    resume = {"NVRX_RESUME_STATE_DIR": str(tmp_path / "resume")}
+    both = dict(resume, NVRX_STATE_DIR=str(tmp_path / "explicit"))
+    default = build_launch_config(_raw(tmp_path, rdzv_id="job"), {})
+    assert default.state_dir == tmp_path / "nvrx_logs" / "job" / "ft_state"
+    assert build_launch_config(_raw(tmp_path), resume).state_dir == tmp_path / "resume" / "ft_state"
+    assert build_launch_config(_raw(tmp_path), both).state_dir == tmp_path / "explicit"
+    flag = build_launch_config(_raw(tmp_path, state_dir=str(tmp_path / "flag")), both)
+    assert flag.state_dir == tmp_path / "flag"
+    # the same for every job of the chain, whatever its run id (a continuation job gets a new one)
+    first = build_launch_config(_raw(tmp_path, rdzv_id="job1"), resume)
+    second = build_launch_config(_raw(tmp_path, rdzv_id="job2"), resume)
+    assert first.state_dir == second.state_dir

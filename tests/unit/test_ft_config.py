@@ -383,3 +383,65 @@ def test_readme_table_is_generated_from_the_schema():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = readme.split("<!-- ft-config-table:start -->")[1].split("<!-- ft-config-table:end -->")[0]
     assert block.strip() == config_table_markdown().strip(), "regenerate with scripts/gen_config_table.py"
+
+
+# ---------------------------------------------------------------- ranges and the monitor's section limits
+
+
+@pytest.mark.parametrize("field,raw,hint", [
+    ("workload_check_interval", "1e308", "too large"),      # overflowed the monitor's select() at run time
+    ("workload_check_interval", "86401", "too large"),
+    ("workload_check_interval", "0.001", "at least 0.01"),
+    ("rank_heartbeat_timeout", "1e308", "too large"),
+    ("initial_rank_heartbeat_timeout", "1e12", "too large"),
+    ("rank_out_of_section_timeout", "1e300", "too large"),
+    ("safety_factor", "1e9", "too large"),
+    ("safety_factor", "1e400", "finite"),
+])
+def test_values_out_of_range(field, raw, hint):
+    msg = one_line_error(load_ft_config, None, {}, {field: raw})
+    assert field in msg and hint in msg
+
+
+def test_range_edges_are_accepted():
+    cfg = load_ft_config(None, {}, {"workload_check_interval": "0.01", "rank_heartbeat_timeout": "315360000",
+                                    "safety_factor": "1000"})
+    assert cfg.workload_check_interval == 0.01 and cfg.safety_factor == 1000.0
+    assert load_ft_config(None, {}, {"workload_check_interval": "86400"}).workload_check_interval == 86400.0
+
+
+def test_section_names_use_the_monitors_rule():
+    from monitors.sections import validate_section_name
+
+    ok = ["step", "a" * 64, "ckpt.save", "io/read", "1st"]
+    for name in ok:
+        validate_section_name(name)
+        assert name in load_ft_config(None, {}, {"rank_section_timeouts": json.dumps({name: 5})}).rank_section_timeouts
+    for bad in ["a" * 65, "bad name", "tab\there", "é"]:
+        msg = one_line_error(FaultToleranceConfig, rank_section_timeouts={bad: 5})
+        assert "rank_section_timeouts" in msg and "1-64 characters" in msg
+        with pytest.raises(ValueError):
+            validate_section_name(bad)
+
+
+def test_section_count_is_bounded_by_the_slot():
+    from monitors.heartbeat import MAX_SECTIONS
+
+    full = {f"s{i}": 1 for i in range(MAX_SECTIONS)}
+    assert len(FaultToleranceConfig(rank_section_timeouts=full).rank_section_timeouts) == MAX_SECTIONS
+    msg = one_line_error(FaultToleranceConfig, rank_section_timeouts={**full, "one_more": 1})
+    assert f"{MAX_SECTIONS + 1} sections" in msg and f"at most {MAX_SECTIONS}" in msg
+    path_msg = one_line_error(load_ft_config, None, {"NVRX_FT_RANK_SECTION_TIMEOUTS": ",".join(
+        f"s{i}:1" for i in range(MAX_SECTIONS + 1))}, {})
+    assert "NVRX_FT_RANK_SECTION_TIMEOUTS" in path_msg
+
+
+def test_learned_timeouts_stay_within_the_configurable_range():
+    from monitors.sections import SectionStats
+    from monitors.timeouts import MAX_TIMEOUT_SECONDS, HeartbeatStats, TimeoutTracker, Timeouts
+
+    tracker = TimeoutTracker(Timeouts(), safety_factor=1000.0)
+    tracker.set_run_observations(HeartbeatStats(1e7, 1e7), SectionStats())
+    tracker.calculate_and_set()
+    assert tracker.in_force().heartbeat == MAX_TIMEOUT_SECONDS
+    FaultToleranceConfig(rank_heartbeat_timeout=tracker.in_force().heartbeat)  # still a valid setting
