@@ -57,11 +57,17 @@ def test_soft_timeout_restarts_a_hang_that_released_the_gil(many_faults):
 def test_peers_blocked_in_a_gloo_collective_are_freed_long_before_the_gloo_timeout(many_faults):
     # gloo_timeout is 300 s and the job had 90 s: ranks 0 and 1, waiting in all_reduce for the sleeping
     # rank 2, left the collective through the abort (their connections were shut down).
+    # Each rank records how it left (gloo error or the restart exception); the restart exception can land
+    # while a rank is still writing its error record, so one of the two may be missing under load, and the
+    # proof is the time: both were back in iteration 2 within seconds of the hang, not 300 s.
     res = many_faults
+    hang = res.of(2, "inject", action="sleep", iteration=1)[0]["t"]
     for rank in (0, 1):
-        ended = res.of(rank, "error", iteration=1) + res.of(rank, "interrupted", iteration=1)
-        assert ended, f"rank {rank} did not leave iteration 1"
-    assert 1 in res.starts(0) and 2 in res.starts(0)
+        starts = res.starts(rank)
+        assert 1 in starts and 2 in starts, f"rank {rank} never got to iteration 2"
+        assert starts[2]["t"] - hang < 30, f"rank {rank} stayed blocked {starts[2]['t'] - hang:.1f} s"
+    left = [r for r in (0, 1) if res.of(r, "error", iteration=1) + res.of(r, "interrupted", iteration=1)]
+    assert left, "neither blocked rank recorded leaving the collective"
 
 
 def test_atomic_block_is_not_interrupted(many_faults):
