@@ -30,6 +30,8 @@ GRACEFUL_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
 # The same signal again within this many seconds is one request delivered twice (Slurm signals the batch
 # shell, `nvrx resume` and the agent alike), not a user's second Ctrl-C asking to kill now.
 DUPLICATE_SIGNAL_WINDOW = 2.0
+# bound on closing store connections at exit: the store host's linger for peers (10 s) plus a margin
+STORE_CLOSE_GRACE = 15.0
 
 
 def _end_status(code: int) -> str:
@@ -399,6 +401,28 @@ class Agent:
 
     # ------------------------------------------------------------ shutdown
 
+    def _close_stores(self, grace: float = STORE_CLOSE_GRACE) -> None:
+        """Close the rendezvous and its store connections, but never let that hold up the agent's exit.
+
+        Ranks and monitors are already gone here; what is left are TCPStore objects whose teardown runs in
+        C++ and, with the store's host dead, has been seen to block the exit for over a minute (rarely,
+        under load). So it runs in a daemon thread with a bound; the CLI leaves with os._exit anyway.
+        """
+        def close_all() -> None:
+            for closer in (self._rdzv, self._rs):
+                if closer is not None:
+                    try:
+                        closer.close()
+                    except Exception:
+                        log.debug("close failed", exc_info=True)
+
+        closing = threading.Thread(target=close_all, name="store-close", daemon=True)
+        closing.start()
+        closing.join(grace)
+        if closing.is_alive():
+            log.warning("closing the rendezvous store connections took over %.0f s; leaving them to process exit",
+                        grace)
+
     def _shutdown(self) -> None:
         """Leave nothing running: ranks, fork server, stores."""
         try:
@@ -406,12 +430,7 @@ class Agent:
             if self.monitors is not None:
                 self.monitors.close()
         finally:
-            for closer in (self._rdzv, self._rs):
-                if closer is not None:
-                    try:
-                        closer.close()
-                    except Exception:
-                        log.debug("close failed", exc_info=True)
+            self._close_stores()
             for fd in (self._sig_r, self._sig_w):
                 try:
                     os.close(fd)
