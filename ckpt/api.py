@@ -37,7 +37,6 @@ from ckpt.async_ckpt.staging import align, default_pool
 from ckpt.async_ckpt.writer_process import WriterProcess
 from ckpt.errors import CheckpointWriteError
 from ckpt.loader import CheckpointInfo, load_latest, load_metadata
-from ckpt.publish import STALE_PARTIAL_SECONDS
 from ckpt.torch_save_async import torch_save_request
 
 log = logging.getLogger("nvrx.ckpt")
@@ -62,7 +61,7 @@ class AsyncCheckpointer:
     def __init__(self, *, process_group: Any = None, files_per_rank: int = 2, keep_last: int | None = None,
                  enable_cache: bool = True, retries: int = 0, skip_failed: bool = False, overlap_write: bool = False,
                  writer: WriterProcess | None = None, state_dict: dict[str, Any] | None = None,
-                 stale_partial_seconds: float | None = STALE_PARTIAL_SECONDS) -> None:
+                 stale_partial_seconds: float | None = publish.STALE_PARTIAL_SECONDS) -> None:
         self.process_group = process_group
         self.files_per_rank = files_per_rank
         self.keep_last = keep_last
@@ -78,12 +77,12 @@ class AsyncCheckpointer:
     def async_save(self, state_dict: dict[str, Any], path: str | os.PathLike, *, update_latest: bool = True) -> int:
         """Save STATE_DICT as a DCP checkpoint directory PATH; returns once the values are copied (collective)."""
         self._refuse_pending(path)
-        root = Path(os.path.abspath(path)).parent
-        sweep = self.stale_partial_seconds if root not in self._swept else None
+        final = Path(os.path.abspath(path))
+        if final.parent not in self._swept:  # once per directory: later partials there are this checkpointer's own
+            self._sweep(final.parent, saving=final)
         writer = FileSystemWriterAsync(path, files_per_rank=self.files_per_rank, keep_last=self.keep_last,
-                                       update_latest=update_latest, sweep_stale_partials=sweep,
+                                       update_latest=update_latest,
                                        writer_process=self.queue.writer if self.overlap_write else None)
-        self._swept.add(root)  # once per directory: later saves there are this checkpointer's own
         planned = save_state_dict_async_plan(state_dict, writer, self.process_group, enable_cache=self.enable_cache,
                                              metadata_cache=self.cache)
         return self.queue.schedule_async_request(async_request(*planned))
@@ -134,12 +133,16 @@ class AsyncCheckpointer:
 
         Saves still pending in this checkpointer are kept; returns the names removed (empty on other ranks).
         """
-        path = Path(os.path.abspath(root))
-        self._swept.add(path)
+        return self._sweep(Path(os.path.abspath(root)))
+
+    def _sweep(self, root: Path, saving: Path | None = None) -> list[str]:
+        """``sweep`` of ROOT (absolute); SAVING: a save starting now, whose partial other ranks may already use."""
+        self._swept.add(root)
         if self.stale_partial_seconds is None or not DistWrapper(self.process_group).is_coordinator:
             return []
-        mine = {publish.partial_path(Path(d)).name for d in self.queue.pending_destinations() if Path(d).parent == path}
-        return publish.sweep_stale_partials(path, keep=mine, idle_seconds=self.stale_partial_seconds)
+        mine = {Path(d) for d in self.queue.pending_destinations()} | ({saving} if saving else set())
+        keep = {publish.partial_path(d).name for d in mine if d.parent == root}
+        return publish.sweep_stale_partials(root, keep=keep, idle_seconds=self.stale_partial_seconds)
 
     def finalize_before_exit(self) -> None:
         """Publish every pending save, then stop the writer process. Call it before the process exits."""

@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 from ckpt.async_ckpt.file_writer import fsync_path
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointCleanupError, CheckpointError
 
 log = logging.getLogger("nvrx.ckpt.publish")
 
@@ -110,6 +110,15 @@ def update_latest(root: Path, name: str) -> None:
     atomic_write(root / LATEST, (name + "\n").encode())
 
 
+def cleanup_error(final: Path, step: str, exc: Exception) -> CheckpointCleanupError:
+    """The error for checkpoint FINAL, already published, when STEP after it (moving ``latest``, pruning) failed."""
+    reason = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
+    where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
+    return CheckpointCleanupError(f"checkpoint {final} was published and is complete, but {step} failed: {reason}{where}; "
+                                  f"check that {final.parent} is writable and has space (the loader still finds the "
+                                  "newest complete checkpoint without `latest`)")
+
+
 def read_latest(root: Path) -> str | None:
     try:
         name = (root / LATEST).read_text().strip()
@@ -169,11 +178,15 @@ def _start_ticks(pid: int) -> int | None:
         return None
 
 
+def owner_record(pid: int) -> dict:
+    """What ``write_owner`` records of process PID: its machine's boot, its pid and when it started."""
+    return {"boot_id": _boot_id(), "pid": pid, "start": _start_ticks(pid)}
+
+
 def write_owner(partial: Path) -> None:
     """Record in PARTIAL which process is writing it (removed before it is published), for ``sweep_stale_partials``."""
-    owner = {"boot_id": _boot_id(), "pid": os.getpid(), "start": _start_ticks(os.getpid())}
     try:
-        (partial / OWNER_FILE).write_text(json.dumps(owner))
+        (partial / OWNER_FILE).write_text(json.dumps(owner_record(os.getpid())))
     except OSError as exc:  # only the sweep loses: it falls back to the idle time
         log.debug("cannot record the owner of %s: %s", partial, exc)
 
@@ -277,17 +290,15 @@ def _refuse_missing_parent(final: Path, root: Path) -> None:
     if root.exists():  # not a directory (checked by the caller)
         raise CheckpointError(f"cannot save checkpoint {final}: {root} is a file, not a directory; "
                               "choose another checkpoint path")
-    for ancestor in (root.parent, *root.parent.parents):
-        if ancestor.is_dir():
-            break
-        if ancestor.exists():
-            raise CheckpointError(f"cannot save checkpoint {final}: a path component of {root} ({ancestor}) is a file, "
-                                  "not a directory; choose another checkpoint path")
-    if root.parent.is_dir():
-        return
-    raise CheckpointError(f"cannot save checkpoint {final}: {root.parent} does not exist (is its file system mounted?); "
-                          f"only the last level ({root.name}) is created automatically, so that checkpoints never land "
-                          f"on a local disk by mistake: mount the file system or create {root.parent} first")
+    ancestor = next(a for a in root.parents if a.exists())  # the file system root always does
+    if not ancestor.is_dir():
+        raise CheckpointError(f"cannot save checkpoint {final}: a path component of {root} ({ancestor}) is a file, "
+                              "not a directory; choose another checkpoint path")
+    if ancestor != root.parent:
+        raise CheckpointError(f"cannot save checkpoint {final}: {root.parent} does not exist (is its file system "
+                              f"mounted?); only the last level ({root.name}) is created automatically, so that "
+                              f"checkpoints never land on a local disk by mistake: mount the file system or create "
+                              f"{root.parent} first")
 
 
 def _read_only(path: Path) -> bool:

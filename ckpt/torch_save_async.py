@@ -17,7 +17,7 @@ from ckpt import manifest as manifest_mod
 from ckpt import publish
 from ckpt.async_ckpt.core import AsyncRequest
 from ckpt.async_ckpt.staging import default_file_pool
-from ckpt.errors import CheckpointCleanupError, CheckpointError, CheckpointWriteError
+from ckpt.errors import CheckpointError, CheckpointWriteError
 
 
 def torch_save_request(obj: Any, path: str | os.PathLike, *, update_latest: bool = False) -> AsyncRequest:
@@ -56,9 +56,7 @@ def torch_save_request(obj: Any, path: str | os.PathLike, *, update_latest: bool
             try:
                 publish.update_latest(final.parent, final.name)
             except OSError as exc:
-                raise CheckpointCleanupError(f"checkpoint {final} was published and is complete, but updating the "
-                                             f"`latest` pointer failed: {exc}; check that {final.parent} is writable "
-                                             "and has space") from None
+                raise publish.cleanup_error(final, "updating the `latest` pointer", exc) from None
 
     def discard(remove_files: bool) -> None:
         pool.release(staged)

@@ -32,7 +32,7 @@ from ckpt import manifest as manifest_mod
 from ckpt import publish
 from ckpt.async_ckpt import plan_codec
 from ckpt.async_ckpt.staging import StagingBuffer, StagingPool, align, default_pool
-from ckpt.errors import CheckpointCleanupError, CheckpointError, CheckpointWriteError
+from ckpt.errors import CheckpointError, CheckpointWriteError
 
 log = logging.getLogger("nvrx.ckpt.writer")
 
@@ -79,8 +79,7 @@ class FileSystemWriterAsync(StorageWriter):
 
     def __init__(self, path: str | os.PathLike, *, files_per_rank: int = 2, sync_files: bool = True,
                  keep_last: int | None = None, update_latest: bool = True,
-                 staging_pool: StagingPool | None = None, writer_process: Any = None,
-                 sweep_stale_partials: float | None = None) -> None:
+                 staging_pool: StagingPool | None = None, writer_process: Any = None) -> None:
         super().__init__()
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last={keep_last}: keep at least the checkpoint just written (1 or more), or None")
@@ -89,9 +88,6 @@ class FileSystemWriterAsync(StorageWriter):
         self.sync_files = sync_files
         self.keep_last = keep_last
         self.update_latest = update_latest
-        # seconds: before writing, the coordinator removes partials of crashed saves in the checkpoint root
-        # (owner gone, or idle this long; see publish.sweep_stale_partials); None: no sweep
-        self.sweep_stale_partials = sweep_stale_partials
         self.pool = staging_pool or default_pool()
         self.save_id = uuid.uuid4().hex
         self.rank = 0
@@ -137,9 +133,6 @@ class FileSystemWriterAsync(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         publish.check_destination(self.path)
-        if self.is_coordinator and self.sweep_stale_partials is not None:
-            publish.sweep_stale_partials(self.path.parent, keep={self.partial_path.name},
-                                         idle_seconds=self.sweep_stale_partials)
         try:
             self.partial_path.mkdir(exist_ok=True)
         except OSError as exc:
@@ -230,7 +223,7 @@ class FileSystemWriterAsync(StorageWriter):
             if job_id:
                 job_id = self._report(job_id, offset)
         except BaseException as exc:
-            self._cancel_job(job_id, f"{type(exc).__name__}: {exc}")
+            self._abort_job(job_id, f"{type(exc).__name__}: {exc}")
             self.pool.release(buffer)
             raise
         self._objects.clear()
@@ -251,10 +244,10 @@ class FileSystemWriterAsync(StorageWriter):
             log.debug("early submission failed (%s); the job is submitted after staging", exc)
             return 0
 
-    def _cancel_job(self, job_id: int, reason: str) -> None:
+    def _abort_job(self, job_id: int, reason: str) -> None:
         """Stop a job submitted before staging finished, and wait until the writer no longer writes its files."""
         if job_id and self.writer_process is not None:
-            self.writer_process.cancel(job_id, reason)
+            self.writer_process.abort(job_id, reason)
 
     def abandon_staging(self, reason: str) -> None:
         """Drop what this rank staged because the save is abandoned (staging failed on some rank).
@@ -262,8 +255,7 @@ class FileSystemWriterAsync(StorageWriter):
         The job the writer may already be running (overlap_write) is stopped before this returns, so
         the coordinator can remove the unpublished directory once every rank has been through here.
         """
-        self._cancel_job(self._job_id, reason)
-        self._job_id = 0
+        self._abort_job(self._job_id, reason)
         self.release_staging()
 
     def _report(self, job_id: int, upto: int) -> int:
@@ -349,12 +341,7 @@ class FileSystemWriterAsync(StorageWriter):
             if self.keep_last is not None:
                 prune(self.path.parent, self.keep_last, keep=self.path)
         except (OSError, CheckpointError) as exc:
-            reason = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
-            where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
-            raise CheckpointCleanupError(
-                f"checkpoint {self.path} was published and is complete, but {step} failed: {reason}{where}; "
-                f"check that {self.path.parent} is writable and has space (the loader still finds the newest "
-                "complete checkpoint without `latest`)") from None
+            raise publish.cleanup_error(self.path, step, exc) from None
         publish.sweep_leftovers(self.path.parent)
 
     def discard_partial(self) -> None:

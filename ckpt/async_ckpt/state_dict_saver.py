@@ -177,12 +177,17 @@ def _exchange_plans(dw: DistWrapper, planner: SavePlanner, writer: FileSystemWri
             setattr(global_md, _PLANS_ATTR, describe_plans(all_local, all_central))
             reply = {"plans": [plan_codec.encode_plan(p) for p in all_central]}
         except Exception as exc:
-            reply = {"error": str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"}
+            reply = {"error": _reason(exc)}
     reply = dw.broadcast_json(reply)
     if "error" in reply:
         _discard_after_failed_plan(dw, writer)
         raise CheckpointError(reply["error"] if reply["error"].startswith("state dict") else f"checkpoint not saved: {reply['error']}")
     return plan_codec.decode_plan(reply["plans"][dw.rank]), global_md
+
+
+def _reason(exc: Exception) -> str:
+    """EXC as one line for an error reported on every rank (our own errors say it all; others get their type)."""
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
 
 
 def _discard_after_failed_plan(dw: DistWrapper, writer: FileSystemWriterAsync) -> None:
@@ -216,10 +221,8 @@ def save_state_dict_async_plan(state_dict: dict[str, Any], storage_writer: FileS
                                storage_meta=storage_writer.storage_meta(), is_coordinator=dw.is_coordinator)
         local_plan = storage_writer.prepare_local_plan(planner.create_local_plan())
         storage_writer.serialize_objects(local_plan, planner)
-    except CheckpointError as exc:
-        error = str(exc)
     except Exception as exc:  # reported on every rank below, so no rank is left waiting in a collective
-        error = f"{type(exc).__name__}: {exc}"
+        error = _reason(exc)
 
     central_plan, global_md = _reuse_cached(cache, dw, local_plan, error)
     if central_plan is None:
@@ -253,7 +256,7 @@ def _stage_collectively(writer: FileSystemWriterAsync, planner: SavePlanner, cen
     try:
         writer.prepare_write_data(planner.finish_plan(central_plan), planner)
     except Exception as exc:  # reported on every rank below; BaseException (Ctrl-C) ends the process anyway
-        error, cause = (str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"), exc
+        error, cause = _reason(exc), exc
     if dw.all_true(error is None):
         return
     writer.abandon_staging(error or "staging failed on another rank")

@@ -157,44 +157,31 @@ class WriterProcess:
         """Tell the writer that bytes [0, UPTO) of a progressive job's buffer hold their data."""
         self._send({"op": "staged", "id": job_id, "upto": upto})
 
-    def abort(self, job_id: int, reason: str) -> None:
-        """Staging of a progressive job failed: the writer stops it; its answer is dropped."""
+    def abort(self, job_id: int, reason: str, timeout: float = 60.0) -> bool:
+        """Stop job JOB_ID (its save is abandoned) and wait until the writer has let go of it; its answer is dropped.
+
+        It waits because the files of an abandoned save are removed right afterwards, and a later save to the
+        same path must not have its files truncated by a late write of this one. The writer stops at the next
+        item it would write (it checks the abort before each one). False if it did not within TIMEOUT.
+        """
+        deadline = time.monotonic() + timeout
         try:
             self._send({"op": "abort", "id": job_id, "reason": reason})
-        except RuntimeError:
+            while job_id in self._pending and self.result(job_id) is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    log.warning("checkpoint writer did not stop job %d within %.0fs; its answer will be ignored",
+                                job_id, timeout)
+                    self._pending.discard(job_id)
+                    self._forgotten.add(job_id)
+                    return False
+                if self.channel is not None:
+                    select.select([self.channel], [], [], min(remaining, 0.5))
+        except RuntimeError:  # the writer is gone: nothing of this job is written any more
             pass
         self._pending.discard(job_id)
         self._results.pop(job_id, None)
-        self._forgotten.add(job_id)
-
-    def cancel(self, job_id: int, reason: str, timeout: float = 60.0) -> bool:
-        """Stop job JOB_ID and wait until the writer has let go of it; False if it did not within TIMEOUT.
-
-        Unlike ``abort`` this waits: the files of an abandoned save are removed right afterwards, and a
-        later save to the same path must not have its files truncated by a late write of this one. The
-        writer stops at the next item it would write (it checks the abort before each one).
-        """
-        try:
-            self._send({"op": "abort", "id": job_id, "reason": reason})
-        except RuntimeError:  # the writer is gone: nothing of this job is written any more
-            self._pending.discard(job_id)
-            self._results.pop(job_id, None)
-            return True
-        deadline = time.monotonic() + timeout
-        while True:
-            if job_id not in self._pending and job_id not in self._results:
-                return True  # its answer was already taken
-            if self.result(job_id, block=False) is not None:
-                return True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            if self.channel is not None:
-                select.select([self.channel.fileno()], [], [], min(remaining, 0.5))
-        log.warning("checkpoint writer did not stop job %d within %.0fs; its answer will be ignored", job_id, timeout)
-        self._pending.discard(job_id)
-        self._forgotten.add(job_id)
-        return False
+        return True
 
     def _send(self, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
         assert self.channel is not None

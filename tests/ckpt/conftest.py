@@ -1,13 +1,19 @@
-"""Fixtures for the checkpoint tests: small real file systems (tmpfs) for disk-full and read-only cases."""
+"""Fixtures and helpers for the checkpoint tests: small real file systems (tmpfs) for disk-full and read-only cases,
+child processes that import this repository, two real ranks."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
+import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+
+from tests.conftest import REPO, free_port
 
 
 def _mount(args: list[str]) -> subprocess.CompletedProcess:
@@ -39,3 +45,32 @@ def remount(target: Path, mode: str) -> None:
     """Switch a test mount to 'ro' or 'rw'."""
     done = _mount(["-o", f"remount,{mode}", str(target)])
     assert done.returncode == 0, done.stderr
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child Python process that imports this repository's packages."""
+    return dict(os.environ, **extra, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+
+def run_two_ranks(script: Path, work: Path, timeout: float) -> tuple[list[dict], str]:
+    """Run SCRIPT as ranks 0 and 1 (args: RANK PORT WORK), tagged with a fresh token; each must exit 0 within
+    TIMEOUT. Returns what they wrote to WORK/rank<R>.json and the token (to look for leftover processes)."""
+    token = uuid.uuid4().hex
+    env = child_env(NVRX_TEST_TOKEN=token)
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(work)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        for rank, p in enumerate(procs):
+            try:
+                _, err = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"rank {rank} of {script.name} did not finish within {timeout:.0f}s (hung?)")
+            assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{err[-3000:]}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.poll() is not None for p in procs)
+    return [json.loads((work / f"rank{r}.json").read_text()) for r in (0, 1)], token

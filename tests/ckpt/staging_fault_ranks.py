@@ -13,11 +13,14 @@ in a collective fails the run in seconds instead of hanging it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -49,9 +52,12 @@ def load_value(root: Path, name: str) -> float:
     return value
 
 
-def failing_save(cp: ckpt.AsyncCheckpointer, root: Path, value: float) -> dict:
+def failing_save(cp: ckpt.AsyncCheckpointer, root: Path, value: float, fault: tuple[type, str, Any] | None) -> dict:
+    """Save ROOT/step_2 with FAULT (class, method name, replacement) injected here, then report what this rank saw."""
+    injected = mock.patch.object(*fault) if fault else contextlib.nullcontext()
     try:
-        cp.async_save(state(value), root / "step_2")
+        with injected:
+            cp.async_save(state(value), root / "step_2")
         error = None
     except ckpt.CheckpointWriteError as exc:
         error = str(exc)
@@ -72,17 +78,10 @@ def main() -> None:
     cp.wait()
 
     # A: no staging memory on rank 1 (as when the node is out of memory)
-    real_acquire = staging.StagingPool.acquire
-
     def no_memory(self: staging.StagingPool, nbytes: int) -> staging.StagingBuffer:
         raise MemoryError(f"cannot allocate {nbytes} bytes of staging memory (injected)")
 
-    if rank == 1:
-        staging.StagingPool.acquire = no_memory  # type: ignore[method-assign]
-    try:
-        out["A"] = failing_save(cp, root, 2.0)
-    finally:
-        staging.StagingPool.acquire = real_acquire  # type: ignore[method-assign]
+    out["A"] = failing_save(cp, root, 2.0, (staging.StagingPool, "acquire", no_memory) if rank == 1 else None)
 
     # B: the copy fails midway on rank 1 while rank 0's writer is already writing (overlap_write)
     overlapping = ckpt.AsyncCheckpointer(overlap_write=True)
@@ -95,12 +94,8 @@ def main() -> None:
             raise RuntimeError("device lost while copying (injected)")
         real_copy(self, offset, tensor)
 
-    if rank == 1:
-        staging.StagingBuffer.copy_tensor = copy_then_fail  # type: ignore[method-assign]
-    try:
-        out["B"] = failing_save(overlapping, root, 3.0)
-    finally:
-        staging.StagingBuffer.copy_tensor = real_copy  # type: ignore[method-assign]
+    out["B"] = failing_save(overlapping, root, 3.0,
+                            (staging.StagingBuffer, "copy_tensor", copy_then_fail) if rank == 1 else None)
 
     # the next save - to the very name of the abandoned ones - works on both ranks
     overlapping.async_save(state(4.0), root / "step_2")

@@ -15,8 +15,8 @@ import torch
 
 import ckpt
 from ckpt import publish
+from tests.ckpt.conftest import child_env
 
-REPO = Path(__file__).resolve().parents[2]
 HOUR = 3600.0
 
 
@@ -28,8 +28,7 @@ def crash_mid_save(root: Path, name: str) -> None:
         cp.async_save({{"x": torch.full((1 << 20,), 2.0)}}, {str(root / name)!r})
         os.kill(os.getpid(), signal.SIGKILL)
     """)
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == -9, done.stderr
 
 
@@ -51,7 +50,8 @@ def plant(root: Path, name: str, *, age: float = 0.0, owner: dict | None = None,
 def dead_owner() -> dict:
     """The owner record of a process of this machine that has exited."""
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    record = {"boot_id": publish._boot_id(), "pid": proc.pid, "start": publish._start_ticks(proc.pid) or 1}
+    record = publish.owner_record(proc.pid)
+    record["start"] = record["start"] or 1
     proc.wait()
     return record
 
@@ -68,7 +68,7 @@ def test_resume_sweeps_the_partial_of_a_crashed_save_and_planted_stale_ones(tmp_
     crash_mid_save(root, "step_1")
     assert ".step_1.partial" in hidden(root)  # what the crash left
 
-    me = {"boot_id": publish._boot_id(), "pid": os.getpid(), "start": publish._start_ticks(os.getpid())}
+    me = publish.owner_record(os.getpid())
     elsewhere = {"boot_id": "another-node", "pid": 1, "start": 1}
     plant(root, ".step_2.partial", age=2 * HOUR)                       # no record, idle for long: stale
     plant(root, ".step_3.partial")                                      # no record, just written: maybe in use

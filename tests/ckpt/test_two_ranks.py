@@ -3,12 +3,6 @@ semantics with a sharded DTensor, plan cache reuse / invalidation / reuse after 
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-import uuid
 import warnings
 from pathlib import Path
 
@@ -16,16 +10,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckpt
+from tests.ckpt.conftest import run_two_ranks
 from tests.conftest import tagged_processes
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dcp_load(state: dict, path: Path) -> dict:
@@ -35,33 +23,13 @@ def dcp_load(state: dict, path: Path) -> dict:
     return state
 
 
-def run_two_ranks(work: Path) -> tuple[dict, dict, str]:
-    token = uuid.uuid4().hex
-    env = dict(os.environ, NVRX_TEST_TOKEN=token, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(HERE / "two_ranks.py"), str(r), port, str(work)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    outputs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=150)
-            outputs.append(err)
-            assert p.returncode == 0, f"rank exited {p.returncode}:\n{err[-3000:]}"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return (json.loads((work / "rank0.json").read_text()), json.loads((work / "rank1.json").read_text()), token)
-
-
 def test_two_ranks_reshard_both_ways_snapshot_cache_and_mismatch(tmp_path: Path) -> None:
     full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
     one = ckpt.AsyncCheckpointer()
     one.async_save({"w": full * 10}, tmp_path / "from_one")  # written by one process, loaded by two
     one.wait()
 
-    r0, r1, token = run_two_ranks(tmp_path)
+    (r0, r1), token = run_two_ranks(HERE / "two_ranks.py", tmp_path, 150)
 
     # 1 -> 2: each rank got its rows of the tensor one process saved
     assert torch.equal(torch.tensor(r0["loaded_shard"]), full[:4] * 10)
