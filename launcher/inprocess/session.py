@@ -39,7 +39,7 @@ from launcher.inprocess.monitor_thread import MonitorThread
 from launcher.inprocess.progress import ProgressRecorder
 from launcher.inprocess.rank_assignment import RankAssignmentCtx
 from launcher.inprocess.state import State
-from launcher.inprocess.store import StoreMixin, first_line
+from launcher.inprocess.store import StoreMixin, TCPStore, first_line
 
 if TYPE_CHECKING:
     from launcher.inprocess.wrapper import Wrapper
@@ -52,13 +52,8 @@ ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_US
 LINGER_TIMEOUT = 30.0  # how long a store-hosting rank waits for the others to read the final decision
 
 
-def active_call_wrapper() -> CallWrapper | None:
-    """The CallWrapper of a Wrapper call running in this thread (nested Wrappers defer to it)."""
-    return getattr(_active, "call_wrapper", None)
-
-
 def active_session() -> "Session | None":
-    """The Session running in this thread, if any."""
+    """The Session of a Wrapper call running in this thread, if any (a nested Wrapper defers to it)."""
     return getattr(_active, "session", None)
 
 
@@ -97,8 +92,9 @@ class Session:
         self.timings: dict[str, float] = {}
         self.finished = False
         self.left = False  # recorded as terminated by our own hand
-        self.unhealthy: BaseException | None = None  # what the health check before the run raised
-        self.deferred_failure: BaseException | None = None  # what ended a script's own Wrapper (see defer())
+        # An exception that ends this rank rather than the iteration (a failed health check before the run, the
+        # end of a script's own Wrapper: see defer()), and the reason the others are given; see _why_rank_ends().
+        self.ending: tuple[BaseException, str] | None = None
         self._children = 0  # script Wrappers run inside the current iteration (names their store sessions)
 
     # ------------------------------------------------------------ set-up and tear-down
@@ -175,11 +171,9 @@ class Session:
 
     def _make_current(self) -> None:
         set_current(self.call_wrapper)
-        _active.call_wrapper = self.call_wrapper
         _active.session = self
 
     def _close(self) -> None:
-        _active.call_wrapper = None
         _active.session = None
         set_current(None)
         for step in (self._stop_monitor_thread, self._stop_monitor_process, self._stop_pg_server,
@@ -335,14 +329,9 @@ class Session:
             log.debug("the wrapped function suppressed the restart exception (%s)", swallow_location(delivered))
         if exc is None and decision is not None and _completed(decision):
             return self.result
-        if exc is not None and exc is self.unhealthy:
-            self._end_unhealthy(exc)
-        if exc is not None and self.deferred_failure is not None and _caused_by(exc, self.deferred_failure):
-            # The script's own Wrapper ended (retries exhausted, rank removed, unhealthy): its decision stands.
-            self._leave_job(f"the script's Wrapper ended: {type(exc).__name__}: {str(exc)[:200]}")
-            raise exc
-        if exc is not None and not isinstance(exc, (Exception, RestartInterrupt)):
-            self._leave_job(f"{type(exc).__name__} ended the Wrapper on this rank")
+        ends = self._why_rank_ends(exc) if exc is not None else None
+        if ends is not None:
+            self._leave_job(ends)
             raise exc
         held = self._decide_incomplete(iteration)
         if _completed(held):
@@ -358,16 +347,18 @@ class Session:
             raise _Restart(f"{type(exc).__name__} on this rank") from exc
         raise _Restart("a fault elsewhere")
 
-    def _end_unhealthy(self, exc: BaseException) -> None:
-        """The health check before the run failed: this rank leaves for good and the others restart without it.
+    def _why_rank_ends(self, exc: BaseException) -> str | None:
+        """Why EXC ends the Wrapper on this rank (the reason the others are given), or None: it ends the iteration.
 
-        The spec has an unhealthy rank re-raise the health check's exception (which should end the
-        process) rather than restart: a rank that cannot run the workload must not rejoin.
+        It ends the rank when it comes from an exception recorded in ``self.ending`` (the spec has an
+        unhealthy rank re-raise the health check's exception rather than restart; a script's own Wrapper
+        that gave up has decided), or when it is no ``Exception`` (``RetriesExhausted``, ``SystemExit``, ...).
         """
-        log.error("health check failed before iteration %d: %s: %s; this rank leaves the job and does not rejoin",
-                  self.state.iteration, type(exc).__name__, exc)
-        self._leave_job(f"health check failed: {type(exc).__name__}: {str(exc)[:200]}")
-        raise exc
+        if self.ending is not None and _caused_by(exc, self.ending[0]):
+            return f"{self.ending[1]}: {type(exc).__name__}: {str(exc)[:200]}"
+        if not isinstance(exc, (Exception, RestartInterrupt)):
+            return f"{type(exc).__name__} ended the Wrapper on this rank"
+        return None
 
     def _initialize_and_check(self) -> None:
         w = self.w
@@ -380,8 +371,10 @@ class Session:
                 w.health_check(self.state)
             except RestartInterrupt:
                 raise  # a fault elsewhere reached us during the check: a restart, not a verdict on this rank
-            except BaseException as exc:
-                self.unhealthy = exc  # _outcome ends this rank instead of restarting it (spec: "Health check")
+            except BaseException as exc:  # this rank leaves for good; the others restart without it
+                log.error("health check failed before iteration %d: %s: %s; this rank leaves the job and does not "
+                          "rejoin", self.state.iteration, type(exc).__name__, exc)
+                self.ending = (exc, "health check failed")
                 raise
 
     def _kwargs(self) -> dict[str, Any]:
@@ -459,8 +452,8 @@ class Session:
         recorder.end_iteration()
         try:
             result = run_child()
-        except BaseException as exc:
-            self.deferred_failure = exc
+        except BaseException as exc:  # retries exhausted, rank removed, unhealthy: the user's Wrapper decided
+            self.ending = (exc, "the script's Wrapper ended")
             raise
         finally:
             self._make_current()
@@ -700,8 +693,6 @@ def _clear_frames(exc: BaseException) -> None:
 
 
 def _default_store(wrapper: "Wrapper") -> bool:
-    from launcher.inprocess.store import TCPStore
-
     return wrapper.store_factory is TCPStore and not wrapper.store_kwargs
 
 

@@ -47,7 +47,7 @@ from launcher.inprocess.compose import Compose
 from launcher.inprocess.health_check import CudaHealthCheck
 from launcher.inprocess.log_setup import setup_rank_logging
 from launcher.inprocess.rank_assignment import ShiftRanks
-from launcher.inprocess.session import Session, active_call_wrapper, active_session
+from launcher.inprocess.session import Session, active_session
 from launcher.inprocess.store import StoreMixin, TCPStore
 
 log = logging.getLogger(__name__)
@@ -218,15 +218,13 @@ class Wrapper:
             if not self.enabled:
                 return fn(*args, **kwargs)
             outer = active_session()
-            if outer is not None and outer.w._yields_to_script_wrapper:
-                # nvrx launch --inprocess runs the script; the script's own Wrapper is the user's intent
-                child = Session(self, fn, param, args, kwargs, parent=outer)
-                return outer.defer(child.run)
-            outer_call_wrapper = active_call_wrapper()
-            if outer_call_wrapper is not None:
+            if outer is not None:
+                if outer.w._yields_to_script_wrapper:
+                    # nvrx launch --inprocess runs the script; the script's own Wrapper is the user's intent
+                    return outer.defer(Session(self, fn, param, args, kwargs, parent=outer).run)
                 _warn_nested(fn)
                 if param is not None and param not in kwargs:
-                    kwargs = {**kwargs, param: outer_call_wrapper}
+                    kwargs = {**kwargs, param: outer.call_wrapper}
                 return fn(*args, **kwargs)
             setup_rank_logging()
             return Session(self, fn, param, args, kwargs).run()

@@ -138,6 +138,15 @@ def _snapshot() -> tuple[int, int]:
     return threading.active_count(), len(psutil.Process().children(recursive=True))
 
 
+def _assert_refused_at_construction(kwargs, message):
+    """Wrapper(**KWARGS) raises a ValueError containing MESSAGE and starts no thread or process."""
+    before = _snapshot()
+    with pytest.raises(ValueError) as err:
+        inprocess.Wrapper(**kwargs)
+    assert message in str(err.value)
+    assert _snapshot() == before
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"soft_timeout": -1}, "soft_timeout must be > 0"),
     ({"hard_timeout": 10, "soft_timeout": 20}, "hard_timeout (10 s) must not be shorter than soft_timeout"),
@@ -156,11 +165,7 @@ def _snapshot() -> tuple[int, int]:
     ({"enabled": "yes"}, "enabled must be True or False"),
 ])
 def test_bad_arguments_raise_value_error_at_construction(kwargs, message):
-    before = _snapshot()
-    with pytest.raises(ValueError) as err:
-        inprocess.Wrapper(**kwargs)
-    assert message in str(err.value)
-    assert _snapshot() == before
+    _assert_refused_at_construction(kwargs, message)
 
 
 def test_generators_and_async_functions_are_refused():
@@ -225,11 +230,7 @@ def test_spec_snippet_tuple_of_components_is_accepted():
                                                             "pass an instance: ShiftRanks()"),
 ])
 def test_component_classes_are_refused_at_construction(kwargs, message):
-    before = _snapshot()
-    with pytest.raises(ValueError) as err:
-        inprocess.Wrapper(**kwargs)
-    assert message in str(err.value)
-    assert _snapshot() == before
+    _assert_refused_at_construction(kwargs, message)
 
 
 def test_compose_refuses_a_class_among_instances():
@@ -268,8 +269,4 @@ def test_timedelta_durations_are_accepted_as_seconds():
     ({"hard_timeout": "90s"}, "hard_timeout must be a number of seconds or a datetime.timedelta, not '90s'"),
 ])
 def test_bad_durations_raise_value_error_at_construction(kwargs, message):
-    before = _snapshot()
-    with pytest.raises(ValueError) as err:
-        inprocess.Wrapper(**kwargs)
-    assert message in str(err.value)
-    assert _snapshot() == before
+    _assert_refused_at_construction(kwargs, message)

@@ -48,10 +48,19 @@ def _slot_dirs(res: JobResult) -> set[str]:
     return {e["slot_dir"] for rank in res.events for e in res.of(rank, "start")}
 
 
+def _slot_dirs_left(res: JobResult) -> list[str]:
+    return [d for d in _slot_dirs(res) if Path(d).exists()]
+
+
+def _restart_summaries(res: JobResult, rank: int) -> list[str]:
+    """The monitor thread's one-line summaries of the faults behind each restart, in RANK's stderr."""
+    return [line for line in res.stderr[rank].splitlines() if "INFO restarting: " in line]
+
+
 def test_the_unhealthy_ranks_shared_memory_is_removed(unhealthy):
     dirs = _slot_dirs(unhealthy)
     assert dirs and all(Path(d).name.startswith(SLOT_DIR_PREFIX) for d in dirs)
-    assert [d for d in dirs if Path(d).exists()] == []
+    assert _slot_dirs_left(unhealthy) == []
 
 
 # ---------------------------------------------------------------- a rank deaf to SIGTERM on a hard timeout
@@ -74,7 +83,7 @@ def test_sigkill_follows_sigterm_after_the_grace_time_when_a_rank_ignores_sigter
     log = (res.out.parent / "monitor1.log").read_text()
     assert "hard timeout: no progress" in log and "rank process killed" in log
     assert "ended after SIGTERM" not in log
-    assert [d for d in _slot_dirs(res) if Path(d).exists()] == [], "the killed rank's shared memory was left"
+    assert _slot_dirs_left(res) == [], "the killed rank's shared memory was left"
     assert res.leftovers == []
 
 
@@ -106,9 +115,9 @@ def test_last_call_wait_gathers_two_concurrent_faults_into_one_restart(tmp_path)
     for rank in range(3):
         assert sorted(res.starts(rank)) == [0, 1], "the two faults caused more than one restart"
     assert res.of(2, "error", iteration=0), "rank 2 was interrupted before its own fault"
-    summary = [line for line in res.stderr[0].splitlines() if "INFO restarting: " in line]
+    summary = _restart_summaries(res, 0)
     assert len(summary) == 1 and "rank 1: ValueError" in summary[0] and "rank 2: ValueError" in summary[0]
-    assert [d for d in _slot_dirs(res) if Path(d).exists()] == []
+    assert _slot_dirs_left(res) == []
     assert res.leftovers == []
 
 
@@ -116,5 +125,5 @@ def test_without_last_call_wait_the_first_fault_interrupts_at_once(tmp_path):
     res = run_job(tmp_path, 3, _gather_plan(last_call_wait=0.0))
     assert res.codes == {0: 0, 1: 0, 2: 0}, res.stderr
     assert res.of(2, "interrupted", iteration=0) and not res.of(2, "error", iteration=0)
-    summary = [line for line in res.stderr[0].splitlines() if "INFO restarting: " in line]
+    summary = _restart_summaries(res, 0)
     assert len(summary) == 1 and "rank 1: ValueError" in summary[0] and "rank 2" not in summary[0]

@@ -105,11 +105,15 @@ def _events(stdout: str, name: str) -> list[dict]:
     return [line for line in _lines(stdout) if line.get("event") == name]
 
 
+def _run_script_with_own_wrapper(launcher, tmp_path, mode: str):
+    script = write_script(tmp_path / "train.py", SCRIPT_WITH_OWN_WRAPPER)
+    return launcher.run("--nproc-per-node", "2", "--inprocess", "--max-restarts", "0", str(script), timeout=120,
+                        env={"TEST_MODE": mode})
+
+
 @pytest.mark.slow
 def test_the_scripts_own_wrapper_runs_with_its_own_settings_under_inprocess_launch(launcher, tmp_path):
-    script = write_script(tmp_path / "train.py", SCRIPT_WITH_OWN_WRAPPER)
-    res = launcher.run("--nproc-per-node", "2", "--inprocess", "--max-restarts", "0", str(script), timeout=120,
-                       env={"TEST_MODE": "ok"})
+    res = _run_script_with_own_wrapper(launcher, tmp_path, "ok")
     assert res.returncode == 0, res.stderr
     scripts = _events(res.stdout, "script")
     assert len(scripts) == 2 and {s["outer_it"] for s in scripts} == {0}, "the launcher re-ran the script"
@@ -126,9 +130,7 @@ def test_the_scripts_own_wrapper_runs_with_its_own_settings_under_inprocess_laun
 @pytest.mark.slow
 def test_the_scripts_own_retry_limit_ends_the_job_under_inprocess_launch(launcher, tmp_path):
     # Without honouring the script's Wrapper, the launcher's (no retry limit) would restart the script forever.
-    script = write_script(tmp_path / "train.py", SCRIPT_WITH_OWN_WRAPPER)
-    res = launcher.run("--nproc-per-node", "2", "--inprocess", "--max-restarts", "0", str(script), timeout=120,
-                       env={"TEST_MODE": "exhaust"})
+    res = _run_script_with_own_wrapper(launcher, tmp_path, "exhaust")
     assert res.returncode != 0
     assert "max_iterations=2" in res.stderr
     assert sorted(t["it"] for t in _events(res.stdout, "train")) == [0, 0, 1, 1]
