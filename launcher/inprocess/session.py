@@ -479,13 +479,15 @@ class Session:
             log.exception("abort failed; continuing the restart")
         self._stop_pg_server()
         t1 = time.monotonic()
+        step = "finalize"
         try:
             if w.finalize is not None:
                 self.state = w.finalize(self.state) or self.state
+            step = "health check"
             if w.health_check is not None:
                 w.health_check(self.state)
         except BaseException as exc:
-            self._leave_job(f"{'finalize' if w.finalize else 'health check'} failed: {type(exc).__name__}: {exc}")
+            self._leave_job(f"{step} failed: {type(exc).__name__}: {exc}")
             raise
         t2 = time.monotonic()
         decision = self._barrier(f"termination/{iteration}", self.members, None, w.barrier_timeout)
