@@ -211,10 +211,9 @@ class Agent:
         succeeded_reported = round_failed = False
         forwarded = self._forwarded = False
         try:
+            # Before the first wait: a monitor given up on while an earlier round was ending fails this one at once.
+            round_failed = self._monitors_failed(result, stopping=False)
             while True:
-                # Before waiting too: a monitor given up on in an earlier round fails this one at once.
-                if self._monitors_failed(result, forwarded or round_failed or succeeded_reported):
-                    round_failed = True
                 monitor_fds = self.monitors.fds() if self.monitors is not None else []
                 wake_in = self.monitors.wake_in() if self.monitors is not None else None
                 exits = self.workers.wait([wake_fd, self._sig_r, *monitor_fds], timeout=wake_in)

@@ -66,11 +66,8 @@ def take_monitor_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     global _token
     env = os.environ if env is None else env
     out = {k: v for k, v in env.items() if k.startswith("NVRX_MONITOR_") or k == "RANK"}
-    token = os.environ.pop(ENV_TOKEN, None)
-    if env is not os.environ:
-        token = env.get(ENV_TOKEN) or token
-    if token:
-        _token = token
+    popped = os.environ.pop(ENV_TOKEN, None)  # always: ENV may be a copy
+    _token = out.get(ENV_TOKEN) or popped or _token
     if _token:
         out[ENV_TOKEN] = _token
     return out
@@ -87,7 +84,6 @@ class MonitorLink:
         self.connect_timeout = connect_timeout
         self._lock = threading.RLock()
         self._reattach_lock = threading.Lock()  # one re-attach at a time (watch thread or a failed request)
-        self._epoch = 0  # counts successful connects: tells a failed request whether someone re-attached
         self._channel: Channel | None = None
         self.writer: SlotWriter | None = None
         self.ids: dict[str, int] = {}
@@ -152,8 +148,7 @@ class MonitorLink:
             channel.close()
             raise
         with self._lock:
-            old, self._channel = self._channel, channel
-            self._epoch += 1
+            old, self._channel = self._channel, channel  # a new channel: tells others someone re-attached
             if self.writer is None:
                 self.writer = SlotWriter(slot)
             else:
@@ -182,14 +177,14 @@ class MonitorLink:
     def _retrying(self, op: str, call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """CALL under the lock; on OSError from a monitor that has exited, re-attach and CALL once more."""
         with self._lock:
-            epoch = self._epoch
+            failed_on = self._channel
             try:
                 return call()
             except OSError as exc:  # ConnectionError, BrokenPipeError, timeouts: the monitor went away?
                 if not self._monitor_exited():
                     raise  # the monitor lives: re-attaching would reset its record of this run
                 log.info("rank monitor request %r failed (%s); re-attaching and retrying once", op, exc)
-        if not self._recover(epoch):
+        if not self._recover(failed_on):
             raise ConnectionError(f"the rank monitor is gone and did not come back within {REATTACH_TIMEOUT:.0f} s "
                                   f"({op}); is the nvrx launch agent still running?")
         with self._lock:
@@ -226,7 +221,7 @@ class MonitorLink:
 
     def _watch_loop(self) -> None:
         while self.monitor_pid is not None:
-            epoch = self._epoch
+            watched = self._channel
             try:
                 pidfd = os.pidfd_open(self.monitor_pid)
             except ProcessLookupError:
@@ -236,13 +231,13 @@ class MonitorLink:
                     select.select([pidfd], [], [])
                 finally:
                     os.close(pidfd)
-            if self.monitor_pid is None or not self._recover(epoch):
+            if self.monitor_pid is None or not self._recover(watched):
                 return
 
-    def _recover(self, epoch: int) -> bool:
-        """Re-attach unless someone already did since EPOCH; True when connected to a live monitor."""
+    def _recover(self, lost: Channel | None) -> bool:
+        """Re-attach unless someone already replaced channel LOST; True when connected to a live monitor."""
         with self._reattach_lock:
-            if self._epoch != epoch:
+            if self._channel is not lost:
                 return self._channel is not None
             if self.monitor_pid is None:  # closed on purpose
                 return False

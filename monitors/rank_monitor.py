@@ -200,13 +200,12 @@ class RankMonitor:
         self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
 
     # ---- lifecycle
-    def _state_key_for(self, global_rank: int | None) -> int:
-        """Learned timeouts belong to a global rank (a job's rank keeps its role across nodes and jobs)."""
-        return global_rank if global_rank is not None else self.rank
-
     def _use_state_of(self, global_rank: int | None) -> None:
-        """Make the tracker hold the learned timeouts of GLOBAL_RANK (loaded when it changes)."""
-        key = self._state_key_for(global_rank)
+        """Make the tracker hold the learned timeouts of GLOBAL_RANK (loaded when it changes).
+
+        Learned timeouts belong to a global rank (a job's rank keeps its role across nodes and jobs).
+        """
+        key = global_rank if global_rank is not None else self.rank
         if key == self._state_key:
             return
         if self._state_key is not None:  # another rank's learning must not carry over
@@ -620,7 +619,7 @@ class RankMonitor:
         self._refresh_observations()
         updated = self.tracker.calculate_and_set()
         timeouts = self.tracker.in_force().to_dict()
-        path = state_file(self.timeouts_dir, self._state_key if self._state_key is not None else self.rank)
+        path = state_file(self.timeouts_dir, self._state_key)  # set: only a session's connection gets here
         save_json_atomic(path, self.tracker.state_dict())
         self.events.emit("timeouts_set", rank=self.rank, updated=updated, timeouts=timeouts, path=str(path))
         return {"updated": updated, "timeouts": timeouts}

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.conftest import one_line_error, write_script
+from tests.conftest import one_line_error, run_events, write_script
 
 
 @pytest.fixture
@@ -111,8 +111,6 @@ def test_bad_ft_env(launcher, script):
 
 def test_ft_precedence_defaults_yaml_env_flag(launcher, script, tmp_path):
     """defaults < YAML (`fault_tolerance:` key) < environment < --ft-param flag, as the agent logs it."""
-    import json
-
     cfg = tmp_path / "ft.yaml"
     cfg.write_text("fault_tolerance:\n"
                    "  workload_check_interval: 1\n"        # YAML only
@@ -123,9 +121,7 @@ def test_ft_precedence_defaults_yaml_env_flag(launcher, script, tmp_path):
     res = launcher.run("--fault-tol-cfg-path", str(cfg), "--ft-param-rank-heartbeat-timeout", "300",
                        "--rdzv-id", "prec", "--standalone", str(script), env=env, timeout=120)
     assert res.returncode == 0, res.stderr
-    events = [json.loads(line) for f in (tmp_path / "nvrx_logs" / "prec").glob("agent-*.jsonl")
-              for line in f.read_text().splitlines()]
-    config = next(e["config"] for e in events if e["ev"] == "ft_config")
+    config = next(e["config"] for e in run_events(tmp_path / "nvrx_logs" / "prec", "agent-") if e["ev"] == "ft_config")
     assert config["workload_check_interval"] == 1.0
     assert config["safety_factor"] == 3.0
     assert config["rank_heartbeat_timeout"] == 300.0

@@ -57,16 +57,22 @@ def test_hang_is_detected_and_job_restarts_with_reason(launcher, tmp_path):
     assert launcher.leftovers() == []
 
 
-def _monitor_children(pid: int) -> list[psutil.Process]:
-    """Live rank-monitor children of the agent (a killed one is a zombie until the agent reaps it)."""
+def _monitors(pid: int) -> list[tuple[psutil.Process, list[str]]]:
+    """Live rank-monitor children of the agent and their command lines (a killed one is a zombie until the
+    agent reaps it)."""
     found = []
     for p in psutil.Process(pid).children():
         try:
-            if "monitors.rank_monitor" in " ".join(p.cmdline()):
-                found.append(p)
+            cmd = p.cmdline()
         except psutil.Error:
             continue
+        if "monitors.rank_monitor" in " ".join(cmd):
+            found.append((p, cmd))
     return found
+
+
+def _monitor_children(pid: int) -> list[psutil.Process]:
+    return [p for p, _ in _monitors(pid)]
 
 
 def test_killed_monitor_is_restarted_by_the_agent(launcher, tmp_path):
@@ -223,18 +229,6 @@ def test_second_job_starts_with_the_timeouts_the_first_learned(launcher, tmp_pat
     assert launcher.leftovers() == []
 
 
-def _monitor_socket_dirs(pid: int) -> set[str]:
-    """The private socket directories (--socket's parent) of the agent's live monitors."""
-    dirs = set()
-    for p in _monitor_children(pid):
-        try:
-            cmd = p.cmdline()
-        except psutil.Error:
-            continue
-        dirs.add(os.path.dirname(cmd[cmd.index("--socket") + 1]))
-    return dirs
-
-
 def test_monitor_that_keeps_dying_fails_the_job_with_the_reason(launcher, tmp_path):
     """Restarting a broken monitor forever would leave its rank unwatched while the job 'succeeds'."""
     from launcher.monitor_procs import MAX_RESTARTS
@@ -274,7 +268,7 @@ def test_monitors_clean_up_when_the_agent_is_killed(launcher, tmp_path):
                           str(script), str(out), "100000")
     assert wait_for(lambda: (out / "ready.0.0").exists() and (out / "ready.1.0").exists(), 60)
     assert wait_for(lambda: len(_monitor_children(proc.pid)) == 2, 10)
-    dirs = _monitor_socket_dirs(proc.pid)
+    dirs = {os.path.dirname(cmd[cmd.index("--socket") + 1]) for _, cmd in _monitors(proc.pid)}  # private dirs
     assert len(dirs) == 1 and os.path.basename(next(iter(dirs))).startswith("nvrx-mon-")
     tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
     assert len(tree) >= 4  # 2 ranks + 2 monitors (+ fork server)

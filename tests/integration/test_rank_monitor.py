@@ -470,13 +470,9 @@ def test_learned_timeouts_are_keyed_by_global_rank(h: Harness) -> None:
     assert (shared / "rank5.timeouts.json").exists() and not (shared / "rank0.timeouts.json").exists()
     h.stop_monitor()
 
-    other = h.monitor_cmd("--timeouts-dir", str(shared), initial_rank_heartbeat_timeout=None,
-                          rank_heartbeat_timeout=None)
-    other[other.index("--rank") + 1] = "1"  # another node's local rank 1 now runs global rank 5
-    other[other.index("--state-dir") + 1] = str(h.tmp / "other-node-state")
-    h.monitor = subprocess.Popen(other, env=h.env(), cwd=h.tmp, stderr=subprocess.PIPE, text=True)
-    h.procs.append(h.monitor)
-    h.wait_for(h.socket.exists, 10, "monitor socket")
+    # another node's local rank 1 now runs global rank 5 (a repeated option: argparse takes the last value)
+    h.start_monitor("--timeouts-dir", str(shared), "--rank", "1", "--state-dir", str(h.tmp / "other-node-state"),
+                    initial_rank_heartbeat_timeout=None, rank_heartbeat_timeout=None)
     rc, results, err = h.finish(h.rank("init", "shutdown", "exit:0", RANK="5"))
     assert rc == 0, err
     assert results[0]["kind"] == "init" and results[0]["value"]["heartbeat"] == learned["heartbeat"]

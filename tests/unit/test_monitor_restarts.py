@@ -9,17 +9,7 @@ from typing import Any
 import pytest
 
 from launcher.monitor_procs import MAX_RESTARTS, RESTART_DELAYS, RESTART_WINDOW, MonitorGroup
-
-
-class _Events:
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, dict[str, Any]]] = []
-
-    def emit(self, ev: str, **fields: Any) -> None:
-        self.seen.append((ev, fields))
-
-    def names(self) -> list[str]:
-        return [ev for ev, _ in self.seen]
+from monitors.events import EventLog
 
 
 class _DeadProc:
@@ -32,8 +22,10 @@ class _DeadProc:
 
 @pytest.fixture
 def group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    events = _Events()
-    g = MonitorGroup(ft=None, nproc=1, run_log_dir=tmp_path, events=events, base_env={},
+    events: list[dict[str, Any]] = []
+    log = EventLog(None, "agent")  # in memory
+    log.subscribe(events.append)
+    g = MonitorGroup(ft=None, nproc=1, run_log_dir=tmp_path, events=log, base_env={},
                      state_dir=tmp_path / "state", node_name="n0")
     started: list[int] = []
     monkeypatch.setattr(g, "_start_one", lambda lr: started.append(lr))
@@ -63,7 +55,7 @@ def test_restarts_back_off_then_give_up(group, tmp_path):
     assert _die(g, now) == []  # one death too many within the window
     assert g.failure is not None and g.failure["local_rank"] == 0
     assert f"died {MAX_RESTARTS + 1} times" in g.failure["describe"] and "boom: bad things" in g.failure["describe"]
-    assert "monitor_gave_up" in events.names()
+    assert "monitor_gave_up" in [e["ev"] for e in events]
     assert len(started) == MAX_RESTARTS
 
 
