@@ -277,21 +277,20 @@ def _subdirs(d: Path) -> list[Path]:
 
 def _steer_stop_time(path: Path, since: float | None) -> float | None:
     """When this agent claimed a stop for its rank's exit 16 (the newest one), if it did."""
-    from monitors.events import read_events
+    from monitors.events import field_problem, read_events
 
     own: set[str] = set()
     newest = None
     try:
         for e in read_events(path):
-            if not isinstance(e, dict):
-                continue
-            if e["ev"] == "rdzv_join" and isinstance(e.get("node_id"), str):
+            if isinstance(e, str) or field_problem(e) is not None:
+                continue  # a corrupt line or a wrongly typed record: skipped, as nvrx inspect does
+            if e["ev"] == "rdzv_join" and e.get("node_id") is not None:
                 own.add(e["node_id"])
-            elif e["ev"] == "rdzv_stop" and e.get("kind") == "failed" and e.get("by_node") in own:
-                detail = e.get("detail")
-                if (isinstance(detail, dict) and detail.get("steer") == exit_codes.RESUME_ELSEWHERE
-                        and (since is None or e["t"] >= since)):
-                    newest = e["t"]
+            elif (e["ev"] == "rdzv_stop" and e.get("kind") == "failed" and e.get("by_node") in own
+                  and (e.get("detail") or {}).get("steer") == exit_codes.RESUME_ELSEWHERE
+                  and (since is None or e["t"] >= since)):
+                newest = e["t"]
     except OSError as exc:
         log.debug("cannot read %s: %s", path, exc)
     return newest

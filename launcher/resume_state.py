@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from monitors.events import BOOL, INT, STR, Kind, shown
 from monitors.timeouts import save_json_atomic
 
 log = logging.getLogger(__name__)
@@ -86,26 +87,22 @@ class ResumeState:
         names = {f.name for f in fields(cls)}
         kw = {k: v for k, v in raw.items() if k in names}
         for key in cls._COUNTS:
-            value = kw.get(key, 0)
-            if not _is_int(value) or value < 0:
-                raise CorruptState(f"{key} is {_shown(value)}, not a count")
+            _check(key, kw.get(key, 0), _COUNT)  # null is not a count either
         for key, kind in _FIELD_KINDS.items():
-            value = kw.get(key)
-            if value is not None and not _KINDS[kind](value):
-                raise CorruptState(f"{key} is {_shown(value)}, not {kind}")
+            if kw.get(key) is not None:
+                _check(key, kw[key], kind)
         for key, kind in _LIST_KINDS.items():
             value = kw.get(key, [])
             if not isinstance(value, list):
-                raise CorruptState(f"{key} is {_shown(value)}, not a list")
-            bad = next((x for x in value if not _KINDS[kind](x)), _OK)
-            if bad is not _OK:
-                raise CorruptState(f"{key} holds {_shown(bad)}, not {kind}")
+                raise CorruptState(f"{key} is {shown(value)}, not a list")
+            for item in value:
+                if not kind.accepts(item):
+                    raise CorruptState(f"{key} holds {shown(item)}, not {kind.name}")
             kw[key] = tuple(value)
-        running = kw.get("running")
-        if running is not None:
-            for key, kind in _RUNNING_KINDS.items():
-                if running.get(key) is not None and not _KINDS[kind](running[key]):
-                    raise CorruptState(f"running.{key} is {_shown(running[key])}, not {kind}")
+        running = kw.get("running") or {}
+        for key, kind in _RUNNING_KINDS.items():
+            if running.get(key) is not None:
+                _check(f"running.{key}", running[key], kind)
         return cls(**kw)
 
     def with_attempt(self, record: dict[str, Any]) -> "ResumeState":
@@ -263,29 +260,20 @@ class StateStore:
         raise AssertionError("unreachable: the names never run out")
 
 
-_OK = object()
-_KINDS: dict[str, Callable[[Any], bool]] = {
-    "an integer": lambda v: _is_int(v),
-    "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "a string": lambda v: isinstance(v, str),
-    "true or false": lambda v: isinstance(v, bool),
-    "an object": lambda v: isinstance(v, dict),
-}
-# Optional fields (null allowed) and their types; list fields and the type of their items.
-_FIELD_KINDS = {"created": "a number", "updated": "a number", "last_progress": "an integer",
-                "last_exit_code": "an integer", "last_cause": "a string", "stopped": "a string",
-                "finished": "true or false", "running": "an object"}
-_LIST_KINDS = {"excluded_nodes": "a string", "jobs": "a string", "submitted": "an object", "history": "an object"}
-_RUNNING_KINDS = {"attempt": "an integer", "start": "a number", "job_id": "a string", "node": "a string"}
+# Optional fields (null allowed) and their types; list fields and the type of their items (monitors.events'
+# field types: exact JSON types, so true is not an integer).
+_COUNT = Kind("a count", {int: lambda v: v >= 0})
+_NUMBER = Kind("a number", {int: None, float: None})
+_OBJECT = Kind("an object", {dict: None})
+_FIELD_KINDS = {"created": _NUMBER, "updated": _NUMBER, "last_progress": INT, "last_exit_code": INT,
+                "last_cause": STR, "stopped": STR, "finished": BOOL, "running": _OBJECT}
+_LIST_KINDS = {"excluded_nodes": STR, "jobs": STR, "submitted": _OBJECT, "history": _OBJECT}
+_RUNNING_KINDS = {"attempt": INT, "start": _NUMBER, "job_id": STR, "node": STR}
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _shown(v: Any) -> str:
-    text = json.dumps(v, default=str)
-    return text if len(text) <= 40 else text[:37] + "..."
+def _check(where: str, value: Any, kind: Kind) -> None:
+    if not kind.accepts(value):
+        raise CorruptState(f"{where} is {shown(value)}, not {kind.name}")
 
 
 def _newest_snapshot(snapshots: Iterable[dict[str, Any]]) -> ResumeState | None:

@@ -264,9 +264,7 @@ class Timeline:
                     self.readable += 1
                     continue
                 ev = e["ev"]
-                if lazy and owner.deferred_open and ev == "section_close" and isinstance(e.get("section"), str):
-                    owner.deferred_open.pop(e["section"], None)  # the close supersedes the open
-                elif lazy and ev in _SESSION_BOUNDARIES:
+                if lazy and ev in _SESSION_BOUNDARIES:
                     self._apply_deferred(owner)
                 handler = table.get(ev)
                 if handler is None:
@@ -274,7 +272,8 @@ class Timeline:
                     self.unknown[key] = self.unknown.get(key, 0) + 1
                     self.readable += 1
                     continue
-                self._apply(owner, handler, e, i)
+                if self._apply(owner, handler, e, i) and lazy and ev == "section_close" and owner.deferred_open:
+                    owner.deferred_open.pop(e.get("section"), None)  # a (well-typed) close supersedes the open
             if owner is not None:
                 owner.last_t = max(owner.last_t, last_t)
             self.lines += len(lines)
@@ -286,18 +285,19 @@ class Timeline:
             self._apply_deferred(owner)
         return n
 
-    def _apply(self, owner: Any, handler: Callable[[Any, dict[str, Any]], None], e: dict[str, Any], lineno: int) -> None:
-        """Fold one event; a record whose fields have the wrong types is skipped as a corrupt line."""
+    def _apply(self, owner: Any, handler: Callable[[Any, dict[str, Any]], None], e: dict[str, Any], lineno: int) -> bool:
+        """Fold one event (True); a record whose fields have the wrong types is skipped as a corrupt line."""
         problem = field_problem(e)
         if problem is not None:
             self.damage.add(owner.ef, lineno, f"{e['ev']} event: {problem}")
-            return
+            return False
         try:
             handler(owner, e)
         except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
             self.damage.add(owner.ef, lineno, f"{e['ev']} event with unexpected fields ({exc})")
-            return
+            return False
         self.readable += 1
+        return True
 
     def _apply_deferred(self, m: MonitorFile) -> None:
         """Parse and fold the lines _defer() held back (the last heartbeat_stats, unclosed section_open)."""

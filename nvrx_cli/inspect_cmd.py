@@ -187,7 +187,7 @@ def _clock(t: float | None, with_date: bool = True) -> str:
     fmt = "%Y-%m-%d %H:%M:%S.%f" if with_date else "%H:%M:%S.%f"
     try:
         return datetime.fromtimestamp(t).strftime(fmt)[:-3]
-    except (TypeError, ValueError, OverflowError, OSError):
+    except (ValueError, OverflowError, OSError):  # a derived time beyond what dates can show
         return f"t={t!r:.20}"
 
 
@@ -215,7 +215,7 @@ def _multi_day(report: Report) -> bool:
     s, e = report.span.get("start"), report.span.get("end")
     try:
         return bool(s and e and datetime.fromtimestamp(s).date() != datetime.fromtimestamp(e).date())
-    except (TypeError, ValueError, OverflowError, OSError):
+    except (ValueError, OverflowError, OSError):
         return True  # times that are not dates: show the date part too
 
 
@@ -265,12 +265,10 @@ def _rank_rows(report: Report) -> list[list[str]]:
     return rows
 
 
-def _fmt_timeouts(t: Any) -> str:
+def _fmt_timeouts(t: dict[str, Any] | None) -> str:
     if not t:
         return "-"
-    if not isinstance(t, dict):
-        return _num(t)
-    secs = t.get("sections") if isinstance(t.get("sections"), dict) else {}
+    secs = t.get("sections") or {}
     parts = [f"first hb {_num(t.get('initial_heartbeat'))}", f"hb {_num(t.get('heartbeat'))}"]
     parts += [f"{n} {_num(v)}" for n, v in secs.items()]
     parts.append(f"out-of-section {_num(t.get('out_of_section'))}")
@@ -286,11 +284,9 @@ def _num(v: Any) -> str:
     return text if len(text) <= 20 else text[:17] + "..."
 
 
-def _configured(cfg: Any) -> str:
+def _configured(cfg: dict[str, Any] | None) -> str:
     if not cfg:
         return "not logged (no ft_config event)"
-    if not isinstance(cfg, dict):
-        return f"unreadable ({_num(cfg)})"
     t = {"initial_heartbeat": cfg.get("initial_rank_heartbeat_timeout"), "heartbeat": cfg.get("rank_heartbeat_timeout"),
          "sections": cfg.get("rank_section_timeouts") or {}, "out_of_section": cfg.get("rank_out_of_section_timeout")}
     return (f"{_fmt_timeouts(t)}; check every {_num(cfg.get('workload_check_interval'))} s, "

@@ -40,11 +40,11 @@ if ! apt-cache show "${PKGS[@]}" >/dev/null 2>&1; then
 fi
 # The packages' post-install scripts try to start services and are refused without an init
 # system; apt still succeeds, and the test harness starts the daemons itself.
-install() { apt-get install -y -qq --no-install-recommends "${PKGS[@]}" >"$LOG" 2>&1; }
-if ! install; then
+apt_install() { apt-get install -y -qq --no-install-recommends "${PKGS[@]}" >"$LOG" 2>&1; }
+if ! apt_install; then
     # Stale package lists (a mirror dropped the listed version) are the usual cause: refresh, retry once.
     apt-get update -qq >/dev/null 2>&1 || true
-    if ! install; then
+    if ! apt_install; then
         why=$(tail -n 1 "$LOG")
         rm -f "$LOG"
         unusable "apt-get install ${PKGS[*]} failed ($why); Slurm tests will skip"

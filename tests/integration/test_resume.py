@@ -251,16 +251,21 @@ def test_unrecoverable_state_file(resume):
     assert not list(resume.work.iterdir())  # nothing launched
 
 
+def fake_slurm_tools(bin_dir: Path, **bodies: str) -> str:
+    """Shell scripts named after BODIES' keys (sbatch, scontrol) in BIN_DIR; returns a PATH that finds them first."""
+    bin_dir.mkdir()
+    for name, body in bodies.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return f"{bin_dir}:{os.environ.get('PATH', '')}"
+
+
 def test_wrongly_typed_state_file_is_one_line_and_kept(resume, tmp_path):
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    for name, body in (("sbatch", "echo 777"), ("scontrol", "echo JobId=9; echo '   Command=/bin/true'")):
-        (fake_bin / name).write_text(f"#!/bin/sh\n{body}\n")
-        (fake_bin / name).chmod(0o755)
+    path = fake_slurm_tools(tmp_path / "bin", sbatch="echo 777", scontrol="echo JobId=9; echo '   Command=/bin/true'")
     bad = b'{"version":1,"seq":3,"attempts":1,"failures":0,"submitted":["x"],"excluded_nodes":[5]}'
     (resume.state_dir / "state.json").write_bytes(bad)
     res = resume.run("--state-dir", str(resume.state_dir), "--submit", "--exit-code", "16",
-                     env={"PATH": f"{fake_bin}:{os.environ.get('PATH', '')}", "SLURM_JOB_ID": "9"})
+                     env={"PATH": path, "SLURM_JOB_ID": "9"})
     line = one_line_error(res, "state.json is corrupt", "excluded_nodes holds 5, not a string", "--reset")
     assert "state.json.corrupt-" in line
     assert (resume.state_dir / "state.json").read_bytes() == bad  # not rewritten, nothing submitted
@@ -269,17 +274,13 @@ def test_wrongly_typed_state_file_is_one_line_and_kept(resume, tmp_path):
 def test_exit_16_excludes_the_node_whose_rank_exited_not_the_batch_host(resume, tmp_path):
     from tests.unit.test_resume import write_agent_logs
 
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
     args_file = tmp_path / "sbatch.args"
-    for name, body in ((("sbatch", f'echo "$@" > {args_file}; echo 778')),
-                       ("scontrol", "echo JobId=55; echo '   Command=/bin/true'")):
-        (fake_bin / name).write_text(f"#!/bin/sh\n{body}\n")
-        (fake_bin / name).chmod(0o755)
+    path = fake_slurm_tools(tmp_path / "bin", sbatch=f'echo "$@" > {args_file}; echo 778',
+                            scontrol="echo JobId=55; echo '   Command=/bin/true'")
     logs = tmp_path / "logs"
     write_agent_logs(logs / "55", bad="n2")
-    slurm = {"PATH": f"{fake_bin}:{os.environ.get('PATH', '')}", "SLURM_JOB_ID": "55", "SLURMD_NODENAME": "n1",
-             "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
+    slurm = {"PATH": path, "SLURM_JOB_ID": "55", "SLURMD_NODENAME": "n1", "SLURM_JOB_NUM_NODES": "2",
+             "SLURM_JOB_NODELIST": "n[1-2]"}
     res = resume.run("--state-dir", str(resume.state_dir), "--submit", "--launch-log-dir", str(logs),
                      "--exit-code", "16", env=slurm)
     assert res.returncode == 3, res.stderr

@@ -15,10 +15,10 @@ from launcher import exit_codes
 from launcher.progress import ProgressSource, newest_checkpoint_iteration, read_progress
 from launcher.resume import (CONTINUE, FINISHED, GIVE_UP, Decision, Limits, Outcome, SlurmFacts, classify, decide,
                              find_bad_node, precheck, settle_lost_attempt, signal_reached_child)
-from monitors.events import EventLog
-from nvrx_cli.resume_cmd import _log_dir_of
 from launcher.resume_state import BACKUP_FILE, STATE_FILE, ResumeError, ResumeState, StateStore
 from launcher.slurm_submit import (SubmitError, command_of_job, parse_sbatch_job_id, sbatch_command, submit_env)
+from monitors.events import EventLog
+from nvrx_cli.resume_cmd import _log_dir_of
 
 LIM = Limits(max_attempts=5, max_failures=2, max_no_progress=2)
 
