@@ -180,7 +180,7 @@ def _saver(method: str, world: int, enable_cache: bool, state: dict, setup: dict
         t0 = time.perf_counter()
         torch.save(local, file)
         t1 = time.perf_counter()
-        from ckpt.async_ckpt.file_writer import fsync_path
+        from nvrx_common.files import fsync_path
 
         fsync_path(str(file))
         return t1 - t0, time.perf_counter() - t0, {}

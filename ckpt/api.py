@@ -3,8 +3,7 @@
 A typical training loop (every rank runs the same calls)::
 
     import ckpt
-    from launcher import job_control
-
+    from launcher.rank import job_control
     info = ckpt.resume("ckpts", state)            # newest complete checkpoint, verified (None: fresh start);
                                                  # also reserves staging memory, so even the first save is warm,
                                                  # and removes unfinished checkpoints of crashed saves

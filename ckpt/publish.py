@@ -19,7 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ckpt.async_ckpt.file_writer import fsync_path
+from nvrx_common.files import fsync_path
 from ckpt.errors import CheckpointCleanupError, CheckpointError
 
 log = logging.getLogger("nvrx.ckpt.publish")

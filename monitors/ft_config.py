@@ -33,7 +33,8 @@ from typing import Any, Callable, Collection, Iterator, Mapping
 
 import yaml
 
-from launcher.config import SIGNAL_HINT, ConfigError, parse_signal
+from nvrx_common.errors import ConfigError
+from nvrx_common.signals import SIGNAL_HINT, parse_signal
 from monitors.heartbeat import MAX_SECTIONS
 from monitors.sections import validate_section_name
 from monitors.timeouts import MAX_TIMEOUT_SECONDS
@@ -42,9 +43,6 @@ log = logging.getLogger(__name__)
 
 ENV_PREFIX = "NVRX_FT_"
 YAML_SECTION = "fault_tolerance"
-# `--ft-...` options that belong to the launcher itself (not config fields): extract_ft_args
-# leaves them (and their value) in place instead of rejecting them as unknown.
-DEFAULT_PASSTHROUGH_FLAGS: frozenset[str] = frozenset({"--ft-cfg-path"})
 
 _NULL_WORDS = frozenset({"null", "none", "~"})
 
@@ -72,12 +70,12 @@ _LEVEL_CANONICAL: dict[int, str] = {
 }
 
 
-def _error(message: str) -> ConfigError:
+def one_line_error(message: str) -> ConfigError:
     """A ConfigError whose message is guaranteed to be one line."""
     return ConfigError(" ".join(str(message).split()))
 
 
-def _closest(word: str, candidates: Collection[str], cutoff: float = 0.6) -> str | None:
+def closest(word: str, candidates: Collection[str], cutoff: float = 0.6) -> str | None:
     norm = word.strip().lower().replace("-", "_")
     for cand in candidates:  # same name, other spelling (dashes, case): the obvious suggestion
         if cand.lower().replace("-", "_") == norm:
@@ -89,7 +87,7 @@ def _closest(word: str, candidates: Collection[str], cutoff: float = 0.6) -> str
 
 
 def _did_you_mean(word: str, candidates: Collection[str], cutoff: float = 0.6) -> str:
-    best = _closest(word, candidates, cutoff)
+    best = closest(word, candidates, cutoff)
     if best is not None:
         return f"did you mean {best!r}?"
     return "valid names: " + ", ".join(sorted(candidates))
@@ -167,19 +165,19 @@ def _float_kind(optional: bool, unit: str, low: float = 0.0, high: float = MAX_T
         if value is None or (isinstance(value, str) and value.strip().lower() in _NULL_WORDS):
             if optional:
                 return None
-            raise _error(f"{where}: null is not allowed here; {hint}")
+            raise one_line_error(f"{where}: null is not allowed here; {hint}")
         if isinstance(value, bool):
-            raise _error(f"{where}: {value!r} is not a number; {hint}")
+            raise one_line_error(f"{where}: {value!r} is not a number; {hint}")
         try:
             num = float(value.strip() if isinstance(value, str) else value)
         except (TypeError, ValueError, OverflowError):
-            raise _error(f"{where}: {value!r} is not a number; {hint}") from None
+            raise one_line_error(f"{where}: {value!r} is not a number; {hint}") from None
         if not math.isfinite(num):
-            raise _error(f"{where}: {value!r} is not a finite number; {hint}")
+            raise one_line_error(f"{where}: {value!r} is not a finite number; {hint}")
         if num < low or (num == low and not low_inclusive):
-            raise _error(f"{where}: {value!r} must be {lo_text}; {hint}")
+            raise one_line_error(f"{where}: {value!r} must be {lo_text}; {hint}")
         if num > high:
-            raise _error(f"{where}: {value!r} is too large; {hint}")
+            raise one_line_error(f"{where}: {value!r} is too large; {hint}")
         return num
 
     def show(value: float | None) -> str:
@@ -207,11 +205,11 @@ def _parse_signal(value: Any, where: str) -> signal.Signals:
     if isinstance(value, signal.Signals):
         sig = value
     elif isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise _error(f"{where}: {value!r} is not a signal; {SIGNAL_HINT}")
+        raise one_line_error(f"{where}: {value!r} is not a signal; {SIGNAL_HINT}")
     else:
         sig = parse_signal(value, where)
     if sig in _NON_TERMINATING:
-        raise _error(f"{where}: {sig.name} does not terminate a process; use SIGKILL or SIGTERM")
+        raise one_line_error(f"{where}: {sig.name} does not terminate a process; use SIGKILL or SIGTERM")
     return sig
 
 
@@ -221,7 +219,7 @@ SIGNAL = Kind(label="signal name or number", parse=_parse_signal, dump=lambda s:
 def _parse_log_level(value: Any, where: str) -> int:
     hint = "use DEBUG, INFO, WARNING, ERROR, CRITICAL or a number >= 0 like 20"
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise _error(f"{where}: {value!r} is not a log level; {hint}")
+        raise one_line_error(f"{where}: {value!r} is not a log level; {hint}")
     if isinstance(value, int):
         level = value
     else:
@@ -231,11 +229,11 @@ def _parse_log_level(value: Any, where: str) -> int:
         elif text.upper() in _LEVEL_NAMES:
             return _LEVEL_NAMES[text.upper()]
         else:
-            guess = _closest(text.upper(), list(_LEVEL_NAMES))
+            guess = closest(text.upper(), list(_LEVEL_NAMES))
             tip = f"did you mean {guess}? " if guess else ""
-            raise _error(f"{where}: unknown log level {value!r}; {tip}{hint}")
+            raise one_line_error(f"{where}: unknown log level {value!r}; {tip}{hint}")
     if level < 0:
-        raise _error(f"{where}: log level {value!r} is negative; {hint}")
+        raise one_line_error(f"{where}: log level {value!r} is negative; {hint}")
     return level
 
 
@@ -258,7 +256,7 @@ def _parse_bool(value: Any, where: str) -> bool:
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in _TRUE_WORDS | _FALSE_WORDS:
         return value.strip().lower() in _TRUE_WORDS
-    raise _error(f"{where}: {value!r} is not a boolean; use true or false")
+    raise one_line_error(f"{where}: {value!r} is not a boolean; use true or false")
 
 
 BOOL = Kind(label="true or false", parse=_parse_bool, dump=lambda v: v, show=lambda v: "on" if v else "off")
@@ -304,7 +302,7 @@ def _parse_section_map(value: Any, where: str) -> SectionTimeouts:
             try:
                 value = yaml.load(text, Loader=_StrictLoader)
             except yaml.YAMLError as exc:
-                raise _error(f"{where}: {value!r} is not a valid inline mapping ({_yaml_error_text(exc)}); {hint}") from None
+                raise one_line_error(f"{where}: {value!r} is not a valid inline mapping ({_yaml_error_text(exc)}); {hint}") from None
         else:
             pairs: dict[str, str] = {}
             for item in text.split(","):
@@ -314,24 +312,24 @@ def _parse_section_map(value: Any, where: str) -> SectionTimeouts:
                 key = item[:sep.start()].strip() if sep else ""
                 raw = item[sep.end():].strip() if sep else ""
                 if not key or not raw:
-                    raise _error(f"{where}: item {item.strip()!r} is not SECTION:SECONDS; {hint}")
+                    raise one_line_error(f"{where}: item {item.strip()!r} is not SECTION:SECONDS; {hint}")
                 if key in pairs:
-                    raise _error(f"{where}: section {key!r} is given twice; keep one")
+                    raise one_line_error(f"{where}: section {key!r} is given twice; keep one")
                 pairs[key] = raw
             value = pairs
     if value is None:
         return SectionTimeouts()
     if not isinstance(value, Mapping):
-        raise _error(f"{where}: {value!r} is not a mapping of section names to seconds; {hint}")
+        raise one_line_error(f"{where}: {value!r} is not a mapping of section names to seconds; {hint}")
     if len(value) > MAX_SECTIONS:
-        raise _error(f"{where}: {len(value)} sections given, but a rank monitor tracks at most {MAX_SECTIONS}; "
+        raise one_line_error(f"{where}: {len(value)} sections given, but a rank monitor tracks at most {MAX_SECTIONS}; "
                      "merge or drop some sections")
     out: dict[str, float | None] = {}
     for key, raw in value.items():
         try:
             validate_section_name(key)  # the monitor's own rule: a name it accepts here it accepts at run time
         except ValueError as exc:
-            raise _error(f"{where}: {exc}") from None
+            raise one_line_error(f"{where}: {exc}") from None
         out[key] = OPTIONAL_SECONDS.parse(raw, f"{where} section {key!r}")
     return SectionTimeouts(out)
 
@@ -407,7 +405,7 @@ class FaultToleranceConfig:
         Missing keys keep their defaults. Values may be typed or raw strings.
         """
         if not isinstance(data, Mapping):
-            raise _error(f"{source}: expected a mapping of fault tolerance settings, got {type(data).__name__}")
+            raise one_line_error(f"{source}: expected a mapping of fault tolerance settings, got {type(data).__name__}")
         return cls(**_parse_mapping(data, source))
 
 
@@ -461,7 +459,7 @@ def _parse_mapping(data: Mapping[Any, Any], source: str) -> dict[str, Any]:
     for key, value in data.items():
         spec = _BY_NAME.get(key) if isinstance(key, str) else None
         if spec is None:
-            raise _error(f"{source}: unknown key {key!r}; {_did_you_mean(str(key), list(_BY_NAME))}")
+            raise one_line_error(f"{source}: unknown key {key!r}; {_did_you_mean(str(key), list(_BY_NAME))}")
         out[spec.name] = spec.kind.parse(value, f"{source} key {spec.name}")
     return out
 
@@ -475,36 +473,36 @@ def read_yaml_layer(path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except FileNotFoundError:
-        raise _error(f"FT config file {path!r} does not exist; check the path") from None
+        raise one_line_error(f"FT config file {path!r} does not exist; check the path") from None
     except IsADirectoryError:
-        raise _error(f"FT config file {path!r} is a directory; give the path of a YAML file") from None
+        raise one_line_error(f"FT config file {path!r} is a directory; give the path of a YAML file") from None
     except UnicodeDecodeError:
-        raise _error(f"FT config file {path!r} is not UTF-8 text; give a YAML file") from None
+        raise one_line_error(f"FT config file {path!r} is not UTF-8 text; give a YAML file") from None
     except OSError as exc:
-        raise _error(f"cannot read FT config file {path!r}: {exc.strerror or exc}; check the path and permissions") from None
+        raise one_line_error(f"cannot read FT config file {path!r}: {exc.strerror or exc}; check the path and permissions") from None
     try:
         doc = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as exc:
-        raise _error(f"FT config file {path!r}: YAML syntax error at {_yaml_error_text(exc)}; fix the file") from None
+        raise one_line_error(f"FT config file {path!r}: YAML syntax error at {_yaml_error_text(exc)}; fix the file") from None
     example = f"e.g. '{YAML_SECTION}:' followed by indented 'rank_heartbeat_timeout: 600'"
     if doc is None:
-        raise _error(f"FT config file {path!r} is empty; put the settings in it ({example})")
+        raise one_line_error(f"FT config file {path!r} is empty; put the settings in it ({example})")
     if not isinstance(doc, dict):
-        raise _error(f"FT config file {path!r} holds a {type(doc).__name__}, not a mapping of settings; {example}")
+        raise one_line_error(f"FT config file {path!r} holds a {type(doc).__name__}, not a mapping of settings; {example}")
     if YAML_SECTION in doc:
         others = [k for k in doc if k != YAML_SECTION]
         if others:
-            raise _error(f"FT config file {path!r}: top-level key {others[0]!r} next to '{YAML_SECTION}:'; "
+            raise one_line_error(f"FT config file {path!r}: top-level key {others[0]!r} next to '{YAML_SECTION}:'; "
                          f"move it under '{YAML_SECTION}:' or remove it")
         section = doc[YAML_SECTION]
         if not isinstance(section, dict):
             got = "nothing" if section is None else f"a {type(section).__name__}"
-            raise _error(f"FT config file {path!r}: '{YAML_SECTION}:' holds {got}, not a mapping of settings; {example}")
+            raise one_line_error(f"FT config file {path!r}: '{YAML_SECTION}:' holds {got}, not a mapping of settings; {example}")
         return _parse_mapping(section, f"FT config file {path!r}")
     for key in doc:
         if key not in _BY_NAME:
             hint = _did_you_mean(str(key), [*_BY_NAME, YAML_SECTION])
-            raise _error(f"FT config file {path!r}: unknown key {key!r}; {hint}")
+            raise one_line_error(f"FT config file {path!r}: unknown key {key!r}; {hint}")
     return _parse_mapping(doc, f"FT config file {path!r}")
 
 
@@ -521,7 +519,7 @@ def read_env_layer(env: Mapping[str, str]) -> dict[str, Any]:
             continue
         spec = known.get(name)
         if spec is None:
-            guess = _closest(name, list(known), cutoff=0.85)
+            guess = closest(name, list(known), cutoff=0.85)
             if guess is not None:
                 log.warning("environment variable %s is not a fault tolerance setting; did you mean %s?", name, guess)
             continue
@@ -532,15 +530,15 @@ def read_env_layer(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def read_cli_layer(cli_overrides: Mapping[str, str]) -> dict[str, Any]:
-    """Typed settings from raw CLI strings keyed by field name (see :func:`extract_ft_args`)."""
+    """Typed settings from raw CLI strings keyed by field name (see ``nvrx_cli.ft_args.extract_ft_args``)."""
     out: dict[str, Any] = {}
     for key, raw in cli_overrides.items():
         spec = _BY_NAME.get(key)
         if spec is None:
             flags = [s.flag for s in SCHEMA]
-            guess = _closest(f"--ft-param-{key}", flags)
+            guess = closest(f"--ft-param-{key}", flags)
             tip = f"did you mean {guess}?" if guess else "valid options: " + ", ".join(flags)
-            raise _error(f"unknown fault tolerance option --ft-param-{key}; {tip}")
+            raise one_line_error(f"unknown fault tolerance option --ft-param-{key}; {tip}")
         out[spec.name] = spec.kind.parse(raw, spec.flag)
     return out
 
@@ -561,82 +559,6 @@ def load_ft_config(yaml_path: str | None, env: Mapping[str, str], cli_overrides:
 def ft_cli_flag_names() -> dict[str, tuple[str, ...]]:
     """Field name -> its accepted flags: --ft-param-<field>, --ft-param-<field-dashed>, --ft-<field>, --ft-<field-dashed>."""
     return {s.name: s.flags for s in SCHEMA}
-
-
-def extract_ft_args(
-    argv: list[str],
-    *,
-    value_flags: Collection[str] | None = None,
-    passthrough: Collection[str] = DEFAULT_PASSTHROUGH_FLAGS,
-) -> tuple[dict[str, str], list[str]]:
-    """Pull ``--ft-param-X VALUE`` / ``--ft-param-X=VALUE`` (and ``--ft-X`` forms) out of ``argv``.
-
-    Returns ``(overrides keyed by field name, remaining argv in order)``.
-
-    Contract: pass only the launcher's part of the command line, i.e. everything *before* the
-    training script. As a safety net, scanning also stops at ``--`` and at the first positional
-    argument that is not an option value; everything from there on is returned untouched. Which
-    tokens are option values is only known if ``value_flags`` (the launcher options that take a
-    value) is given; without it, a bare word right after any ``-x``/``--xyz`` option is assumed
-    to be that option's value.
-
-    ``--ft-...`` flags listed in ``passthrough`` belong to the launcher (e.g. ``--ft-cfg-path``)
-    and are left in place. Any other unknown ``--ft-...`` flag, a flag with no value, or the same
-    setting given twice raises ConfigError.
-    """
-    lookup = {flag: name for name, flags in ft_cli_flag_names().items() for flag in flags}
-    overrides: dict[str, str] = {}
-    used: dict[str, str] = {}
-    rest: list[str] = []
-    prev_takes_value = False
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        if tok == "--":
-            rest.extend(argv[i:])
-            break
-        if tok.startswith("--ft-"):
-            flag, eq, value = tok.partition("=")
-            if flag in passthrough:
-                rest.append(tok)
-                prev_takes_value = not eq
-                i += 1
-                continue
-            name = lookup.get(flag)
-            if name is None:
-                guess = _closest(flag, list(lookup) + list(passthrough), cutoff=0.5)
-                tip = f"did you mean {guess}?" if guess else \
-                    "valid options: " + ", ".join(s.flag for s in SCHEMA)
-                raise _error(f"unknown option {flag}; {tip}")
-            if eq:
-                if value == "":
-                    raise _error(f"{flag}= needs a value, e.g. {flag}=VALUE")
-                i += 1
-            else:
-                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                    raise _error(f"{flag} needs a value, e.g. {flag} VALUE or {flag}=VALUE")
-                value = argv[i + 1]
-                i += 2
-            if name in overrides:
-                raise _error(f"{flag} sets {name}, which {used[name]} already set; give it once")
-            overrides[name] = value
-            used[name] = flag
-            prev_takes_value = False
-            continue
-        if tok.startswith("-") and tok != "-":
-            rest.append(tok)
-            opt, eq, _ = tok.partition("=")
-            prev_takes_value = not eq and (value_flags is None or opt in value_flags)
-            i += 1
-            continue
-        if prev_takes_value:  # the value of the preceding launcher option
-            rest.append(tok)
-            prev_takes_value = False
-            i += 1
-            continue
-        rest.extend(argv[i:])  # first positional: the training script and its arguments
-        break
-    return overrides, rest
 
 
 # ---------------------------------------------------------------- output

@@ -26,7 +26,6 @@ it also removes its private socket directory once empty, since no agent is left 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import hmac
 import json
 import logging
@@ -42,17 +41,17 @@ from typing import Any, Callable
 
 import psutil
 
+from nvrx_common.process import die_with_parent
 from monitors.control import LineBuffer, ProtocolError, encode, ensure_private_dir, listen, peer_credentials
 from monitors.events import EventLog
 from monitors.heartbeat import Slot, SlotSnapshot
 from monitors.sections import SectionRegistry, SectionStats
 from monitors.ft_config import FaultToleranceConfig
-from monitors.timeouts import (HeartbeatStats, TimeoutTracker, Timeouts, last_hang_file, load_json,
-                               save_json_atomic, state_file)
+from monitors.timeouts import HeartbeatStats, TimeoutTracker, Timeouts, last_hang_file, state_file
+from nvrx_common.files import load_json, save_json_atomic
 
 log = logging.getLogger("nvrx.rank_monitor")
 
-PR_SET_PDEATHSIG = 1
 DEFAULT_TERM_GRACE = 5.0     # seconds between a non-SIGKILL termination signal and SIGKILL (--term-grace)
 STATS_PERIOD = 30.0          # min seconds between heartbeat_stats events
 SECTION_EVENT_PERIOD = 10.0  # min seconds between section_open/section_close events of one section
@@ -657,14 +656,6 @@ class RankMonitor:
 # ------------------------------------------------------------------ entry point
 
 
-def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError) as exc:  # not Linux: the getppid check still applies
-        log.debug("prctl(PR_SET_PDEATHSIG) unavailable: %s", exc)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m monitors.rank_monitor", description=__doc__.split("\n")[0])
     p.add_argument("--rank", type=int, required=True, help="global rank watched by this monitor")
@@ -686,7 +677,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     parent_pid = args.parent_pid if args.parent_pid is not None else os.getppid()
-    set_parent_death_signal(signal.SIGTERM)
+    die_with_parent(parent_pid, signal.SIGTERM)
     try:
         config = json.loads(args.config_json)
         if not isinstance(config, dict):

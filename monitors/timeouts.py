@@ -8,15 +8,13 @@ and the time spent outside sections. Observations merge (max) with those loaded 
 so a rerun never learns a tighter timeout than what an earlier run needed.
 
 The state is a JSON-safe dict (``state_dict`` / ``load_state_dict``), persisted by the monitor at
-``<timeouts-dir>/rank<GLOBAL_RANK>.timeouts.json`` with :func:`save_json_atomic`.
+``<timeouts-dir>/rank<GLOBAL_RANK>.timeouts.json`` with ``nvrx_common.files.save_json_atomic``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -176,43 +174,6 @@ class TimeoutTracker:
         for name, value in dict(raw.get("sections") or {}).items():
             computed["sections"][validate_section_name(name)] = _positive(value, f"section {name!r}")
         self.previous_hb, self.previous_sections, self.computed = previous_hb, previous_sections, computed
-
-
-def save_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
-    """Write DATA as JSON to PATH atomically: temp file in the same dir, fsync, rename, fsync dir."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1, sort_keys=True)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
-def load_json(path: Path) -> dict[str, Any] | None:
-    """The JSON object at PATH, or None if the file does not exist. ValueError if it is not an object."""
-    try:
-        with open(path) as fh:
-            data = json.load(fh)
-    except FileNotFoundError:
-        return None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data
 
 
 def state_file(state_dir: Path, rank: int) -> Path:

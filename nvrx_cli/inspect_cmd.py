@@ -1,7 +1,7 @@
 """`nvrx inspect LOG_DIR`: what happened in a run or a resume chain, from its JSON-lines event logs.
 
 Rich tables on a terminal, plain text when piped, ``--json`` for scripts, ``--follow`` for a live run.
-The analysis lives in ``monitors.timeline``; this module parses flags and renders.
+The analysis lives in ``monitors.inspection.timeline``; this module parses flags and renders.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 import click
 
-from monitors.event_files import NotARun, discover
-from monitors.run_report import Report, build_report, make_report
-from monitors.timeline import Filters, Timeline
+from monitors.inspection.event_files import NotARun, discover
+from monitors.inspection.run_report import Report, build_report, make_report
+from monitors.inspection.timeline import Filters, Timeline
 
 _REL = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)\s*d)?\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*m)?"
                   r"\s*(?:(\d+(?:\.\d+)?)\s*s)?\s*(?:ago)?\s*$", re.I)

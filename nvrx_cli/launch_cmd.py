@@ -10,7 +10,10 @@ from typing import Any
 
 import click
 
-from launcher.config import DEFAULT_SIGNALS, ConfigError, build_launch_config
+from launcher.agent.config import build_launch_config
+from nvrx_cli.ft_args import extract_ft_args
+from nvrx_common.errors import ConfigError
+from nvrx_common.signals import DEFAULT_SIGNALS
 
 # (option names, click kwargs). Underscore spellings are accepted as torchrun accepts them.
 _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
@@ -75,8 +78,6 @@ def value_flags() -> set[str]:
 
 def split_ft_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     """Take the --ft-param-*/--ft-* flags out of the launcher's part of argv (before the script)."""
-    from monitors.ft_config import extract_ft_args
-
     return extract_ft_args(argv, value_flags=value_flags(), passthrough={"--ft-cfg-path", "--fault-tol-cfg-path"})
 
 
@@ -116,9 +117,9 @@ def _run_agent(cfg: Any, events: Any) -> int:
     # The agent imports torch only for TCPStore, after it has started the fork server (so the two
     # imports overlap); torch's import-time notice about a missing numpy is noise on the agent's terminal.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    from launcher import exit_codes
-    from launcher.agent import Agent
-    from launcher.rdzv_errors import RendezvousError
+    from nvrx_common import exit_codes
+    from launcher.agent.agent import Agent
+    from launcher.agent.rdzv_errors import RendezvousError
 
     try:
         return Agent(cfg, events, sys.stdout.buffer, sys.stderr.buffer).run()

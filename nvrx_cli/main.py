@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from launcher.config import ConfigError
+from nvrx_common.errors import ConfigError
 from nvrx_cli.inspect_cmd import inspect
 from nvrx_cli.launch_cmd import launch, split_ft_args
 from nvrx_cli.resume_cmd import resume

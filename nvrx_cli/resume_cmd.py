@@ -1,5 +1,5 @@
 """`nvrx resume`: the auto-resume driver. Parses flags and the Slurm environment into a ResumeConfig
-and runs launcher.resume.ResumeDriver; bash loops branch on its exit status (0 / 3 / 4)."""
+and runs launcher.resume.driver.ResumeDriver; bash loops branch on its exit status (0 / 3 / 4)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any, Mapping
 
 import click
 
-from launcher import exit_codes
-from launcher.job_control import FINISHED_FLAG_ENV
+from nvrx_common import exit_codes
+from launcher.rank.job_control import FINISHED_FLAG_ENV
 
 _EPILOG = """\b
 Modes:
@@ -84,10 +84,10 @@ def resume(ctx: click.Context, **raw: Any) -> int:
     """Run or record `nvrx launch` attempts of one run and decide: finished, continue, or give up.
 
     Ranks get FAULT_TOL_FINISHED_FLAG_FILE (default STATE_DIR/finished.flag); training calls
-    launcher.job_control.mark_finished() when it is complete, which ends the chain.
+    launcher.rank.job_control.mark_finished() when it is complete, which ends the chain.
     """
-    from launcher.resume import ResumeDriver, SubmitError
-    from launcher.resume_state import ResumeError
+    from launcher.resume.driver import ResumeDriver, SubmitError
+    from launcher.resume.state import ResumeError
 
     explicit = {name for name in raw if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
     cfg = build_resume_config(raw, os.environ, explicit, Path.cwd())
@@ -103,7 +103,7 @@ def resume(ctx: click.Context, **raw: Any) -> int:
 
 def build_resume_config(raw: dict[str, Any], environ: Mapping[str, str], explicit: set[str], cwd: Path) -> Any:
     """Flags + environment -> ResumeConfig (raises click.UsageError on contradictory flags)."""
-    from launcher.resume import Limits, ProgressSource, ResumeConfig, SubmitSettings
+    from launcher.resume.driver import Limits, ProgressSource, ResumeConfig, SubmitSettings
 
     command = _launch_command(tuple(raw["command"]), raw["exec_command"])
     modes = [m for m, on in (("a command after --", bool(command)), ("--exit-code", raw["exit_code"] is not None),
@@ -160,7 +160,7 @@ def _log_dir_of(command: tuple[str, ...]) -> Path | None:
 
 def slurm_facts(environ: Mapping[str, str], job_id: str | None = None) -> Any:
     """The Slurm job this runs in, from Slurm's environment variables."""
-    from launcher.resume import SlurmFacts
+    from slurm.nodes import SlurmFacts
 
     nodes = environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES")
     restarts = environ.get("SLURM_RESTART_COUNT", "0")
@@ -202,7 +202,7 @@ def _setup_logging(level: str) -> None:
         raise click.UsageError(f"--log-level {level!r}: use DEBUG, INFO, WARNING or ERROR")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("nvrx resume: %(message)s"))
-    for name in ("nvrx.resume", "launcher.resume_state"):
+    for name in ("nvrx.resume", "launcher.resume.state"):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
         logger.setLevel(lvl)

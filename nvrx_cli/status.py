@@ -7,9 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from launcher import exit_codes
-
-
+from nvrx_common import exit_codes
 class StatusPrinter:
     """Subscribed to the agent's EventLog; renders a few events as one line each on stderr."""
 

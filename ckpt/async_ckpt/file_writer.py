@@ -242,10 +242,3 @@ def zip_digest(path: str, size: int) -> int:
         os.close(fd)
 
 
-def fsync_path(path: str) -> None:
-    """fsync a file or directory by name (directories: makes renames and new entries durable)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

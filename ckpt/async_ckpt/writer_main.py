@@ -11,7 +11,6 @@ process decides when its writer stops) and exits at once when the training proce
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import queue
@@ -23,19 +22,9 @@ import time
 from typing import Any
 
 from ckpt.async_ckpt.control import Channel, ChannelClosed
+from nvrx_common.process import die_with_parent
 
-_PR_SET_PDEATHSIG = 1
 _NICE = 10
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(0)
 
 
 class Writer:
@@ -163,7 +152,7 @@ def main(argv: list[str]) -> None:
     fd, parent_pid = int(argv[0]), int(argv[1])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_IGN)
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     try:
         os.nice(_NICE)  # training comes first: while a rank copies its state the writer yields the CPU
     except OSError:

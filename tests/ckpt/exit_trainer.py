@@ -15,9 +15,7 @@ import torch
 
 import ckpt
 from ckpt.async_ckpt.writer_process import default_writer
-from launcher import job_control
-
-
+from launcher.rank import job_control
 def main() -> None:
     root, mode = Path(sys.argv[1]), sys.argv[2]
     state = {"x": torch.zeros(1 << 18), "meta": {"step": 0}}

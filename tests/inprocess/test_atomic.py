@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from launcher.inprocess.call_wrapper import CallWrapper
-from launcher.inprocess.exceptions import RestartInterrupt
-from launcher.inprocess.interruption import InterruptGate
+from launcher.rank.inprocess.call_wrapper import CallWrapper
+from launcher.rank.inprocess.exceptions import RestartInterrupt
+from launcher.rank.inprocess.interruption import InterruptGate
 
 
 @pytest.fixture

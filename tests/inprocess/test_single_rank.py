@@ -9,8 +9,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from launcher import inprocess
-from launcher.inprocess.store import StoreMixin
+from launcher.rank import inprocess
+from launcher.rank.inprocess.store import StoreMixin
 from tests.conftest import free_port
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher import inprocess
-from launcher.inprocess import rank_assignment as ra
-from launcher.inprocess import rank_filter as rf
+from launcher.rank import inprocess
+from launcher.rank.inprocess import rank_assignment as ra
+from launcher.rank.inprocess import rank_filter as rf
 
 PLAN = json.loads(os.environ["NVRX_TEST_PLAN"])
 OUT = Path(os.environ["NVRX_TEST_OUT"])
@@ -141,7 +141,7 @@ def main() -> int:
     wrapper = inprocess.Wrapper(**PLAN.get("wrapper", {}), **components())
     if PLAN.get("debug"):
         import logging
-        logging.getLogger("launcher.inprocess").setLevel(logging.DEBUG)
+        logging.getLogger("launcher.rank.inprocess").setLevel(logging.DEBUG)
     try:
         result = wrapper(train)()
     except BaseException as exc:

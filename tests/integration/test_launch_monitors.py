@@ -231,7 +231,7 @@ def test_second_job_starts_with_the_timeouts_the_first_learned(launcher, tmp_pat
 
 def test_monitor_that_keeps_dying_fails_the_job_with_the_reason(launcher, tmp_path):
     """Restarting a broken monitor forever would leave its rank unwatched while the job 'succeeds'."""
-    from launcher.monitor_procs import MAX_RESTARTS
+    from launcher.agent.rank_monitors import MAX_RESTARTS
 
     script = write_script(tmp_path / "hang.py", HANG_SCRIPT)
     out = tmp_path / "out"

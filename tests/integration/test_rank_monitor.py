@@ -24,7 +24,8 @@ ft_config = pytest.importorskip("monitors.ft_config")
 
 from monitors.client import RankMonitorClient  # noqa: E402
 from monitors.events import read_events  # noqa: E402
-from monitors.timeouts import TimeoutTracker, Timeouts, load_json, save_json_atomic  # noqa: E402
+from monitors.timeouts import TimeoutTracker, Timeouts  # noqa: E402
+from nvrx_common.files import load_json, save_json_atomic  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SLACK = 0.25  # allowed detection overshoot (s)

@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterator
 import psutil
 import pytest
 
-from launcher.config import RdzvSettings
-from launcher.rendezvous import (
+from launcher.agent.config import RdzvSettings
+from launcher.agent.rendezvous import (
     JobFinished,
     NodeInfo,
     Rendezvous,
@@ -27,7 +27,7 @@ from launcher.rendezvous import (
     order_members,
     watched_nodes,
 )
-from launcher.store import (
+from launcher.agent.store import (
     EndpointUnreachable,
     PortInUse,
     RendezvousError,
@@ -35,9 +35,9 @@ from launcher.store import (
     RendezvousStore,
     connect_client,
     open_rendezvous_store,
-    start_store_server,
 )
 from monitors.events import EventLog
+from nvrx_common.net import start_store_server
 
 
 def free_port() -> int:

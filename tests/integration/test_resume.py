@@ -18,7 +18,7 @@ from tests.conftest import REPO, Launcher, one_line_error, write_script
 TRAIN = r'''
 import json, os, signal, sys, time
 import torch, torch.distributed as dist
-from launcher.job_control import mark_finished
+from launcher.rank.job_control import mark_finished
 
 work, mode = sys.argv[1], sys.argv[2]
 attempt = int(os.environ["NVRX_RESUME_ATTEMPT"])
@@ -331,7 +331,7 @@ def test_bad_flags(resume, args, needle):
 def test_auto_resume_script_bash_loop(resume, tmp_path):
     script = write_script(tmp_path / "light.py", (
         "import os, sys\n"
-        "from launcher.job_control import mark_finished\n"
+        "from launcher.rank.job_control import mark_finished\n"
         "count = os.path.join(sys.argv[1], 'count')\n"
         "n = int(open(count).read()) if os.path.exists(count) else 0\n"
         "open(count, 'w').write(str(n + 1))\n"

@@ -14,8 +14,8 @@ from typing import Any, Iterator
 import psutil
 import pytest
 
-from launcher.config import Std, WorkerSettings
-from launcher.workers import RankExit, RankSpec, WorkerGroup
+from launcher.agent.config import Std, WorkerSettings
+from launcher.agent.workers import RankExit, RankSpec, WorkerGroup
 from monitors.events import EventLog
 
 RANK_SCRIPT = textwrap.dedent(
@@ -414,7 +414,7 @@ def test_killing_the_fork_server_reports_exits_then_falls_back(fork_harness: Har
     first = h.start([{"MODE": "sleep"}, {"MODE": "sleep"}])
     h.wait_ready([0, 1])
     assert h.hows(first) == {"fork"}
-    servers = [p for p in psutil.Process().children() if "launcher.fork_server" in " ".join(p.cmdline())]
+    servers = [p for p in psutil.Process().children() if "launcher.agent.fork_server" in " ".join(p.cmdline())]
     assert len(servers) == 1
     servers[0].kill()
     exits = h.collect(2, timeout=15)
@@ -442,7 +442,7 @@ def test_entrypoint_that_cannot_start_is_reported(tmp_path: Path) -> None:
 
 
 def test_rank_surviving_sigkill_is_reported_stuck_and_abandoned(script: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import launcher.workers as workers
+    import launcher.agent.workers as workers
 
     real_killpg = workers._killpg
     monkeypatch.setattr(workers, "_killpg", lambda pgid, sig: None if sig == signal.SIGKILL else real_killpg(pgid, sig))

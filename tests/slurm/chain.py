@@ -1,4 +1,4 @@
-"""An auto-resume chain on the test Slurm: slurm/auto_resume.sbatch running resumable_train.py.
+"""An auto-resume chain on the test Slurm: slurm/templates/auto_resume.sbatch running resumable_train.py.
 
 Shared by tests/slurm/test_sbatch.py (which asserts on what happened) and bench/bench_slurm.py (which
 times it). Everything of one chain lives in one directory: the copied template and script, the
@@ -66,7 +66,7 @@ class ResumeChain:
 
     def __post_init__(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        shutil.copy(REPO / "slurm" / TEMPLATE, self.dir / TEMPLATE)
+        shutil.copy(REPO / "slurm" / "templates" / TEMPLATE, self.dir / TEMPLATE)
         shutil.copy(SCRIPT, self.dir / SCRIPT.name)
         for sub in ("journal", "state"):
             (self.dir / sub).mkdir(exist_ok=True)

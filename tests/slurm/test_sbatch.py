@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.slurm_env import expand_hostlist
+from slurm.environment import expand_hostlist
 from tests.conftest import tagged_processes
 from tests.slurm.chain import ResumeChain
 from tests.slurm.cluster import REPO
@@ -26,7 +26,7 @@ class Job:
     def __init__(self, cluster, tmp_path: Path, template: str) -> None:
         self.cluster, self.dir = cluster, tmp_path
         self.token = uuid.uuid4().hex
-        shutil.copy(REPO / "slurm" / template, tmp_path / template)
+        shutil.copy(REPO / "slurm" / "templates" / template, tmp_path / template)
         shutil.copy(EXAMPLE, tmp_path / "example_train.py")
         self.template = template
         self.reports = tmp_path / "reports"

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config import ConfigError
-from monitors.ft_config import (SCHEMA, FaultToleranceConfig, config_table_markdown, describe, extract_ft_args,
+from nvrx_common.errors import ConfigError
+from nvrx_cli.ft_args import extract_ft_args
+from monitors.ft_config import (SCHEMA, FaultToleranceConfig, config_table_markdown, describe,
                                 ft_cli_flag_names, load_ft_config)
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from monitors.event_files import NotARun
+from monitors.inspection.event_files import NotARun
 from monitors.events import EventLog, field_problem
-from monitors.run_report import build_report
-from monitors.timeline import Filters
+from monitors.inspection.run_report import build_report
+from monitors.inspection.timeline import Filters
 from nvrx_cli.inspect_cmd import render_text
 from nvrx_cli.main import cli
 from tests.unit.test_timeline import TIMEOUTS, T, Node, _crash_run, _hang_run

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from launcher.monitor_procs import MAX_RESTARTS, RESTART_DELAYS, RESTART_WINDOW, MonitorGroup
+from launcher.agent.rank_monitors import MAX_RESTARTS, RESTART_DELAYS, RESTART_WINDOW, MonitorGroup
 from monitors.events import EventLog
 
 

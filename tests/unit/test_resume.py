@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from launcher import exit_codes
-from launcher.progress import ProgressSource, newest_checkpoint_iteration, read_progress
-from launcher.resume import (CONTINUE, FINISHED, GIVE_UP, Decision, Limits, Outcome, SlurmFacts, classify, decide,
-                             find_bad_node, precheck, settle_lost_attempt, signal_reached_child)
-from launcher.resume_state import BACKUP_FILE, STATE_FILE, ResumeError, ResumeState, StateStore
-from launcher.slurm_submit import (SubmitError, command_of_job, parse_sbatch_job_id, sbatch_command, submit_env)
+from nvrx_common import exit_codes
+from launcher.resume.progress import ProgressSource, newest_checkpoint_iteration, read_progress
+from slurm.nodes import SlurmFacts, find_bad_node
+from launcher.resume.driver import (CONTINUE, FINISHED, GIVE_UP, Decision, Limits, Outcome, classify, decide,
+                             precheck, settle_lost_attempt, signal_reached_child)
+from launcher.resume.state import BACKUP_FILE, STATE_FILE, ResumeError, ResumeState, StateStore
+from slurm.submit import (SubmitError, command_of_job, parse_sbatch_job_id, sbatch_command, submit_env)
 from monitors.events import EventLog
 from nvrx_cli.resume_cmd import _log_dir_of
 
@@ -159,7 +160,7 @@ def test_exclude_target():
 
 
 def write_agent_logs(run_dir: Path, bad: str, t: float = 1000.0, nodes: tuple[str, ...] = ("n1", "n2")) -> None:
-    """Agent logs of a launch on NODES in which a rank on node BAD exited 16 (as launcher.agent writes them)."""
+    """Agent logs of a launch on NODES in which a rank on node BAD exited 16 (as launcher.agent.agent writes them)."""
     ids = {n: f"samehost-{100 + i}-abc{i}" for i, n in enumerate(nodes)}
     for i, node in enumerate(nodes):
         ev = EventLog(run_dir / f"agent-{node}-{100 + i}.jsonl", "agent")

@@ -7,8 +7,9 @@ import subprocess
 
 import pytest
 
-from launcher.config import ConfigError, build_launch_config
-from launcher.slurm_env import (RDZV_PORT_BASE, RDZV_PORT_SPAN, SlurmEnvError, expand_hostlist, parse_tasks_per_node,
+from launcher.agent.config import build_launch_config
+from nvrx_common.errors import ConfigError
+from slurm.environment import (RDZV_PORT_BASE, RDZV_PORT_SPAN, SlurmEnvError, expand_hostlist, parse_tasks_per_node,
                                 rdzv_port_for_job, slurm_topology)
 
 HOSTLISTS = {

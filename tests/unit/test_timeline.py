@@ -1,4 +1,4 @@
-"""monitors.timeline on event files written by the real writer (EventLog) with chosen times.
+"""monitors.inspection.timeline on event files written by the real writer (EventLog) with chosen times.
 
 Field names follow the emit calls in launcher/agent.py, rendezvous.py, workers.py, monitor_procs.py and
 monitors/rank_monitor.py, so these files look like what `nvrx launch` writes.
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from monitors.event_files import NotARun, discover
+from monitors.inspection.event_files import NotARun, discover
 from monitors.events import EventLog
-from monitors.run_report import build_report, make_report
-from monitors.timeline import Filters, Timeline
+from monitors.inspection.run_report import build_report, make_report
+from monitors.inspection.timeline import Filters, Timeline
 from nvrx_cli.inspect_cmd import parse_since, render_text
 
 T = 1_700_000_000.0

@@ -1,0 +1,1 @@
+"""The `nvrx launch` agent: one process per node that rendezvouses, starts the ranks and restarts them."""

@@ -1,0 +1,437 @@
+"""The per-node agent: rendezvous, start ranks, supervise them, restart the job in place.
+
+One agent runs on each node. Every (re)start of the job is a rendezvous round; within a round
+the agent waits on three things at once, without polling: its ranks exiting (pidfds), the
+round's stop record appearing in the store (a watcher thread), and signals sent to the agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Iterator
+
+from nvrx_common import exit_codes
+from launcher.agent.config import LaunchConfig
+from launcher.agent.rank_monitors import MonitorGroup
+from launcher.agent.rdzv_errors import RendezvousError
+from launcher.agent.workers import RankExit, RankSpec, WorkerGroup
+from monitors.events import EventLog
+
+log = logging.getLogger(__name__)
+
+# Forwarded signals that ranks using launcher.rank.job_control.should_stop() turn into a graceful stop.
+GRACEFUL_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
+# The same signal again within this many seconds is one request delivered twice (Slurm signals the batch
+# shell, `nvrx resume` and the agent alike), not a user's second Ctrl-C asking to kill now.
+DUPLICATE_SIGNAL_WINDOW = 2.0
+# bound on closing store connections at exit: the store host's linger for peers (10 s) plus a margin
+STORE_CLOSE_GRACE = 15.0
+
+
+def _end_status(code: int) -> str:
+    """How a job ended, for the event log and the terminal: succeeded, interrupted, steered or failed."""
+    if code == exit_codes.OK:
+        return "succeeded"
+    if exit_codes.interrupted_signal(code) is not None:
+        return "interrupted"
+    return "steered" if code in exit_codes.STEERING_CODES else "failed"
+
+
+class AgentSignal(Exception):
+    """A handled signal arrived while the agent was not supervising ranks (e.g. in rendezvous)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclass
+class _StopWatch:
+    """Runs Rendezvous.wait_stop in a thread and wakes the main loop through a pipe."""
+
+    wake_fd: int
+    record: Any = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def build_rank_env(cfg: LaunchConfig, result: Any, local_rank: int,
+                   extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The torchrun environment for one rank of this round (plus e.g. where its monitor listens)."""
+    w = cfg.workers
+    rank = result.rank_offset + local_rank
+    env = dict(w.base_env)
+    env.update(extra or {})
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(result.world_size),
+        LOCAL_WORLD_SIZE=str(w.nproc_per_node),
+        GROUP_RANK=str(result.group_rank),
+        GROUP_WORLD_SIZE=str(len(result.nodes)),
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(result.world_size),
+        ROLE_NAME=w.role,
+        MASTER_ADDR=result.master_addr,
+        MASTER_PORT=str(result.master_port),
+        TORCHELASTIC_RESTART_COUNT=str(result.restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(cfg.max_restarts),
+        TORCHELASTIC_RUN_ID=cfg.rdzv.run_id,
+        TORCHELASTIC_USE_AGENT_STORE=str(bool(result.agent_hosts_pg_store)),
+        NVRX_RUN_LOG_DIR=str(cfg.run_log_dir),
+        NVRX_ROUND=str(result.round),
+        NVRX_GRACEFUL_SIGNALS=",".join(s.name for s in cfg.signals_to_handle if s in GRACEFUL_SIGNALS),
+    )
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if w.inprocess:  # read by the bootstrap: run the script inside an in-process restart Wrapper
+        env.update(NVRX_INPROCESS="1", NVRX_INPROCESS_SPARES=str(w.inprocess_spares))
+    if not w.fast_exit:
+        env["NVRX_FULL_EXIT"] = "1"
+    return env
+
+
+class Agent:
+    """Supervises one node's ranks across rendezvous rounds until the job ends."""
+
+    def __init__(self, cfg: LaunchConfig, events: EventLog,
+                 console_out: BinaryIO | None = None, console_err: BinaryIO | None = None) -> None:
+        self.cfg = cfg
+        self.events = events
+        self.workers = WorkerGroup(cfg.workers, events, cfg.run_log_dir, console_out, console_err)
+        self.monitors = (MonitorGroup(cfg.ft, cfg.workers.nproc_per_node, cfg.run_log_dir, events,
+                                      dict(cfg.workers.base_env), cfg.state_dir, cfg.node_name,
+                                      term_grace=cfg.workers.term_timeout)
+                         if cfg.ft is not None else None)
+        self.failures: list[dict[str, Any]] = []  # one entry per fault stop, for the final report
+        self._sig_r, self._sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._pending_signal: int | None = None
+        self._raise_on_signal = False  # only while blocked in rendezvous; elsewhere signals wake the loop
+        self._forwarded = False
+        self._signal_time = 0.0
+        self._old_handlers: dict[int, Any] = {}
+        self._rdzv: Any = None
+        self._rs: Any = None
+        self._monitor_failure_round: int | None = None  # the round in which a given-up monitor was reported
+
+    # ------------------------------------------------------------ entry point
+
+    def run(self) -> int:
+        """Run the job; return the agent's exit code. Raises RendezvousError for user-fixable setup errors."""
+        t0 = time.monotonic()
+        self.workers.prepare()  # the fork server imports torch while we do the same below
+        self._install_signal_handlers()
+        try:
+            return self._run(t0)
+        except AgentSignal as sig:
+            self.events.emit("agent_signal", signal=signal.Signals(sig.signum).name, phase="rendezvous")
+            return exit_codes.interrupted(sig.signum)
+        except RendezvousError as err:  # e.g. the store's host is gone: the log says so, not only stderr
+            if not err.usage:  # a usage error is the CLI's one line; no job ran
+                self.events.emit("job_end", status="failed", exit_code=exit_codes.FAILED, detail=str(err),
+                                 seconds=round(time.monotonic() - t0, 3), failures=self.failures)
+            raise
+        finally:
+            self._restore_signal_handlers()
+            self._shutdown()
+
+    def _run(self, t0: float) -> int:
+        from launcher.agent.rendezvous import JobFinished, Rendezvous
+        from launcher.agent.store import open_rendezvous_store
+
+        self.events.emit("agent_start", pid=os.getpid(), nproc=self.cfg.workers.nproc_per_node,
+                         nnodes=f"{self.cfg.rdzv.min_nodes}:{self.cfg.rdzv.max_nodes}",
+                         max_restarts=self.cfg.max_restarts, run_id=self.cfg.rdzv.run_id)
+        if self.cfg.ft is not None:
+            from monitors.ft_config import describe
+
+            log.info("%s", describe(self.cfg.ft))  # describe() already starts with "fault tolerance:"
+            self.events.emit("ft_config", config=self.cfg.ft.to_dict())
+        with self._signals_raise():
+            self._rs = open_rendezvous_store(self.cfg.rdzv)
+        self._rdzv = Rendezvous(self._rs, self.cfg.rdzv, self.cfg.max_restarts, self.events)
+        while True:
+            try:
+                with self._signals_raise():
+                    result = self._rdzv.next_round()
+            except JobFinished as fin:
+                self.events.emit("job_end", status="already_finished", detail=str(fin))
+                return exit_codes.OK
+            code = self._run_round(result)
+            if code is not None:
+                self.events.emit("job_end", status=_end_status(code), exit_code=code,
+                                 seconds=round(time.monotonic() - t0, 3), failures=self.failures)
+                return code
+
+    # ------------------------------------------------------------ one round
+
+    def _run_round(self, result: Any) -> int | None:
+        """Start and supervise the ranks of one round. None means: go to the next round."""
+        specs = [RankSpec(lr, result.rank_offset + lr, build_rank_env(self.cfg, result, lr, self._monitor_env(lr)))
+                 for lr in range(self.cfg.workers.nproc_per_node)]
+        self.workers.start(specs, attempt=result.restart_count)
+        self._absorbed: list[RankExit] = []  # --inprocess: failed ranks the Wrapper of the others continues without
+        self._rank_succeeded = False
+        if self.monitors is not None and not self.monitors.started:
+            # Once, after the first ranks: monitors outlive rank restarts, and ranks attach to them in
+            # the background, so starting them here keeps them off the ranks' start-up critical path.
+            self.monitors.start()
+        watch = self._watch_stop(result.round)
+        self._rdzv.start_keepalive(result)
+        try:
+            record = self._supervise(result, watch)
+        finally:
+            self._rdzv.stop_keepalive()
+        return self._conclude(result, record)
+
+    def _watch_stop(self, round_no: int) -> _StopWatch:
+        wake_r, wake_w = os.pipe2(os.O_CLOEXEC)
+        watch = _StopWatch(wake_fd=wake_r)
+
+        def run() -> None:
+            try:
+                watch.record = self._rdzv.wait_stop(round_no)
+            except BaseException as exc:  # store lost: the main loop reports it
+                watch.error = exc
+            watch.done.set()
+            os.write(wake_w, b"x")
+            os.close(wake_w)
+
+        threading.Thread(target=run, name=f"stop-watch-{round_no}", daemon=True).start()
+        return watch
+
+    def _supervise(self, result: Any, watch: _StopWatch) -> Any:
+        """Wait for: a local rank failing, the round's stop record, or a signal. Returns the stop record."""
+        wake_fd = watch.wake_fd
+        succeeded_reported = round_failed = False
+        forwarded = self._forwarded = False
+        try:
+            # Before the first wait: a monitor given up on while an earlier round was ending fails this one at once.
+            round_failed = self._monitors_failed(result, stopping=False)
+            while True:
+                monitor_fds = self.monitors.fds() if self.monitors is not None else []
+                wake_in = self.monitors.wake_in() if self.monitors is not None else None
+                exits = self.workers.wait([wake_fd, self._sig_r, *monitor_fds], timeout=wake_in)
+                if self._monitors_failed(result, forwarded or round_failed or succeeded_reported):
+                    round_failed = True
+                if self._drain_signal_pipe() and not forwarded:
+                    forwarded = self._forwarded = True  # a signal wins over exits it may have caused
+                    self._forward_signal(result)
+                failed = [e for e in exits if e.failed]
+                if self.cfg.workers.inprocess:
+                    failed = self._inprocess_failures(exits, failed, result)
+                round_failed = round_failed or bool(failed)
+                if failed and not forwarded:
+                    self._rdzv.report_stop(result.round, "failed", self._failure_detail(result, failed[0]))
+                elif not (round_failed or succeeded_reported or forwarded) and not self.workers.unreported():
+                    succeeded_reported = True
+                    self._rdzv.node_succeeded(result.round)
+                if watch.done.is_set():
+                    if watch.error is not None:
+                        raise watch.error
+                    return watch.record
+        finally:
+            os.close(wake_fd)
+
+    def _monitors_failed(self, result: Any, stopping: bool) -> bool:
+        """Restart dead monitors; True once one keeps dying, after ending the job with that reason.
+
+        A rank whose monitor cannot be kept alive runs unwatched, and a job that then "succeeds" hides it;
+        a restart of the job would not help either (monitors outlive rounds), so the job fails for good.
+        """
+        if self.monitors is None:
+            return False
+        self.monitors.restart_dead()
+        failure = self.monitors.failure
+        if failure is None or stopping:  # a round already ending reports this in the next one
+            return False
+        if self._monitor_failure_round != result.round:  # once per round: another node's stop may win it
+            self._monitor_failure_round = result.round
+            detail = {"local_rank": failure["local_rank"], "rank": result.rank_offset + failure["local_rank"],
+                      "group_rank": result.group_rank, "round": result.round, "describe": failure["describe"],
+                      "monitor_failed": True, "no_restart": True}
+            self._rdzv.report_stop(result.round, "failed", detail)
+        return True
+
+    def _inprocess_failures(self, exits: list[RankExit], failed: list[RankExit], result: Any) -> list[RankExit]:
+        """--inprocess (spec "Known issues" 6): a failed rank does not stop the job; the Wrapper in the other
+        ranks restarts without it. The node fails only once all its ranks ended and none of them ended well."""
+        self._rank_succeeded = self._rank_succeeded or any(not e.failed for e in exits)
+        steering = [ex for ex in failed if ex.exitcode in exit_codes.STEERING_CODES]
+        if steering:
+            return steering  # the rank asks for something a restart in place cannot give
+        for ex in failed:
+            self._absorbed.append(ex)
+            self.events.emit("inprocess_rank_lost", rank=ex.global_rank, local_rank=ex.local_rank, pid=ex.pid,
+                             exitcode=ex.exitcode, signal=ex.signal, round=result.round)
+        if self.workers.unreported() or self._rank_succeeded or not self._absorbed:
+            return []
+        return self._absorbed[-1:]
+
+    def _monitor_env(self, local_rank: int) -> dict[str, str]:
+        return self.monitors.rank_env(local_rank) if self.monitors is not None else {}
+
+    def _failure_detail(self, result: Any, ex: RankExit) -> dict[str, Any]:
+        hang = self.monitors.hang_reason(ex.local_rank, ex.pid) if self.monitors is not None else None
+        describe = ex.describe()
+        if hang:
+            where = f" in section {hang['section']!r}" if hang.get("section") else ""
+            describe += (f" by its monitor: {str(hang.get('reason')).replace('_', ' ')}{where} after "
+                         f"{float(hang.get('elapsed') or 0):.1f} s (timeout {hang.get('timeout')} s)")
+            first = self._stalled_first(ex.local_rank) if hang.get("reason") == "heartbeat_timeout" else None
+            if first is not None:
+                hang = {**hang, "stalled_first": result.rank_offset + first[0]}
+                describe += (f"; rank {result.rank_offset + first[0]} (local {first[0]}) stopped making progress "
+                             f"{first[1]:.2f} s earlier")
+        detail = {"rank": ex.global_rank, "local_rank": ex.local_rank, "group_rank": result.group_rank,
+                  "pid": ex.pid, "exitcode": ex.exitcode, "signal": ex.signal, "abandoned": ex.abandoned,
+                  "tail": list(ex.tail), "describe": describe, "round": result.round, "hang": hang}
+        if ex.exitcode in exit_codes.STEERING_CODES:
+            # The rank asks the resume logic for something a restart in place cannot give: end the job with its code.
+            detail.update(no_restart=True, steer=ex.exitcode)
+        return detail
+
+    def _stalled_first(self, local_rank: int) -> tuple[int, float] | None:
+        """Another local rank whose progress stopped before LOCAL_RANK's (the likelier culprit), and by how much."""
+        progress = self.monitors.last_progress() if self.monitors is not None else {}
+        mine = progress.get(local_rank)
+        if mine is None:
+            return None
+        earlier = {lr: mine - t for lr, t in progress.items() if lr != local_rank and t < mine}
+        if not earlier:
+            return None
+        lr = max(earlier, key=earlier.get)
+        return lr, earlier[lr]
+
+    def _forward_signal(self, result: Any) -> None:
+        """First handled signal: pass it to the ranks once and tell the other nodes to stop too."""
+        signum = self._pending_signal or signal.SIGTERM
+        name = signal.Signals(signum).name
+        self.events.emit("agent_signal", signal=name, phase="running", round=result.round)
+        self.workers.signal_all(signum)
+        self._rdzv.report_stop(result.round, "interrupted", {"signal": name, "signum": int(signum)})
+
+    def _conclude(self, result: Any, record: Any) -> int | None:
+        """Act on the round's stop record: finish, give up, or stop ranks for the next round."""
+        if record.kind == "succeeded":
+            self.workers.stop()  # nothing should be left; bounded anyway
+            return exit_codes.OK
+        if record.kind == "interrupted":
+            signum = int(record.detail.get("signum") or signal.SIGTERM)
+            if not self._forwarded:  # another node was signalled: pass the same signal on, once
+                self.workers.signal_all(signum)
+            self._let_ranks_finish(self.cfg.workers.term_timeout)
+            self.workers.stop(grace=0.0)
+            return exit_codes.interrupted(signum)
+        self.workers.stop()
+        if record.kind in ("failed", "node_left"):
+            self.failures.append({"round": record.round, "kind": record.kind, **record.detail})
+        if record.give_up:
+            steer = record.detail.get("steer")
+            return steer if steer in exit_codes.STEERING_CODES else exit_codes.FAILED
+        return None
+
+    def _let_ranks_finish(self, grace: float) -> None:
+        """After a forwarded stop signal, give ranks the grace period to save and exit on their own."""
+        deadline = time.monotonic() + grace
+        while self.workers.alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.workers.wait([], timeout=left)
+
+    # ------------------------------------------------------------ signals
+
+    def _install_signal_handlers(self) -> None:
+        for sig in self.cfg.signals_to_handle:
+            try:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+            except (ValueError, OSError):  # not in the main thread, or not catchable here
+                log.debug("cannot handle %s", sig)
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)
+        self._old_handlers.clear()
+
+    @contextlib.contextmanager
+    def _signals_raise(self) -> Iterator[None]:
+        """While blocked in rendezvous there are no ranks to forward to: a signal ends the agent."""
+        if self._pending_signal is not None:
+            raise AgentSignal(self._pending_signal)
+        self._raise_on_signal = True
+        try:
+            yield
+        finally:
+            self._raise_on_signal = False
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._raise_on_signal:
+            self._pending_signal = signum
+            raise AgentSignal(signum)
+        if self._pending_signal is not None:
+            if signum == self._pending_signal and time.monotonic() - self._signal_time < DUPLICATE_SIGNAL_WINDOW:
+                return  # the same signal sent to every process of the step (Slurm): not a second request
+            # A second signal while stopping: do not wait for the grace period any longer.
+            self.workers.signal_all(signal.SIGKILL)
+            return
+        self._pending_signal = signum
+        self._signal_time = time.monotonic()
+        try:
+            os.write(self._sig_w, b"s")
+        except BlockingIOError:
+            pass
+
+    def _drain_signal_pipe(self) -> bool:
+        got = False
+        while True:
+            try:
+                if not os.read(self._sig_r, 64):
+                    break
+                got = True
+            except BlockingIOError:
+                break
+        return got
+
+    # ------------------------------------------------------------ shutdown
+
+    def _close_stores(self, grace: float = STORE_CLOSE_GRACE) -> None:
+        """Close the rendezvous and its store connections, but never let that hold up the agent's exit.
+
+        Ranks and monitors are already gone here; what is left are TCPStore objects whose teardown runs in
+        C++ and, with the store's host dead, has been seen to block the exit for over a minute (rarely,
+        under load). So it runs in a daemon thread with a bound; the CLI leaves with os._exit anyway.
+        """
+        def close_all() -> None:
+            for closer in (self._rdzv, self._rs):
+                if closer is not None:
+                    try:
+                        closer.close()
+                    except Exception:
+                        log.debug("close failed", exc_info=True)
+
+        closing = threading.Thread(target=close_all, name="store-close", daemon=True)
+        closing.start()
+        closing.join(grace)
+        if closing.is_alive():
+            log.warning("closing the rendezvous store connections took over %.0f s; leaving them to process exit",
+                        grace)
+
+    def _shutdown(self) -> None:
+        """Leave nothing running: ranks, fork server, stores."""
+        try:
+            self.workers.close()
+            if self.monitors is not None:
+                self.monitors.close()
+        finally:
+            self._close_stores()
+            for fd in (self._sig_r, self._sig_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass

@@ -1,0 +1,290 @@
+"""A template process ("zygote") that imports torch once and forks ranks on request.
+
+A restart then costs a fork (milliseconds) instead of a fresh interpreter plus ``import torch``
+(1.5 s or more). The agent starts ``python -m launcher.agent.fork_server --fd N --parent PID`` with
+one end of a private ``socketpair`` inherited as fd N.
+
+Protocol: one JSON object per SOCK_SEQPACKET message (newline-terminated, never pickle); file
+descriptors travel as SCM_RIGHTS with their message.
+
+agent -> server: ``{"op": "spawn", "id", "entry", "args", "module", "env"}`` + [stdout, stderr]
+server -> agent: ``{"op": "ready", "pid", "t", "import_seconds", "threads"}`` | ``{"op": "failed", "reason"}``
+                 ``{"op": "spawned", "id", "pid"}`` + [pidfd] | ``{"op": "refused", "id", "reason"}``
+                 ``{"op": "exit", "pid", "exitcode", "signal"}``
+
+The server starts no threads, never touches CUDA, and refuses to fork if CUDA got initialised.
+It dies with the agent (PR_SET_PDEATHSIG) and exits when the socket closes; its ranks die with
+it the same way.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from launcher.rank import bootstrap
+from nvrx_common.process import die_with_parent
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE = 1 << 20  # a spawn request carries a whole environment
+_SERVER_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # it ends with the agent, not by signal
+_ORIGINAL_HANDLERS = {sig: signal.getsignal(sig) for sig in _SERVER_IGNORES}  # what a rank must get back
+
+
+class ProtocolError(Exception):
+    """A message that is not what the protocol allows (truncated, not JSON, not an object)."""
+
+
+# ---------------------------------------------------------------- helpers shared with the agent
+
+
+def send_msg(sock: socket.socket, obj: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    data = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.send(data)
+
+
+def recv_msg(sock: socket.socket, maxfds: int, bufsize: int = MAX_MESSAGE) -> tuple[dict[str, Any] | None, list[int]]:
+    """One message and its fds (close-on-exec); (None, []) at EOF. Raises BlockingIOError if none."""
+    data, fds, flags, _ = socket.recv_fds(sock, bufsize, max(maxfds, 1), socket.MSG_CMSG_CLOEXEC)
+    if not data:
+        close_fds(fds)
+        return None, []
+    try:
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            raise ProtocolError("message truncated")
+        msg = json.loads(data)
+        if not isinstance(msg, dict):
+            raise ProtocolError("message is not a JSON object")
+    except (ValueError, ProtocolError):
+        close_fds(fds)
+        raise ProtocolError(f"bad message {data[:80]!r}") from None
+    return msg, fds
+
+
+def exit_fields(code: int | None) -> dict[str, Any]:
+    """A returncode (negative = killed by that signal) as {"exitcode", "signal"}."""
+    if code is None or code >= 0:
+        return {"exitcode": code, "signal": None}
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"SIG{-code}"
+    return {"exitcode": None, "signal": name}
+
+
+def close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:
+        return True  # cannot tell: do not risk forking a CUDA context
+
+
+# ---------------------------------------------------------------- the server
+
+
+@dataclass(frozen=True)
+class ChildJob:
+    """What a freshly forked child runs once it has unwound out of the server loop."""
+
+    entry: str
+    args: list[str]
+    module: bool
+
+
+class _Server:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.pid = os.getpid()
+        self.sel = selectors.DefaultSelector()
+        self.children: dict[int, int] = {}  # pid -> pidfd
+        self.sel.register(sock, selectors.EVENT_READ, None)
+
+    def serve(self) -> ChildJob | None:
+        """Serve until the agent goes away (None), or return the job in a forked child."""
+        while True:
+            for key, _ in self.sel.select():
+                if key.data is not None:
+                    self._reap(key.data)
+                    continue
+                try:
+                    msg, fds = recv_msg(self.sock, 2)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except ProtocolError as exc:
+                    log.warning("fork server: %s", exc)
+                    continue
+                except OSError:
+                    return None
+                if msg is None:
+                    return None
+                job = self._handle(msg, fds)
+                if job is not None:
+                    return job
+
+    def _handle(self, msg: dict[str, Any], fds: list[int]) -> ChildJob | None:
+        if msg.get("op") != "spawn" or len(fds) != 2:
+            close_fds(fds)
+            self._reply({"op": "refused", "id": msg.get("id"), "reason": f"bad request {msg.get('op')!r} with {len(fds)} fds"})
+            return None
+        if _cuda_initialized():
+            close_fds(fds)
+            self._reply({"op": "refused", "id": msg.get("id"), "reason": "CUDA is initialised in the fork server"})
+            return None
+        return self._fork(msg, fds)
+
+    def _fork(self, msg: dict[str, Any], fds: list[int]) -> ChildJob | None:
+        bootstrap.flush_stdio()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            close_fds(fds)
+            self._reply({"op": "refused", "id": msg.get("id"), "reason": f"fork failed: {exc}"})
+            return None
+        if pid == 0:
+            try:
+                return self._become_rank(msg, fds)
+            except BaseException:
+                try:
+                    traceback.print_exc()
+                finally:
+                    os._exit(70)
+        close_fds(fds)
+        try:
+            os.setpgid(pid, pid)  # also done by the child; whoever is first wins the race
+        except OSError:
+            pass
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as exc:  # cannot watch it, so it must not run
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            self._reply({"op": "refused", "id": msg.get("id"), "reason": f"pidfd_open failed: {exc}"})
+            return None
+        self.children[pid] = pidfd
+        self.sel.register(pidfd, selectors.EVENT_READ, pid)
+        self._reply({"op": "spawned", "id": msg.get("id"), "pid": pid}, [pidfd])
+        return None
+
+    def _become_rank(self, msg: dict[str, Any], fds: list[int]) -> ChildJob:
+        """Child side: own process group, die with the server, rank's stdio and env, default signals."""
+        os.setpgid(0, 0)
+        die_with_parent(self.pid)
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        for sig, handler in _ORIGINAL_HANDLERS.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        close_fds(fds)
+        self.sel.close()
+        close_fds(list(self.children.values()))
+        self.sock.close()
+        os.environ.clear()
+        os.environ.update({str(k): str(v) for k, v in dict(msg.get("env") or {}).items()})
+        _reseed_numpy()
+        return ChildJob(entry=str(msg["entry"]), args=[str(a) for a in msg.get("args") or ()], module=bool(msg.get("module")))
+
+    def _reap(self, pid: int) -> None:
+        pidfd = self.children.pop(pid)
+        self.sel.unregister(pidfd)
+        os.close(pidfd)
+        try:
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+        except ChildProcessError:
+            code = None
+        self._reply({"op": "exit", "pid": pid, **exit_fields(code)})
+
+    def _reply(self, obj: dict[str, Any], fds: Sequence[int] = ()) -> None:
+        try:
+            send_msg(self.sock, obj, fds)
+        except OSError:
+            pass  # the agent is gone; EOF on the next select ends the server
+
+
+def _reseed_numpy() -> None:
+    """Each fresh interpreter seeds numpy's global RNG from the OS; forks would all share one state."""
+    nprandom = sys.modules.get("numpy.random")
+    if nprandom is not None:
+        try:
+            nprandom.seed()
+        except Exception:
+            pass
+
+
+def _parse_args(argv: list[str]) -> tuple[int, int]:
+    opts = dict(zip(argv[::2], argv[1::2]))
+    return int(opts["--fd"]), int(opts["--parent"])
+
+
+def _import_template() -> None:
+    """Everything a rank would otherwise import itself; nothing that starts threads or CUDA."""
+    import warnings
+
+    # torch's notice about a missing numpy would land on the agent's terminal once per server start.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+        import torch  # noqa: F401
+        import torch.distributed  # noqa: F401
+
+    # Keep the collector off the template's objects in every child: scanning them would
+    # copy-on-write most of the heap (a forked rank's exit took ~3x longer without this).
+    gc.collect()
+    gc.freeze()
+
+
+def main(argv: list[str] | None = None) -> None:
+    fd, parent = _parse_args(sys.argv[1:] if argv is None else argv)
+    die_with_parent(parent)
+    for sig in _SERVER_IGNORES:
+        signal.signal(sig, signal.SIG_IGN)
+    sock = socket.socket(fileno=fd)
+    sock.setblocking(True)
+    start = time.monotonic()
+    try:
+        _import_template()
+        ready = {"op": "ready", "pid": os.getpid(), "t": time.time(), "import_seconds": round(time.monotonic() - start, 3), "threads": _thread_count()}
+    except BaseException as exc:  # noqa: BLE001 - anything here means "no template"; tell the agent
+        ready = {"op": "failed", "reason": f"importing torch failed: {exc!r}"}
+    try:
+        send_msg(sock, ready)
+    except OSError:
+        os._exit(0)  # the agent is already gone
+    job = _Server(sock).serve() if ready["op"] == "ready" else None
+    if job is None:  # the agent is gone or done with us: nothing to flush or tear down
+        bootstrap.flush_stdio()
+        os._exit(0)
+    bootstrap.exit_with(bootstrap.run_user_code(job.entry, job.args, job.module))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The monitor thread: notices faults (on any rank, or no progress here) and interrupts the wrapped function.
+
+Every ``monitor_thread_interval`` it reads the fault counter in the store; when it grew past the value
+this iteration started with, it waits ``last_call_wait`` so that concurrent faults from other ranks are
+recorded too, then, through the ``InterruptGate``, runs the abort and raises ``RestartInterrupt`` in
+the main thread. It also records a soft timeout when the main thread made no progress for
+``soft_timeout`` seconds, and notices a swallowed interrupt (logged at DEBUG with its location, then
+raised again). If the store stops answering it interrupts the main thread and reports the loss, which
+ends the Wrapper with a clear message.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from launcher.rank.inprocess.exceptions import RestartInterrupt, swallow_location
+from launcher.rank.inprocess.interruption import InterruptGate
+from launcher.rank.inprocess.progress import ProgressRecorder
+from launcher.rank.inprocess.store import StoreMixin, first_line
+
+log = logging.getLogger(__name__)
+
+STORE_FAILURES_TOLERATED = 3  # consecutive failed polls before the store counts as lost
+
+
+class MonitorThread:
+    """Watches the store and this rank's progress while an iteration runs."""
+
+    def __init__(self, store: StoreMixin, gate: InterruptGate, recorder: ProgressRecorder, abort: Callable[[], None],
+                 *, rank: int, interval: float, last_call_wait: float, soft_timeout: float) -> None:
+        self.store = store
+        self.gate = gate
+        self.recorder = recorder
+        self.abort = abort
+        self.rank = rank
+        self.interval = interval
+        self.last_call_wait = last_call_wait
+        self.soft_timeout = soft_timeout
+        self.store_lost: str | None = None
+        self.interrupted_at: float | None = None  # when the interrupt of this iteration was raised (monotonic)
+        self._cv = threading.Condition()
+        self._armed = False
+        self._iteration = 0
+        self._fault_base = 0
+        self._soft_reported = False
+        self._stop = False
+        self._seen: RestartInterrupt | None = None  # the last interrupt instance known not to be swallowed
+        self._delivered_at: float | None = None
+        self._thread = threading.Thread(target=self._run, name="inprocess-monitor", daemon=True)
+
+    def start(self) -> "MonitorThread":
+        self._thread.start()
+        return self
+
+    def arm(self, iteration: int, fault_base: int) -> None:
+        with self._cv:
+            self._armed = True
+            self._iteration = iteration
+            self._fault_base = fault_base
+            self._soft_reported = False
+            self.interrupted_at = None
+            self._cv.notify_all()
+
+    @property
+    def fault_base(self) -> int:
+        return self._fault_base
+
+    def disarm(self) -> None:
+        with self._cv:
+            self._armed = False
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5.0)
+
+    # ------------------------------------------------------------ the loop
+
+    def _wait(self, seconds: float) -> bool:
+        """Sleep SECONDS (or until armed/stopped); False once stopped."""
+        with self._cv:
+            if not self._stop:
+                self._cv.wait(seconds)
+            return not self._stop
+
+    def _run(self) -> None:
+        failures = 0
+        while self._wait(self.interval):
+            with self._cv:
+                if not self._armed:
+                    continue
+                iteration, base = self._iteration, self._fault_base
+            try:
+                self._poll(iteration, base)
+                failures = 0
+            except Exception as exc:
+                failures += 1
+                if failures >= STORE_FAILURES_TOLERATED and self.store_lost is None:
+                    self.store_lost = first_line(exc)
+                    log.error("the in-process store stopped answering (%s); interrupting", self.store_lost)
+                    self._interrupt()
+
+    def _poll(self, iteration: int, base: int) -> None:
+        if self.gate.raised:
+            self._check_swallowed()
+            return
+        count = self.store.fault_count()
+        if count > base:
+            if self.last_call_wait > 0 and not self._wait(self.last_call_wait):
+                return
+            with self._cv:
+                if not self._armed or self._iteration != iteration:
+                    return
+            faults = self.store.faults()[base:]
+            summary = "; ".join(f"rank {f['rank']}: {f['reason']}" for f in faults)
+            log.info("restarting: %s", summary or "fault recorded")
+            self._interrupt()
+            return
+        self._check_soft_timeout(iteration)
+
+    def _check_soft_timeout(self, iteration: int) -> None:
+        progress = self.recorder.progress()
+        if not progress.running or self._soft_reported:
+            return
+        stalled = progress.stalled_for(time.monotonic())
+        if stalled > self.soft_timeout:
+            self._soft_reported = True
+            reason = f"soft timeout: no progress for {stalled:.1f} s (soft_timeout={self.soft_timeout:g} s)"
+            log.warning("%s", reason)
+            self.store.record_fault(self.rank, iteration, reason)
+
+    def _interrupt(self) -> None:
+        before = RestartInterrupt.last
+        if self.gate.interrupt(self.abort):
+            self.interrupted_at = time.monotonic()
+            self._seen = before
+            self._delivered_at = None
+
+    def _check_swallowed(self) -> None:
+        """The interrupt arrived, yet the main thread is still in the iteration a soft timeout later.
+
+        Unwinding may legitimately take a while (exception handlers, ``__exit__`` methods), so only
+        after ``soft_timeout`` is the interrupt taken as swallowed: logged with its location at DEBUG
+        and raised again.
+        """
+        last = RestartInterrupt.last
+        if last is None or last is self._seen or not self.gate.is_open:
+            return
+        now = time.monotonic()
+        if self._delivered_at is None:
+            self._delivered_at = now
+            return
+        if now - self._delivered_at < self.soft_timeout:
+            return
+        log.debug("the wrapped function suppressed the restart exception (%s); raising it again",
+                  swallow_location(last))
+        self._seen = last
+        self._delivered_at = None
+        self.gate.reraise()

@@ -1,0 +1,1 @@
+"""`nvrx resume`: the auto-resume driver (decision, state file, progress, Slurm continuation)."""
