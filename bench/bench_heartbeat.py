@@ -161,7 +161,8 @@ def measure_detection(root: Path, timeout: float, trials: int) -> dict[str, Any]
             dead = time.monotonic()
             rank.stdout.close()
             latency = dead - last_hb
-            hang = json.loads((root / "detect" / "state" / "rank0.last_hang.json").read_text())
+            hang = [e for e in map(json.loads, (root / "detect" / "monitor.jsonl").read_text().splitlines())
+                    if e["ev"] == "hang_detected"][-1]  # the one record of a hang's cause
             runs.append({"latency_s": latency, "overshoot_s": latency - timeout, "returncode": rank.returncode,
                          "reason": hang["reason"], "monitor_elapsed_s": hang["elapsed"]})
     finally:

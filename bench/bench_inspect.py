@@ -3,7 +3,7 @@
     python bench/bench_inspect.py [--mb 100] [--runs 3] [--keep DIR] [--output bench/results/inspect.json]
 
 The log dir is generated with the real writer (``monitors.events.EventLog``, with explicit times) and the
-field names of the real emit calls: a resume chain of ``--jobs`` Slurm-style jobs (one run dir each, plus
+event records the real writers emit: a resume chain of ``--jobs`` Slurm-style jobs (one run dir each, plus
 the resume driver's ``state/resume.jsonl``), ``--nodes`` agents x ``--nproc`` rank monitors per job,
 rounds of 5-40 simulated minutes ended by crashes, hangs (section timeouts), a node leaving and a
 preemption (SIGTERM) at the end of every job but the last; monitors log what the real ones log at their
@@ -38,15 +38,19 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from monitors.events import EventLog  # noqa: E402
+from monitors.events import (  # noqa: E402
+    AgentSignal, AgentStart, EventLog, FirstHeartbeat, FtConfig, FtConfigInfo, HangDetected, HangInfo, HeartbeatStats,
+    JobEnd, MonitorConnect, MonitorDisconnect, MonitorExit, MonitorSpawned, MonitorStart, RankExit, RankStart,
+    RankTerminated, RdzvJoin, RdzvRound, RdzvStop, ResumeAttemptEnd, ResumeAttemptStart, ResumeDecision, ResumeEnd,
+    ResumeLimits, ResumeStart, ResumeSubmit, SectionClose, SectionOpen, StopDetail, TimeoutsInfo, TimeoutsSet,
+)
 
 T0 = 1_700_000_000.0
 STEP_S = 0.85               # simulated training step
 SECTION_PERIOD = 10.0       # monitors.rank_monitor.SECTION_EVENT_PERIOD
 STATS_PERIOD = 30.0         # monitors.rank_monitor.STATS_PERIOD
 CKPT_EVERY = 900.0
-TIMEOUTS = {"initial_heartbeat": 600.0, "heartbeat": 300.0, "sections": {"step": 60.0, "checkpointing": 600.0},
-            "out_of_section": None}
+TIMEOUTS = TimeoutsInfo(initial_heartbeat=600.0, heartbeat=300.0, sections={"step": 60.0, "checkpointing": 600.0})
 
 
 class Chain:
@@ -75,30 +79,30 @@ class Chain:
             last = j == jobs - 1
             job_id = str(4242 + j)
             cmd = ["nvrx", "launch", "--nproc-per-node", str(self.args.nproc), "train.py"]
-            self.resume.emit("resume_start", t=self.t, mode="loop", pid=100 + j, job_id=job_id, node="gpu000",
-                             state_dir="/runs/state", finished_flag="/runs/state/finished.flag",
-                             limits={"max_attempts": 10, "max_failures": 3, "max_no_progress": 3}, submit="sbatch",
-                             command=cmd)
-            self.resume.emit("resume_attempt_start", t=self.t, attempt=j + 1, job_id=job_id, node="gpu000",
-                             command=cmd, progress=j * 1000)
+            self.resume.emit(ResumeStart(mode="loop", pid=100 + j, job_id=job_id, node="gpu000", state_dir="/runs/state",
+                                         finished_flag="/runs/state/finished.flag",
+                                         limits=ResumeLimits(max_attempts=10, max_failures=3, max_no_progress=3),
+                                         submit="sbatch", command=cmd), t=self.t)
+            self.resume.emit(ResumeAttemptStart(attempt=j + 1, job_id=job_id, node="gpu000", command=cmd,
+                                                progress=j * 1000), t=self.t)
             start = self.t
             code = self.job(j, target * (j + 1) // jobs, last)
             cause = "clean_exit" if last else "interrupted"
-            self.resume.emit("resume_attempt_end", t=self.t, attempt=j + 1, exit_code=code, cause=cause,
-                             progress=(j + 1) * 1000, finished=last, job_id=job_id, node="gpu000", start=start,
-                             seconds=round(self.t - start, 3))
+            self.resume.emit(ResumeAttemptEnd(attempt=j + 1, exit_code=code, cause=cause, progress=(j + 1) * 1000,
+                                              finished=last, job_id=job_id, node="gpu000", start=start,
+                                              seconds=round(self.t - start, 3)), t=self.t)
             action, reason = (("finished", "the finished flag exists: training is complete") if last else
                               ("continue", f"stopped by SIGTERM: interrupted (exit {code})"))
-            self.resume.emit("resume_decision", t=self.t + 0.2, action=action, reason=reason, new_job=not last,
-                             attempts=j + 1, failures=0, no_progress=0, last_progress=(j + 1) * 1000,
-                             last_cause=cause, excluded_nodes=[], state={"attempts": j + 1, "failures": 0})
+            self.resume.emit(ResumeDecision(action=action, reason=reason, new_job=not last, attempts=j + 1, failures=0,
+                                            no_progress=0, last_progress=(j + 1) * 1000, last_cause=cause,
+                                            excluded_nodes=[], state={"attempts": j + 1, "failures": 0}),
+                             t=self.t + 0.2)
             if not last:
-                entry = {"method": "sbatch", "from_job": job_id, "t": self.t + 0.4,
-                         "command": ["sbatch", f"--dependency=afterany:{job_id}", "job.sbatch"], "exclude": [],
-                         "ok": True, "job_id": str(4243 + j)}
-                self.resume.emit("resume_submit", status="submitted", state={"attempts": j + 1}, **entry)
-            self.resume.emit("resume_end", t=self.t + 0.5, action=action, reason=reason,
-                             exit_code=0 if last else 3)
+                self.resume.emit(ResumeSubmit(status="submitted", method="sbatch", from_job=job_id,
+                                              command=["sbatch", f"--dependency=afterany:{job_id}", "job.sbatch"],
+                                              exclude=[], ok=True, job_id=str(4243 + j), state={"attempts": j + 1}),
+                                 t=self.t + 0.4)
+            self.resume.emit(ResumeEnd(action=action, reason=reason, exit_code=0 if last else 3), t=self.t + 0.5)
             if not last:
                 self.t += self.rng.uniform(30, 120)  # queue time of the continuation job
         for log in self.logs:
@@ -113,33 +117,34 @@ class Chain:
         agents = [self._log(run_dir / f"agent-{n}.jsonl", "agent") for n in nodes]
         monitors = [[self._log(run_dir / f"monitor-{n}-{lr}.jsonl", f"monitor-{lr}") for lr in range(a.nproc)]
                     for n in nodes]
-        ft = {"workload_check_interval": 5.0, "initial_rank_heartbeat_timeout": 600.0, "rank_heartbeat_timeout": 300.0,
-              "safety_factor": 5.0, "rank_termination_signal": "SIGKILL", "log_level": "INFO",
-              "rank_section_timeouts": {"step": 60.0, "checkpointing": 600.0}, "rank_out_of_section_timeout": None}
+        ft = FtConfigInfo(workload_check_interval=5.0, initial_rank_heartbeat_timeout=600.0,
+                          rank_heartbeat_timeout=300.0, safety_factor=5.0, rank_termination_signal="SIGKILL",
+                          log_level="INFO", rank_section_timeouts={"step": 60.0, "checkpointing": 600.0},
+                          rank_out_of_section_timeout=None, auto_heartbeat=False)
         for g, ag in enumerate(agents):
-            ag.emit("agent_start", t=self.t + 0.01 * g, pid=9000 + g, nproc=a.nproc, nnodes=f"{a.nodes}:{a.nodes}",
-                    max_restarts=100, run_id=str(4242 + j))
-            ag.emit("ft_config", t=self.t + 0.01 * g, config=ft)
+            ag.emit(AgentStart(pid=9000 + g, nproc=a.nproc, nnodes=f"{a.nodes}:{a.nodes}", max_restarts=100,
+                               run_id=str(4242 + j)), t=self.t + 0.01 * g)
+            ag.emit(FtConfig(config=ft), t=self.t + 0.01 * g)
             for lr in range(a.nproc):
-                ag.emit("monitor_spawned", t=self.t + 0.02, local_rank=lr, pid=20000 + lr)
-                monitors[g][lr].emit("monitor_start", t=self.t + 0.1, rank=lr, pid=20000 + lr, socket="/tmp/x.sock",
-                                     timeouts=TIMEOUTS, check_interval=5.0)
+                ag.emit(MonitorSpawned(local_rank=lr, pid=20000 + lr), t=self.t + 0.02)
+                monitors[g][lr].emit(MonitorStart(rank=lr, pid=20000 + lr, socket="/tmp/x.sock", timeouts=TIMEOUTS,
+                                                  check_interval=5.0), t=self.t + 0.1)
         self.t += 0.5
         r, restarts, pid = 0, 0, 30000
         while True:
             done = self.size() >= until_bytes
             for g, ag in enumerate(agents):
-                ag.emit("rdzv_join", t=self.t, round=r, node_id=node_ids[g])
-                ag.emit("rdzv_round", t=self.t + 0.05, round=r, group_rank=g, nodes=node_ids, world_size=a.nodes * a.nproc,
-                        restart_count=restarts, waited=0.05)
+                ag.emit(RdzvJoin(round=r, node_id=node_ids[g]), t=self.t)
+                ag.emit(RdzvRound(round=r, group_rank=g, nodes=node_ids, world_size=a.nodes * a.nproc,
+                                  restart_count=restarts, waited=0.05), t=self.t + 0.05)
             start = self.t + 0.4
             pids = {}
             for g, ag in enumerate(agents):
                 for lr in range(a.nproc):
                     pid += 1
                     pids[g, lr] = pid
-                    ag.emit("rank_start", t=start + 0.001 * lr, local_rank=lr, rank=g * a.nproc + lr, pid=pid,
-                            attempt=restarts, how="fork", seconds=0.004)
+                    ag.emit(RankStart(local_rank=lr, rank=g * a.nproc + lr, pid=pid, attempt=restarts, how="fork",
+                                      seconds=0.004), t=start + 0.001 * lr)
             length = self.rng.uniform(300, 2400)
             end = start + length
             kind = "interrupted" if done and not last else ("succeeded" if done else self.rng.choice(
@@ -154,48 +159,48 @@ class Chain:
                 g, lr = bad
                 hang = None
                 if kind == "hang":
-                    hang = {"rank": lr, "pid": pids[bad], "generation": r + 1, "reason": "section_timeout", "section": "step",
-                            "elapsed": 60.3, "timeout": 60.0, "timeouts": TIMEOUTS, "signal": "SIGKILL", "t": end}
+                    hang = HangInfo(rank=lr, pid=pids[bad], generation=r + 1, reason="section_timeout", section="step",
+                                    elapsed=60.3, timeout=60.0, timeouts=TIMEOUTS, signal="SIGKILL", t=end)
                 sig = "SIGKILL" if hang else self.rng.choice(["SIGSEGV", None])
-                detail = {"rank": g * a.nproc + lr, "local_rank": lr, "group_rank": g, "pid": pids[bad],
-                          "exitcode": None if sig else 1, "signal": sig, "abandoned": False,
-                          "tail": [f"step {int(length / STEP_S)}: loss 2.{self.rng.randrange(1000):03d}"] * 3
-                                  + ["RuntimeError: CUDA error: an illegal memory access was encountered"],
-                          "describe": f"rank {g * a.nproc + lr} failed", "round": r, "hang": hang}
-                agents[g].emit("rank_exit", t=end, local_rank=lr, rank=g * a.nproc + lr, pid=pids[bad], exitcode=detail["exitcode"],
-                               signal=sig, attempt=restarts - 1, abandoned=False)
+                detail = StopDetail(rank=g * a.nproc + lr, local_rank=lr, group_rank=g, pid=pids[bad],
+                                    exitcode=None if sig else 1, signal=sig, abandoned=False,
+                                    tail=[f"step {int(length / STEP_S)}: loss 2.{self.rng.randrange(1000):03d}"] * 3
+                                         + ["RuntimeError: CUDA error: an illegal memory access was encountered"],
+                                    describe=f"rank {g * a.nproc + lr} failed", round=r, hang=hang)
+                agents[g].emit(RankExit(local_rank=lr, rank=g * a.nproc + lr, pid=pids[bad], exitcode=detail.exitcode,
+                                        signal=sig, attempt=restarts - 1, abandoned=False), t=end)
                 self.stop(agents, r, "failed", node_ids[0], detail, restarts, stop_t)
             elif kind == "node_left":
                 restarts += 1
-                self.stop(agents, r, "node_left", node_ids[0], {"node": node_ids[-1], "group_rank": a.nodes - 1},
+                self.stop(agents, r, "node_left", node_ids[0], StopDetail(node=node_ids[-1], group_rank=a.nodes - 1),
                           restarts, stop_t)
             elif kind == "interrupted":
                 for ag in agents:
-                    ag.emit("agent_signal", t=end, signal="SIGTERM", phase="running", round=r)
-                self.stop(agents, r, "interrupted", node_ids[0], {"signal": "SIGTERM", "signum": 15}, restarts, stop_t)
+                    ag.emit(AgentSignal(signal="SIGTERM", phase="running", round=r), t=end)
+                self.stop(agents, r, "interrupted", node_ids[0], StopDetail(signal="SIGTERM", signum=15), restarts, stop_t)
             else:
-                self.stop(agents, r, "succeeded", node_ids[0], {"nodes": a.nodes}, restarts, stop_t)
+                self.stop(agents, r, "succeeded", node_ids[0], StopDetail(nodes=a.nodes), restarts, stop_t)
             self.t = stop_t + self.rng.uniform(1, 4)
             if done:
                 code = 143 if kind == "interrupted" else 0
                 for g, ag in enumerate(agents):
-                    ag.emit("job_end", t=self.t, status="succeeded" if code == 0 else "failed", exit_code=code,
-                            seconds=round(self.t - T0, 3), failures=[])
+                    ag.emit(JobEnd(status="succeeded" if code == 0 else "failed", exit_code=code,
+                                   seconds=round(self.t - T0, 3), failures=[]), t=self.t)
                 for g in range(a.nodes):
                     for lr in range(a.nproc):
-                        monitors[g][lr].emit("monitor_exit", t=self.t + 0.05, rank=lr, reason="signal SIGTERM")
+                        monitors[g][lr].emit(MonitorExit(rank=lr, reason="signal SIGTERM"), t=self.t + 0.05)
                 return code
             r += 1
 
-    def stop(self, agents: list[EventLog], r: int, kind: str, by: str, detail: dict, restarts: int, t: float) -> None:
+    def stop(self, agents: list[EventLog], r: int, kind: str, by: str, detail: StopDetail, restarts: int,
+             t: float) -> None:
         for ag in agents:
-            ag.emit("rdzv_stop", t=t, round=r, kind=kind, by_node=by, detail=detail, restart_count=restarts,
-                    give_up=False)
+            ag.emit(RdzvStop(round=r, kind=kind, by_node=by, detail=detail, restart_count=restarts, give_up=False), t=t)
 
     def session(self, mon: EventLog, lr: int, pid: int, start: float, end: float, hung: bool) -> None:
         """What one rank monitor logs over one round, at the real monitor's rate limits."""
-        mon.emit("monitor_connect", t=start + 2.0, rank=lr, pid=pid, generation=1, timeouts=TIMEOUTS)
-        mon.emit("first_heartbeat", t=start + 7.0, rank=lr, pid=pid, delay=4.8)
+        mon.emit(MonitorConnect(rank=lr, pid=pid, generation=1, timeouts=TIMEOUTS), t=start + 2.0)
+        mon.emit(FirstHeartbeat(rank=lr, pid=pid, delay=4.8), t=start + 7.0)
         t, hb, closes, next_stats, next_ckpt, max_step = start + 7.0, 0, 0, start + 7.0, start + CKPT_EVERY, 0.0
         stop_at = end - 60.3 if hung else end
         rng = self.rng
@@ -206,30 +211,29 @@ class Chain:
             closes += n
             last = STEP_S * rng.uniform(0.97, 1.05)
             max_step = max(max_step, last)
-            mon.emit("section_open", t=t, rank=lr, section="step", open_for=round(rng.uniform(0, STEP_S), 6))
-            mon.emit("section_close", t=t + 0.000015, rank=lr, section="step", closes=n, last_duration=round(last, 6),
-                     max_duration=round(max_step, 6))
+            mon.emit(SectionOpen(rank=lr, section="step", open_for=round(rng.uniform(0, STEP_S), 6)), t=t)
+            mon.emit(SectionClose(rank=lr, section="step", closes=n, last_duration=round(last, 6),
+                                  max_duration=round(max_step, 6)), t=t + 0.000015)
             if t >= next_stats:
-                mon.emit("heartbeat_stats", t=t + 0.00003, rank=lr, count=hb, max_interval=round(STEP_S * 1.2, 6),
-                         since_last=round(rng.uniform(0, STEP_S), 6))
+                mon.emit(HeartbeatStats(rank=lr, count=hb, max_interval=round(STEP_S * 1.2, 6),
+                                        since_last=round(rng.uniform(0, STEP_S), 6)), t=t + 0.00003)
                 next_stats = t + STATS_PERIOD
             if t >= next_ckpt:
-                mon.emit("section_open", t=t + 1, rank=lr, section="checkpointing", open_for=2.0)
-                mon.emit("section_close", t=t + 9, rank=lr, section="checkpointing", closes=1, last_duration=8.0,
-                         max_duration=8.0)
+                mon.emit(SectionOpen(rank=lr, section="checkpointing", open_for=2.0), t=t + 1)
+                mon.emit(SectionClose(rank=lr, section="checkpointing", closes=1, last_duration=8.0, max_duration=8.0),
+                         t=t + 9)
                 next_ckpt = t + CKPT_EVERY
                 if closes > 1000 and lr % 2 == 0:
-                    learned = {"initial_heartbeat": 24.0, "heartbeat": 5.1, "sections": {"step": 5.3, "checkpointing": 40.0},
-                               "out_of_section": 4.0}
-                    mon.emit("timeouts_set", t=t + 9.5, rank=lr, updated=True, timeouts=learned,
-                             path=f"/state/rank{lr}.timeouts.json")
+                    learned = TimeoutsInfo(initial_heartbeat=24.0, heartbeat=5.1,
+                                           sections={"step": 5.3, "checkpointing": 40.0}, out_of_section=4.0)
+                    mon.emit(TimeoutsSet(rank=lr, updated=True, timeouts=learned, path=f"/state/rank{lr}.timeouts.json"),
+                             t=t + 9.5)
         if hung:
-            hang = {"rank": lr, "pid": pid, "generation": 1, "reason": "section_timeout", "section": "step",
-                    "elapsed": 60.3, "timeout": 60.0, "timeouts": TIMEOUTS, "signal": "SIGKILL"}
-            mon.emit("hang_detected", t=end, **hang)
-            mon.emit("rank_terminated", t=end + 0.001, rank=lr, pid=pid, signal="SIGKILL", reason="section_timeout")
-        mon.emit("heartbeat_stats", t=end + 0.01, rank=lr, count=hb, max_interval=round(STEP_S * 1.2, 6), since_last=0.1)
-        mon.emit("monitor_disconnect", t=end + 0.02, rank=lr, pid=pid, generation=1, reason="rank_disconnected")
+            mon.emit(HangDetected(rank=lr, pid=pid, generation=1, reason="section_timeout", section="step", elapsed=60.3,
+                                  timeout=60.0, timeouts=TIMEOUTS, signal="SIGKILL"), t=end)
+            mon.emit(RankTerminated(rank=lr, pid=pid, signal="SIGKILL", reason="section_timeout"), t=end + 0.001)
+        mon.emit(HeartbeatStats(rank=lr, count=hb, max_interval=round(STEP_S * 1.2, 6), since_last=0.1), t=end + 0.01)
+        mon.emit(MonitorDisconnect(rank=lr, pid=pid, generation=1, reason="rank_disconnected"), t=end + 0.02)
 
     def _damage(self) -> None:
         """A torn last line, a NUL-filled block and a cut-off line mid-file: what crashes leave behind."""
@@ -331,7 +335,7 @@ def main() -> int:
 
     summary = {"jobs": len(report["jobs"]), "rounds": sum(len(j["rounds"]) for j in report["jobs"]),
                "faults": len(report["faults"]), "corrupt_lines": report["corrupt"]["count"],
-               "goodput": report["goodput"]["ratio"], "goodput_method": report["goodput"]["method"]}
+               "uptime": report["uptime"], "goodput": report["goodput"], "goodput_source": report["goodput_source"]}
     out = {"machine": {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": platform.python_version(),
                        "platform": platform.platform(), "cpu_count": os.cpu_count(),
                        "load_avg_at_start": list(os.getloadavg())},

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from nvrx_common.errors import NvrxError
 
-class CheckpointError(RuntimeError):
+class CheckpointError(NvrxError, RuntimeError):
     """A checkpoint could not be saved, finalized, found or verified."""
 
 

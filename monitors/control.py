@@ -27,14 +27,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nvrx_common.errors import NvrxError
 MAX_LINE = 1 << 20
 
 
-class ProtocolError(Exception):
+class MonitorProtocolError(NvrxError):
     """A peer sent something that is not a JSON-object line, or a line that is too long."""
 
 
-class MonitorError(RuntimeError):
+class MonitorError(NvrxError, RuntimeError):
     """The monitor refused a request (the reply's ``error``)."""
 
 
@@ -58,9 +59,9 @@ def decode(line: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(line)
     except ValueError as exc:
-        raise ProtocolError(f"not JSON: {exc}") from None
+        raise MonitorProtocolError(f"not JSON: {exc}") from None
     if not isinstance(obj, dict):
-        raise ProtocolError("a message must be a JSON object")
+        raise MonitorProtocolError("a message must be a JSON object")
     return obj
 
 
@@ -70,20 +71,20 @@ class LineBuffer:
     def __init__(self) -> None:
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> list[dict[str, Any] | ProtocolError]:
+    def feed(self, data: bytes) -> list[dict[str, Any] | MonitorProtocolError]:
         self._buf += data
-        out: list[dict[str, Any] | ProtocolError] = []
+        out: list[dict[str, Any] | MonitorProtocolError] = []
         while True:
             nl = self._buf.find(b"\n")
             if nl < 0:
                 if len(self._buf) > MAX_LINE:
-                    raise ProtocolError("message too long")
+                    raise MonitorProtocolError("message too long")
                 return out
             line = bytes(self._buf[:nl])
             del self._buf[: nl + 1]
             try:
                 out.append(decode(line))
-            except ProtocolError as exc:
+            except MonitorProtocolError as exc:
                 out.append(exc)
 
 
@@ -124,7 +125,7 @@ class Channel:
         self.sock = sock
         self.timeout = timeout
         self._lines = LineBuffer()
-        self._pending: list[dict[str, Any] | ProtocolError] = []
+        self._pending: list[dict[str, Any] | MonitorProtocolError] = []
 
     @classmethod
     def connect(cls, path: Path, connect_timeout: float = 30.0, timeout: float = 30.0) -> "Channel":
@@ -158,7 +159,7 @@ class Channel:
                 raise ConnectionError("the rank monitor closed the connection")
             self._pending.extend(self._lines.feed(data))
         item = self._pending.pop(0)
-        if isinstance(item, ProtocolError):
+        if isinstance(item, MonitorProtocolError):
             raise item
         return item
 

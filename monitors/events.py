@@ -1,29 +1,671 @@
-"""The JSON-lines event schema shared by agents, rank monitors and `nvrx inspect`.
+"""The one contract between event writers and `nvrx inspect`: typed event records and their JSON lines.
 
-One file per writer (``agent-<node>.jsonl``, later ``monitor-<rank>.jsonl``) in the run's log
-dir. Every line is one JSON object with at least ``v`` (schema version), ``t`` (unix time),
-``src`` (writer), ``ev`` (event name). Lines are written whole and flushed at once so a reader
-following a live run never sees a torn line except at a crash, which readers skip.
+Every event is a small frozen record class below (``RdzvRound``, ``HangDetected``, ...). Writers emit
+records (``events.emit(RdzvRound(round=r, ...))``); ``EventLog.emit`` takes nothing else. Readers get
+the field names from the same classes (``RdzvRound.F.waited``), and the field-type table the reader
+checks every event against (``EVENT_FIELDS``, used by ``field_problem``) is derived from the classes'
+annotations, so a field renamed or retyped on one side cannot silently drift from the other.
+
+One file per writer (``agent-<node>.jsonl``, ``monitor-<node>-<local rank>.jsonl``, the resume driver's
+``resume.jsonl``). Every line is one JSON object: ``v`` (schema version), ``t`` (unix time), ``src``
+(writer), ``ev`` (event name), then the record's fields; fields whose value is None are left out (readers
+treat absent and null alike). Lines are written whole, one ``write`` each, so a reader following a live
+run never sees a torn line except at a crash, which readers skip. The format is the one schema version 1
+always had: logs written before the records existed read the same.
 """
 
-from __future__ import annotations
-
 import json
+import logging
 import math
 import os
 import threading
 import time
-from dataclasses import dataclass
+import types
+import typing
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, TypeVar
 
 SCHEMA_VERSION = 1
+log = logging.getLogger("nvrx.events")
+ENVELOPE = ("v", "t", "src", "ev")
 
 Listener = Callable[[dict[str, Any]], None]
+R = TypeVar("R", bound="Record")
+
+
+# ================================================================ records
+
+
+class Record:
+    """A typed structure of the event schema: an event (``Event``) or an object nested in one.
+
+    ``F`` holds the field names as attributes (``RdzvRound.F.waited == "waited"``): readers look fields
+    up through it, so a renamed field fails loudly where it is read instead of reading as absent.
+    """
+
+    F: ClassVar[Any]
+    _DUMP: ClassVar[tuple[tuple[str, int], ...]]       # (field, 0 plain | 1 record | 2 list of records)
+    _OF: ClassVar[tuple[tuple[str, Any], ...]]         # (field, converter from decoded JSON or None)
+
+    def to_fields(self) -> dict[str, Any]:
+        """The record as JSON-ready fields (nested records as objects); None values are left out."""
+        out: dict[str, Any] = {}
+        for name, mode in self._DUMP:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if mode == 1:
+                value = value.to_fields()
+            elif mode == 2:
+                value = [x.to_fields() for x in value]
+            out[name] = value
+        return out
+
+    @classmethod
+    def of(cls: type[R], data: Mapping[str, Any]) -> R:
+        """The record from decoded JSON or a plain dict (unknown keys are ignored, missing ones are None).
+
+        For writers that hold a dict built elsewhere (a stop record's detail from the store, a config's
+        ``to_dict()``). A key the record lacks is dropped with a warning: it would never reach the log.
+        """
+        unknown = data.keys() - cls.F.__dict__.keys()
+        if unknown:
+            log.warning("%s has no field(s) %s: not logged", cls.__name__, ", ".join(sorted(map(str, unknown))))
+        kw = {}
+        for name, convert in cls._OF:
+            value = data.get(name)
+            if value is not None and convert is not None:
+                value = convert(value)
+            kw[name] = value
+        return cls(**kw)
+
+
+class Event(Record):
+    """An event record: ``EV`` is its name on the wire, ``SOURCE`` the writer (agent, monitor, resume)."""
+
+    EV: ClassVar[str]
+    SOURCE: ClassVar[str]
+
+
+RECORDS: dict[str, type[Event]] = {}   # event name -> record class, every event of the schema
+NESTED: list[type[Record]] = []        # the structures nested in events
+
+
+def _finish(cls: type) -> type:
+    """Make CLS a frozen keyword-only dataclass and give it its field names, dump plan and converters."""
+    cls = dataclass(frozen=True, kw_only=True, eq=False)(cls)
+    types_ = {f.name: f.type for f in fields(cls)}  # real types: this module does not postpone annotations
+    cls.F = types.SimpleNamespace(**{n: n for n in types_})
+    cls._DUMP = tuple((n, _dump_mode(tp)) for n, tp in types_.items())
+    cls._OF = tuple((n, _converter(tp)) for n, tp in types_.items())
+    return cls
+
+
+def event(name: str, source: str) -> Callable[[type], type]:
+    """Class decorator: an event record named NAME on the wire, written by SOURCE."""
+
+    def wrap(cls: type) -> type:
+        if name in RECORDS:
+            raise TypeError(f"event {name!r} is defined twice")
+        cls.EV, cls.SOURCE = name, source
+        cls = _finish(cls)
+        bad = {f.name for f in fields(cls)} & set(ENVELOPE)
+        if bad:
+            raise TypeError(f"{cls.__name__}: field names {sorted(bad)} are taken by the line's envelope")
+        RECORDS[name] = cls
+        return RECORDS[name]
+
+    return wrap
+
+
+def nested(cls: type) -> type:
+    """Class decorator: a typed object nested in events."""
+    cls = _finish(cls)
+    NESTED.append(cls)
+    return cls
+
+
+def _members(tp: Any) -> list[Any]:
+    """The non-None members of a union type (or [tp])."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return [a for a in typing.get_args(tp) if a is not type(None)]
+    return [tp]
+
+
+def _record_class(tp: Any) -> type[Record] | None:
+    return tp if isinstance(tp, type) and issubclass(tp, Record) else None
+
+
+def _dump_mode(tp: Any) -> int:
+    (inner,) = _members(tp)[:1] or [None]
+    if _record_class(inner):
+        return 1
+    if typing.get_origin(inner) is list and _record_class(typing.get_args(inner)[0]):
+        return 2
+    return 0
+
+
+def _converter(tp: Any) -> Callable[[Any], Any] | None:
+    (inner,) = _members(tp)[:1] or [None]
+    sub = _record_class(inner)
+    if sub is not None:
+        return lambda v: sub.of(v) if isinstance(v, Mapping) else v
+    if typing.get_origin(inner) is list:
+        item = _record_class(typing.get_args(inner)[0])
+        if item is not None:
+            return lambda v: [item.of(x) if isinstance(x, Mapping) else x for x in v]
+    return None
+
+
+# ---------------------------------------------------------------- nested structures
+
+
+@nested
+class TimeoutsInfo(Record):
+    """The timeouts a monitor enforces, in seconds (None: not checked): ``monitors.timeouts.Timeouts``."""
+
+    initial_heartbeat: float | None = None
+    heartbeat: float | None = None
+    sections: dict[str, float | None] | None = None
+    out_of_section: float | None = None
+
+
+@nested
+class FtConfigInfo(Record):
+    """The fault-tolerance settings of a launch: ``FaultToleranceConfig.to_dict()`` (the test checks the keys)."""
+
+    workload_check_interval: float | None = None
+    initial_rank_heartbeat_timeout: float | None = None
+    rank_heartbeat_timeout: float | None = None
+    safety_factor: float | None = None
+    rank_termination_signal: str | None = None
+    log_level: int | str | None = None       # a name, or a number without a standard name
+    rank_section_timeouts: dict[str, float | None] | None = None
+    rank_out_of_section_timeout: float | None = None
+    auto_heartbeat: bool | None = None
+
+
+@_finish
+class _Hang(Record):
+    """What a monitor found when it declared its rank hung (shared by the event and the stop detail)."""
+
+    rank: int | None = None              # the monitor's (local) rank
+    global_rank: int | None = None
+    pid: int | None = None
+    generation: int | None = None
+    reason: str | None = None            # section_timeout | heartbeat_timeout | no_first_heartbeat | out_of_section_timeout
+    section: str | None = None
+    elapsed: float | None = None         # seconds since the last progress
+    timeout: float | None = None
+    signal: str | None = None            # what the monitor sent the rank
+    timeouts: TimeoutsInfo | None = None
+
+
+@nested
+class HangInfo(_Hang):
+    """A hang as the agent puts it into a stop record: the monitor's ``hang_detected`` event, with its time."""
+
+    t: float | None = None               # when the monitor detected it (the event's time)
+    stalled_first: int | None = None     # another global rank whose progress stopped earlier (likelier culprit)
+
+
+@nested
+class StopDetail(Record):
+    """Why a round stopped (``rdzv_stop.detail``); which fields are set depends on the stop's kind."""
+
+    rank: int | None = None              # failed: the failed rank (global) ...
+    local_rank: int | None = None
+    group_rank: int | None = None        # ... and its node's group rank (also node_left)
+    pid: int | None = None
+    exitcode: int | None = None
+    signal: str | None = None            # failed: the signal that ended the rank; interrupted: the signal received
+    signum: int | None = None
+    abandoned: bool | None = None        # the rank survived SIGKILL
+    tail: list[str] | None = None        # its last output lines
+    describe: str | None = None          # the agent's one-line description
+    round: int | None = None
+    hang: HangInfo | None = None         # the monitor killed it as hung
+    steer: int | None = None             # a steering exit code: no restart in place
+    no_restart: bool | None = None
+    monitor_failed: bool | None = None   # a rank monitor kept dying
+    node: str | None = None              # node_left / scale_up / interrupted: the node
+    nodes: int | None = None             # succeeded: how many nodes finished
+
+
+@nested
+class JobFailure(StopDetail):
+    """One fault stop as ``job_end.failures`` lists it (the stop's detail with its kind)."""
+
+    kind: str | None = None
+
+
+@nested
+class ResumeLimits(Record):
+    """The resume driver's budgets (0: no limit)."""
+
+    max_attempts: int | None = None
+    max_failures: int | None = None
+    max_no_progress: int | None = None
+
+
+# ---------------------------------------------------------------- agent events
+
+
+@event("agent_start", "agent")
+class AgentStart(Event):
+    pid: int
+    nproc: int
+    nnodes: int | str                     # "MIN:MAX"
+    max_restarts: int
+    run_id: str
+
+
+@event("ft_config", "agent")
+class FtConfig(Event):
+    config: FtConfigInfo
+
+
+@event("fork_server_ready", "agent")
+class ForkServerReady(Event):
+    seconds: float
+    pid: int
+    import_seconds: float | None = None
+    threads: int | None = None
+
+
+@event("fork_server_fallback", "agent")
+class ForkServerFallback(Event):
+    reason: str
+
+
+@event("monitor_spawned", "agent")
+class MonitorSpawned(Event):
+    local_rank: int
+    pid: int
+
+
+@event("monitor_died", "agent")
+class MonitorDied(Event):
+    local_rank: int
+    pid: int
+    returncode: int | None = None
+
+
+@event("monitor_gave_up", "agent")
+class MonitorGaveUp(Event):
+    """A rank monitor died too often to restart it again: its rank would run unwatched, so the job fails."""
+
+    local_rank: int
+    pid: int
+    returncode: int | None = None
+    deaths: int
+    window: float
+    last_line: str | None = None          # the last line of its log
+    log: str | None = None                # its log file
+
+
+@event("monitor_stuck", "agent")
+class MonitorStuck(Event):
+    pid: int
+
+
+@event("rdzv_join", "agent")
+class RdzvJoin(Event):
+    round: int
+    node_id: str
+
+
+@event("rdzv_round", "agent")
+class RdzvRound(Event):
+    round: int
+    group_rank: int
+    nodes: list[str]
+    world_size: int
+    restart_count: int
+    waited: float                         # seconds this agent spent in the rendezvous
+
+
+@event("rdzv_standby", "agent")
+class RdzvStandby(Event):
+    round: int
+    node_id: str
+    reason: str
+    nodes: int
+
+
+@event("rdzv_stop", "agent")
+class RdzvStop(Event):
+    round: int
+    kind: str                             # failed | node_left | succeeded | scale_up | interrupted
+    by_node: str
+    detail: StopDetail
+    restart_count: int
+    give_up: bool
+
+
+@event("rank_start", "agent")
+class RankStart(Event):
+    local_rank: int
+    rank: int
+    pid: int
+    attempt: int
+    how: str                              # fork | spawn
+    seconds: float
+
+
+@event("rank_exit", "agent")
+class RankExit(Event):
+    local_rank: int
+    rank: int
+    pid: int
+    exitcode: int | None = None
+    signal: str | None = None
+    attempt: int
+    abandoned: bool = False
+
+
+@event("rank_stuck", "agent")
+class RankStuck(Event):
+    """A rank that did not die after SIGKILL (stuck in the kernel): abandoned."""
+
+    local_rank: int
+    rank: int
+    pid: int
+    attempt: int
+    state: str | None = None              # its process state, e.g. "D (disk sleep)"
+    status: str | None = None             # psutil's status
+
+
+@event("agent_killed_rank", "agent")
+class AgentKilledRank(Event):
+    """The agent SIGKILLed a rank still running when its stop's grace (--term-timeout) ran out."""
+
+    local_rank: int
+    rank: int
+    pid: int
+    attempt: int
+    signal: str                           # SIGKILL
+    after: str                            # the signal that asked it to stop, which it ignored
+    waited: float                         # seconds since that signal
+
+
+@event("inprocess_rank_lost", "agent")
+class InprocessRankLost(Event):
+    """--inprocess: a rank ended; the other ranks' Wrapper restarts in process without it (no stop record)."""
+
+    rank: int
+    local_rank: int
+    pid: int | None = None
+    exitcode: int | None = None
+    signal: str | None = None
+    round: int
+
+
+@event("agent_signal", "agent")
+class AgentSignal(Event):
+    signal: str
+    phase: str                            # rendezvous | running
+    round: int | None = None
+
+
+@event("job_end", "agent")
+class JobEnd(Event):
+    status: str                           # succeeded | failed | interrupted | steered | already_finished
+    exit_code: int | None = None
+    seconds: float | None = None
+    detail: str | None = None             # an agent error (e.g. the rendezvous store was lost)
+    failures: list[JobFailure] | None = None
+
+
+# ---------------------------------------------------------------- rank monitor events
+# ``rank`` in a monitor's events is its local rank; ``global_rank`` the attached rank's RANK.
+
+
+@event("monitor_start", "monitor")
+class MonitorStart(Event):
+    rank: int
+    pid: int
+    socket: str
+    timeouts: TimeoutsInfo
+    check_interval: float
+
+
+@event("monitor_exit", "monitor")
+class MonitorExit(Event):
+    rank: int
+    reason: str
+
+
+@event("monitor_auth_failed", "monitor")
+class MonitorAuthFailed(Event):
+    rank: int
+    op: Any = None                        # free-form: the op of a rejected (untrusted) request, as sent
+
+
+@event("monitor_takeover_refused", "monitor")
+class MonitorTakeoverRefused(Event):
+    rank: int
+    pid: int                              # the process that tried to take over
+    holder: int                           # the live rank process that keeps the session
+
+
+@event("monitor_attach", "monitor")
+class MonitorAttach(Event):
+    rank: int
+    global_rank: int | None = None
+    pid: int
+    generation: int
+    armed: bool
+    reattach: bool
+
+
+@event("monitor_connect", "monitor")
+class MonitorConnect(Event):
+    rank: int
+    global_rank: int | None = None
+    pid: int
+    generation: int
+    timeouts: TimeoutsInfo
+
+
+@event("monitor_disconnect", "monitor")
+class MonitorDisconnect(Event):
+    rank: int
+    pid: int
+    generation: int
+    reason: str
+
+
+@event("first_heartbeat", "monitor")
+class FirstHeartbeat(Event):
+    rank: int
+    pid: int
+    delay: float                          # seconds from the rank's start to its first heartbeat
+
+
+@event("heartbeat_stats", "monitor")
+class HeartbeatStats(Event):
+    """Cumulative per rank process, written at most every 30 s and once at its end."""
+
+    rank: int
+    count: int                            # explicit heartbeats so far
+    max_interval: float
+    since_last: float | None = None       # seconds since the last explicit heartbeat (None: none yet)
+    auto_since_last: float | None = None  # seconds since the last automatic heartbeat (None: none beat)
+
+
+@event("section_open", "monitor")
+class SectionOpen(Event):
+    rank: int
+    section: str
+    open_for: float
+
+
+@event("section_close", "monitor")
+class SectionClose(Event):
+    """Closes of one section since the last such event (written at most every 10 s per section)."""
+
+    rank: int
+    section: str
+    closes: int
+    last_duration: float
+    max_duration: float
+    total: float | None = None            # their exact total, when a monitor knows it
+
+
+@event("hang_detected", "monitor")
+class HangDetected(_Hang, Event):
+    """The monitor declared its rank hung and is about to signal it: the one record of a hang's cause.
+
+    The agent reads it back from the monitor's event file to explain the rank's exit (the stop
+    record's ``detail.hang``, see ``launcher.agent.rank_monitors.MonitorGroup.hang_reason``).
+    """
+
+
+@event("rank_terminated", "monitor")
+class RankTerminated(Event):
+    rank: int
+    pid: int
+    signal: str
+    reason: str
+    error: str | None = None              # the signal could not be sent (the process was gone)
+
+
+@event("rank_killed", "monitor")
+class RankKilled(Event):
+    """The monitor SIGKILLed a hung rank still alive GRACE seconds after the termination signal."""
+
+    rank: int
+    pid: int
+    signal: str
+    after: str
+    grace: float
+    error: str | None = None
+
+
+@event("timeouts_set", "monitor")
+class TimeoutsSet(Event):
+    rank: int
+    updated: bool
+    timeouts: TimeoutsInfo
+    path: str
+
+
+@event("timeouts_loaded", "monitor")
+class TimeoutsLoaded(Event):
+    rank: int
+    timeouts: TimeoutsInfo
+    global_rank: int | None = None
+    path: str | None = None               # loaded from this state file ...
+    source: str | None = None             # ... or given by the rank ("rank")
+
+
+@event("timeouts_state_ignored", "monitor")
+class TimeoutsStateIgnored(Event):
+    rank: int
+    path: str
+    error: str
+
+
+# ---------------------------------------------------------------- resume driver events
+
+
+@event("resume_start", "resume")
+class ResumeStart(Event):
+    mode: str                             # loop | record | stop | check
+    pid: int
+    job_id: str | None = None
+    node: str | None = None
+    state_dir: str
+    finished_flag: str
+    limits: ResumeLimits
+    submit: str | None = None
+    command: list[str]
+
+
+@event("resume_attempt_start", "resume")
+class ResumeAttemptStart(Event):
+    attempt: int
+    job_id: str | None = None
+    node: str | None = None
+    command: list[str]
+    progress: int | None = None
+
+
+@event("resume_attempt_end", "resume")
+class ResumeAttemptEnd(Event):
+    attempt: int
+    exit_code: int
+    cause: str
+    progress: int | None = None
+    finished: bool
+    job_id: str | None = None
+    node: str | None = None
+    start: float | None = None
+    seconds: float | None = None
+
+
+@event("resume_decision", "resume")
+class ResumeDecision(Event):
+    action: str                           # finished | continue | give_up
+    reason: str
+    check: bool | None = None
+    new_job: bool | None = None
+    attempts: int | None = None
+    failures: int | None = None
+    no_progress: int | None = None
+    last_progress: int | None = None
+    last_cause: str | None = None
+    excluded_nodes: list[str] | None = None
+    state: dict[str, Any] | None = None   # free-form here: a state snapshot, validated by ResumeState.from_dict
+
+
+@event("resume_submit", "resume")
+class ResumeSubmit(Event):
+    status: str                           # submitting | submitted | failed
+    method: str                           # sbatch | requeue
+    from_job: str | None = None
+    command: list[str]
+    exclude: list[str]
+    ok: bool | None = None
+    job_id: str | None = None
+    error: str | None = None
+    state: dict[str, Any] | None = None   # free-form here: a state snapshot, validated by ResumeState.from_dict
+
+
+@event("resume_signal", "resume")
+class ResumeSignal(Event):
+    signal: str
+    forwarded: bool
+    sender_pid: int | None = None
+    attempt: int
+
+
+@event("resume_end", "resume")
+class ResumeEnd(Event):
+    action: str
+    reason: str
+    exit_code: int
+
+
+@event("resume_state_recovered", "resume")
+class ResumeStateRecovered(Event):
+    source: str | None = None
+    note: str
+    corrupt_copy: str | None = None
+
+
+@event("resume_reset", "resume")
+class ResumeReset(Event):
+    pass
+
+
+# ================================================================ writer
 
 
 class EventLog:
-    """Append-only JSON-lines writer that also fans each event out to listeners (e.g. the terminal)."""
+    """Append-only JSON-lines writer of event records; also fans each event out to listeners (the terminal)."""
 
     def __init__(self, path: Path | None, source: str) -> None:
         self.path = path
@@ -36,20 +678,26 @@ class EventLog:
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
     def subscribe(self, listener: Listener) -> None:
+        """LISTENER gets every event as its decoded line (a dict) after it is written."""
         self._listeners.append(listener)
 
-    def emit(self, ev: str, **fields: Any) -> dict[str, Any]:
-        record = {"v": SCHEMA_VERSION, "t": round(time.time(), 6), "src": self.source, "ev": ev, **fields}
-        line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
+    def emit(self, record: Event, t: float | None = None) -> dict[str, Any]:
+        """Write RECORD (at time T, default now) as one line; returns the line as a dict."""
+        if not isinstance(record, Event):
+            raise TypeError(f"EventLog.emit takes an event record of monitors.events, not {type(record).__name__}")
+        line_fields = {"v": SCHEMA_VERSION, "t": round(time.time(), 6) if t is None else t, "src": self.source,
+                       "ev": record.EV}
+        line_fields.update(record.to_fields())
+        line = (json.dumps(line_fields, default=str, separators=(",", ":")) + "\n").encode()
         with self._lock:
             if self._fd is not None:
                 os.write(self._fd, line)  # one write per line: O_APPEND keeps lines whole
             for listener in self._listeners:
                 try:
-                    listener(record)
+                    listener(line_fields)
                 except Exception:  # a broken display must never stop the agent
                     pass
-        return record
+        return line_fields
 
     def close(self) -> None:
         with self._lock:
@@ -57,6 +705,8 @@ class EventLog:
                 os.close(self._fd)
                 self._fd = None
 
+
+# ================================================================ reader
 
 MAX_TIME = 253402300800.0  # 10000-01-01: later "times" cannot be shown as dates and are corrupt
 _scan_once = json.JSONDecoder().scan_once  # the C scanner: no encoding sniffing, no whitespace regex
@@ -90,10 +740,11 @@ def decode_event(raw: bytes | str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- field types
 #
-# The fields a reader interprets, by event. A field that is absent or null is fine (readers default it);
-# one that is present with another type makes the whole record unusable: readers skip it as corrupt
-# (`field_problem`) instead of tripping over it later. Fields not listed here are free-form.
-# Values are decoded JSON, so a type is checked by the value's exact class (bool is not an int).
+# The type of every field a reader may interpret, by event, derived from the record classes. A field that
+# is absent or null is fine (readers default it); one that is present with another type makes the whole
+# record unusable: readers skip it as corrupt (`field_problem`) instead of tripping over it later. Fields
+# typed Any are free-form. Values are decoded JSON, so a type is checked by the value's exact class (bool
+# is not an int).
 
 _WRONG = object()
 
@@ -117,53 +768,54 @@ BOOL = Kind("true or false", {bool: None})
 SCALAR = Kind("a string or a number", {str: None, int: None, float: math.isfinite})
 STRS = Kind("a list of strings", {list: lambda v: all(x.__class__ is str for x in v)})
 NUM_MAP = Kind("an object of numbers", {dict: lambda v: all(x is None or NUM.accepts(x) for x in v.values())})
+OBJECT = Kind("an object", {dict: None})
 Spec = Mapping[str, "Kind | Mapping[str, Any]"]  # a nested Mapping: the field is an object with these fields
 
-TIMEOUTS: Spec = {"initial_heartbeat": NUM, "heartbeat": NUM, "sections": NUM_MAP, "out_of_section": NUM}
-HANG: Spec = {"t": NUM, "rank": INT, "global_rank": INT, "pid": INT, "reason": STR, "section": STR,
-              "elapsed": NUM, "timeout": NUM, "signal": STR, "timeouts": TIMEOUTS, "stalled_first": INT}
-STOP_DETAIL: Spec = {"rank": INT, "local_rank": INT, "group_rank": INT, "pid": INT, "exitcode": INT,
-                     "signal": STR, "signum": INT, "abandoned": BOOL, "tail": STRS, "describe": STR,
-                     "round": INT, "hang": HANG, "steer": INT, "no_restart": BOOL, "node": STR}
-FT_CONFIG: Spec = {"initial_rank_heartbeat_timeout": NUM, "rank_heartbeat_timeout": NUM,
-                   "rank_section_timeouts": NUM_MAP, "rank_out_of_section_timeout": NUM,
-                   "workload_check_interval": NUM, "safety_factor": NUM, "rank_termination_signal": STR}
-_RANK = {"rank": INT, "local_rank": INT, "global_rank": INT, "pid": INT}
+_SCALARS: dict[Any, Kind] = {int: INT, float: NUM, str: STR, bool: BOOL, frozenset({int, str}): SCALAR,
+                             frozenset({float, str}): SCALAR, frozenset({int, float, str}): SCALAR}
 
-EVENT_FIELDS: dict[str, Spec] = {
-    # agent
-    "agent_start": {"pid": INT, "nproc": INT, "nnodes": SCALAR, "max_restarts": INT, "run_id": STR},
-    "ft_config": {"config": FT_CONFIG},
-    "monitor_spawned": {"local_rank": INT, "pid": INT},
-    "rdzv_join": {"round": INT, "node_id": STR},
-    "rdzv_round": {"round": INT, "group_rank": INT, "nodes": STRS, "world_size": INT, "restart_count": INT,
-                   "waited": NUM},
-    "rdzv_standby": {"round": INT, "node_id": STR, "nodes": INT, "reason": STR},
-    "rank_start": _RANK,
-    "rank_exit": {**_RANK, "exitcode": INT, "signal": STR, "abandoned": BOOL},
-    "rank_stuck": {**_RANK, "state": STR},
-    "rdzv_stop": {"round": INT, "kind": STR, "by_node": STR, "detail": STOP_DETAIL, "restart_count": INT,
-                  "give_up": BOOL},
-    "agent_signal": {"signal": STR, "phase": STR, "round": INT},
-    "monitor_died": {"local_rank": INT, "pid": INT, "returncode": INT},
-    "monitor_stuck": {"pid": INT},
-    "job_end": {"status": STR, "exit_code": INT, "seconds": NUM},
-    # rank monitor
-    "monitor_start": {**_RANK, "timeouts": TIMEOUTS},
-    "monitor_exit": {"rank": INT},
-    "monitor_attach": {**_RANK, "timeouts": TIMEOUTS},
-    "monitor_connect": {**_RANK, "timeouts": TIMEOUTS},
-    "monitor_disconnect": {**_RANK},
-    "first_heartbeat": {**_RANK, "delay": NUM},
-    "heartbeat_stats": {**_RANK, "count": INT, "max_interval": NUM, "since_last": NUM},
-    "section_open": {**_RANK, "section": STR, "open_for": NUM},
-    "section_close": {**_RANK, "section": STR, "closes": INT, "last_duration": NUM, "max_duration": NUM,
-                      "total": NUM},
-    "hang_detected": HANG,
-    "rank_terminated": {**_RANK, "signal": STR},
-    "timeouts_set": {"rank": INT, "timeouts": TIMEOUTS},
-    "timeouts_loaded": {"rank": INT, "timeouts": TIMEOUTS},
-}
+
+def _field_type(tp: Any, where: str) -> Kind | Spec | None:
+    """The reader's type of a field annotated TP: a Kind, a nested Spec, or None (free-form)."""
+    members = _members(tp)
+    if len(members) > 1:
+        kind = _SCALARS.get(frozenset(members))
+        if kind is None:
+            raise TypeError(f"{where}: no reader type for the union {tp}")
+        return kind
+    (tp,) = members
+    if tp is Any:
+        return None
+    if tp in _SCALARS:
+        return _SCALARS[tp]
+    sub = _record_class(tp)
+    if sub is not None:
+        return spec_of(sub)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is list and args == (str,):
+        return STRS
+    if origin is list and _record_class(args[0]):
+        item = spec_of(args[0])
+        return Kind("a list of objects",
+                    {list: lambda v: all(x.__class__ is dict and field_problem(x, item) is None for x in v)})
+    if origin is dict and args[0] is str and set(_members(args[1])) <= {float, int}:
+        return NUM_MAP
+    if origin is dict and args == (str, Any):
+        return OBJECT
+    raise TypeError(f"{where}: no reader type for {tp}")
+
+
+def spec_of(cls: type[Record]) -> Spec:
+    """The reader's field types of record class CLS (free-form fields are left out)."""
+    spec = {}
+    for f in fields(cls):
+        kind = _field_type(f.type, f"{cls.__name__}.{f.name}")
+        if kind is not None:
+            spec[f.name] = kind
+    return spec
+
+
+EVENT_FIELDS: dict[str, Spec] = {name: spec_of(cls) for name, cls in RECORDS.items()}
 
 
 def field_problem(record: Mapping[str, Any], spec: Spec | None = None, prefix: str = "") -> str | None:
@@ -206,3 +858,33 @@ def read_events(path: Path) -> Iterator[dict[str, Any] | str]:
                 yield decode_event(raw)
             except ValueError as exc:
                 yield f"{path}:{lineno}: skipped a corrupt line ({exc})"
+
+
+def last_event(path: Path, records: Iterable[type[Event]], where: Callable[[dict[str, Any]], bool],
+               limit: int = 1 << 20) -> dict[str, Any] | None:
+    """The last well-typed event of one of RECORDS in PATH for which WHERE holds, or None.
+
+    Reads at most LIMIT bytes from the end of the file (the events wanted are recent); a missing or
+    unreadable file is None. Lines of other events are skipped without being parsed.
+    """
+    keys = [f'"ev":"{r.EV}"'.encode() for r in records]
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            fh.seek(max(0, size - limit))
+            data = fh.read(limit)
+    except OSError:
+        return None
+    lines = data.split(b"\n")
+    if size > limit:
+        lines = lines[1:]  # the first one is probably cut
+    for raw in reversed(lines):
+        if not any(k in raw for k in keys):
+            continue
+        try:
+            e = decode_event(raw)
+        except ValueError:
+            continue
+        if field_problem(e) is None and where(e):
+            return e
+    return None

@@ -133,7 +133,7 @@ def _yaml_error_text(exc: yaml.YAMLError) -> str:
 
 
 @dataclass(frozen=True)
-class Kind:
+class ValueKind:
     """How values of one type are parsed from raw input, validated, serialized and shown."""
 
     label: str  # for the README table, e.g. "float > 0 or null"
@@ -148,7 +148,7 @@ def _num(value: float) -> str:
 
 
 def _float_kind(optional: bool, unit: str, low: float = 0.0, high: float = MAX_TIMEOUT_SECONDS,
-                low_inclusive: bool = False, example: str | None = None) -> Kind:
+                low_inclusive: bool = False, example: str | None = None) -> ValueKind:
     """A float in (LOW, HIGH] (or [LOW, HIGH] with LOW_INCLUSIVE), or None when OPTIONAL.
 
     The upper bound is not cosmetic: the monitor sleeps and computes deadlines with these values, and
@@ -186,7 +186,7 @@ def _float_kind(optional: bool, unit: str, low: float = 0.0, high: float = MAX_T
         return f"{value:g}s" if unit == "seconds" else f"{value:g}"
 
     lo_label = f">= {_num(low)}" if low_inclusive else f"> {_num(low)}"
-    return Kind(
+    return ValueKind(
         label=f"float {lo_label} and <= {_num(high)}" + (", or null" if optional else "")
         + (" (s)" if unit == "seconds" else ""),
         parse=parse,
@@ -213,7 +213,7 @@ def _parse_signal(value: Any, where: str) -> signal.Signals:
     return sig
 
 
-SIGNAL = Kind(label="signal name or number", parse=_parse_signal, dump=lambda s: s.name, show=lambda s: s.name)
+SIGNAL = ValueKind(label="signal name or number", parse=_parse_signal, dump=lambda s: s.name, show=lambda s: s.name)
 
 
 def _parse_log_level(value: Any, where: str) -> int:
@@ -241,7 +241,7 @@ def _dump_log_level(level: int) -> str | int:
     return _LEVEL_CANONICAL.get(level, level)
 
 
-LOG_LEVEL = Kind(label="log level name or number", parse=_parse_log_level, dump=_dump_log_level,
+LOG_LEVEL = ValueKind(label="log level name or number", parse=_parse_log_level, dump=_dump_log_level,
                  show=lambda v: str(_dump_log_level(v)))
 
 
@@ -259,7 +259,7 @@ def _parse_bool(value: Any, where: str) -> bool:
     raise one_line_error(f"{where}: {value!r} is not a boolean; use true or false")
 
 
-BOOL = Kind(label="true or false", parse=_parse_bool, dump=lambda v: v, show=lambda v: "on" if v else "off")
+BOOL = ValueKind(label="true or false", parse=_parse_bool, dump=lambda v: v, show=lambda v: "on" if v else "off")
 
 
 class SectionTimeouts(Mapping[str, "float | None"]):
@@ -340,7 +340,7 @@ def _show_section_map(value: Mapping[str, float | None]) -> str:
     return "{" + ", ".join(f"{k}: {OPTIONAL_SECONDS.show(v)}" for k, v in value.items()) + "}"
 
 
-SECTION_TIMEOUTS = Kind(label=f"mapping section -> float > 0 or null (s); at most {MAX_SECTIONS} sections, "
+SECTION_TIMEOUTS = ValueKind(label=f"mapping section -> float > 0 or null (s); at most {MAX_SECTIONS} sections, "
                               "names of 1-64 characters [A-Za-z0-9_.:-/]", parse=_parse_section_map,
                         dump=lambda m: dict(m), show=_show_section_map)
 
@@ -348,7 +348,7 @@ SECTION_TIMEOUTS = Kind(label=f"mapping section -> float > 0 or null (s); at mos
 # ---------------------------------------------------------------- the config (single source)
 
 
-def _setting(kind: Kind, help: str, default: Any = None, factory: Callable[[], Any] | None = None) -> Any:
+def _setting(kind: ValueKind, help: str, default: Any = None, factory: Callable[[], Any] | None = None) -> Any:
     meta = {"kind": kind, "help": help}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
@@ -388,7 +388,7 @@ class FaultToleranceConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            kind: Kind = f.metadata["kind"]
+            kind: ValueKind = f.metadata["kind"]
             object.__setattr__(self, f.name, kind.parse(getattr(self, f.name), f"FaultToleranceConfig.{f.name}"))
 
     def __hash__(self) -> int:
@@ -414,7 +414,7 @@ class FieldSpec:
     """One setting, with every user-facing name derived from its field name."""
 
     name: str
-    kind: Kind
+    kind: ValueKind
     default: Any
     help: str
 
@@ -448,10 +448,6 @@ def _derive_schema() -> tuple[FieldSpec, ...]:
 
 SCHEMA: tuple[FieldSpec, ...] = _derive_schema()
 _BY_NAME: dict[str, FieldSpec] = {s.name: s for s in SCHEMA}
-
-
-def field_names() -> tuple[str, ...]:
-    return tuple(_BY_NAME)
 
 
 def _parse_mapping(data: Mapping[Any, Any], source: str) -> dict[str, Any]:

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nvrx_common.errors import NvrxError
 MAGIC = 0x4E56_5258_4842_0001  # "NVRXHB" + layout version 1
 SLOT_SIZE = 4096
 MAX_SECTIONS = 32
@@ -53,7 +54,7 @@ USED_BYTES = USED_WORDS * 8
 _monotonic = time.monotonic
 
 
-class SlotError(RuntimeError):
+class SlotError(NvrxError, RuntimeError):
     """The slot file is missing, foreign, or not a heartbeat slot."""
 
 

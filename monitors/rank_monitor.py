@@ -9,7 +9,7 @@ The secret token is read from the environment variable named by ``--token-env`` 
 then removed from the environment. The monitor creates the heartbeat slot (``--shm``, 0600) and the
 control socket (``--socket``, 0600; both parents 0700), serves ``monitors.control`` requests, and sleeps
 until the earliest deadline (at most ``workload_check_interval``). When a deadline passes it records the
-reason (event ``hang_detected`` and ``<state-dir>/rank<N>.last_hang.json``) and sends
+reason (event ``hang_detected``, which the agent reads back to explain the rank's exit) and sends
 ``rank_termination_signal`` to the rank's pid; if that is not SIGKILL and the rank is still alive
 ``--term-grace`` seconds later, it sends SIGKILL (a hung rank may well ignore or block SIGTERM).
 
@@ -42,12 +42,16 @@ from typing import Any, Callable
 import psutil
 
 from nvrx_common.process import die_with_parent
-from monitors.control import LineBuffer, ProtocolError, encode, ensure_private_dir, listen, peer_credentials
-from monitors.events import EventLog
+from monitors.control import LineBuffer, MonitorProtocolError, encode, ensure_private_dir, listen, peer_credentials
+from monitors.events import HeartbeatStats as HeartbeatStatsEvent
+from monitors.events import (EventLog, FirstHeartbeat, HangDetected, MonitorAttach, MonitorAuthFailed,
+                             MonitorConnect, MonitorDisconnect, MonitorExit, MonitorStart, MonitorTakeoverRefused,
+                             RankKilled, RankTerminated, SectionClose, SectionOpen, TimeoutsInfo, TimeoutsLoaded,
+                             TimeoutsSet, TimeoutsStateIgnored)
 from monitors.heartbeat import Slot, SlotSnapshot
 from monitors.sections import SectionRegistry, SectionStats
 from monitors.ft_config import FaultToleranceConfig
-from monitors.timeouts import HeartbeatStats, TimeoutTracker, Timeouts, last_hang_file, state_file
+from monitors.timeouts import HeartbeatStats, TimeoutTracker, Timeouts, state_file
 from nvrx_common.files import load_json, save_json_atomic
 
 log = logging.getLogger("nvrx.rank_monitor")
@@ -147,8 +151,9 @@ class Conn:
 
 
 @dataclass
-class Session:
-    """One rank run: from a successful init to disconnect, shutdown or termination."""
+class AttachedRank:
+    """The monitor's view of the rank process attached to it: one rank run, from attach or init to
+    disconnect, shutdown or termination."""
 
     conn: Conn
     proc: psutil.Process
@@ -160,6 +165,7 @@ class Session:
     kill_at: float | None = None  # when a rank that survived the termination signal gets SIGKILL
     next_stats: float = 0.0
     last_hb_count: int = 0
+    last_auto_hb: float = 0.0  # the automatic beat time in the last heartbeat_stats
     section_closes: dict[int, int] = field(default_factory=dict)
     section_opened: dict[int, float] = field(default_factory=dict)
     section_next_event: dict[tuple[str, int], float] = field(default_factory=dict)
@@ -184,7 +190,7 @@ class RankMonitor:
         self.parent_pid = parent_pid
         self.registry = SectionRegistry(settings.rank_section_timeouts)
         self.tracker = TimeoutTracker(timeouts_from_config(settings), settings.safety_factor)
-        self.session: Session | None = None
+        self.session: AttachedRank | None = None
         self.generation = 0
         self.stopping: str | None = None
         self.conns: dict[socket.socket, Conn] = {}
@@ -215,12 +221,12 @@ class RankMonitor:
             state = load_json(path)
             if state is not None:
                 self.tracker.load_state_dict(state)
-                self.events.emit("timeouts_loaded", rank=self.rank, global_rank=key, path=str(path),
-                                 timeouts=self.tracker.in_force().to_dict())
+                self.events.emit(TimeoutsLoaded(rank=self.rank, global_rank=key, path=str(path),
+                                                timeouts=TimeoutsInfo.of(self.tracker.in_force().to_dict())))
                 log.info("loaded learned timeouts from %s", path)
         except (OSError, ValueError, TypeError) as exc:
             log.warning("ignoring unusable timeouts state %s: %s", path, exc)
-            self.events.emit("timeouts_state_ignored", rank=self.rank, path=str(path), error=str(exc))
+            self.events.emit(TimeoutsStateIgnored(rank=self.rank, path=str(path), error=str(exc)))
 
     def install_signal_handlers(self) -> None:
         signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
@@ -232,9 +238,9 @@ class RankMonitor:
 
     def run(self) -> int:
         """Serve until told to stop or orphaned; returns the process exit code."""
-        self.events.emit("monitor_start", rank=self.rank, pid=os.getpid(), socket=str(self.socket_path),
-                         timeouts=self.tracker.in_force().to_dict(),
-                         check_interval=self.settings.workload_check_interval)
+        self.events.emit(MonitorStart(rank=self.rank, pid=os.getpid(), socket=str(self.socket_path),
+                                      timeouts=TimeoutsInfo.of(self.tracker.in_force().to_dict()),
+                                      check_interval=self.settings.workload_check_interval))
         try:
             while self.stopping is None:
                 if os.getppid() != self.parent_pid:  # cheap; close() checks more thoroughly
@@ -252,15 +258,14 @@ class RankMonitor:
         if orphaned and self.stopping and self.stopping.startswith("signal"):
             self.stopping = f"parent died ({self.stopping})"  # PR_SET_PDEATHSIG delivers a signal
         log.debug("rank monitor stopping: %s", self.stopping)
-        self.events.emit("monitor_exit", rank=self.rank, reason=self.stopping or "error")
+        self.events.emit(MonitorExit(rank=self.rank, reason=self.stopping or "error"))
         for conn in list(self.conns.values()):
             self._drop(conn)
-        for path, sock in ((self.socket_path, self.listener),):
-            sock.close()
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
+        self.listener.close()
+        try:
+            self.socket_path.unlink()
+        except FileNotFoundError:
+            pass
         self.slot.close()
         try:
             self.shm_path.unlink()
@@ -325,7 +330,7 @@ class RankMonitor:
             wake = min(wake, deadline.at - now)
         return max(0.0005, wake)
 
-    def _escalate(self, sess: Session, now: float, interval: float) -> float:
+    def _escalate(self, sess: AttachedRank, now: float, interval: float) -> float:
         """SIGKILL a hung rank that is still alive term_grace seconds after the termination signal.
 
         Returns seconds until the next wake-up (the kill time, if one is pending).
@@ -343,69 +348,68 @@ class RankMonitor:
                   self.term_grace, sig.name)
         try:
             sess.proc.send_signal(signal.SIGKILL)
-            self.events.emit("rank_killed", rank=self.rank, pid=sess.proc.pid, signal="SIGKILL",
-                             after=sig.name, grace=self.term_grace)
+            self.events.emit(RankKilled(rank=self.rank, pid=sess.proc.pid, signal="SIGKILL", after=sig.name,
+                                        grace=self.term_grace))
         except psutil.Error as exc:
-            self.events.emit("rank_killed", rank=self.rank, pid=sess.proc.pid, signal="SIGKILL",
-                             after=sig.name, grace=self.term_grace, error=f"already gone: {exc}")
+            self.events.emit(RankKilled(rank=self.rank, pid=sess.proc.pid, signal="SIGKILL", after=sig.name,
+                                        grace=self.term_grace, error=f"already gone: {exc}"))
         return interval
 
-    def _emit_progress(self, sess: Session, snap: SlotSnapshot, now: float, final: bool = False) -> None:
+    def _emit_progress(self, sess: AttachedRank, snap: SlotSnapshot, now: float, final: bool = False) -> None:
         """first_heartbeat, heartbeat_stats and section events, rate-limited unless FINAL (run end)."""
         if snap.hb_count and not sess.first_hb_reported:
             sess.first_hb_reported = True
-            self.events.emit("first_heartbeat", rank=self.rank, pid=sess.proc.pid, delay=round(snap.first_delay, 6))
-        if snap.hb_count > sess.last_hb_count and (final or now >= sess.next_stats):
-            self.events.emit("heartbeat_stats", rank=self.rank, count=snap.hb_count,
-                             max_interval=round(snap.max_interval, 6), since_last=round(now - snap.last_hb, 6))
-            sess.last_hb_count = snap.hb_count
+            self.events.emit(FirstHeartbeat(rank=self.rank, pid=sess.proc.pid, delay=round(snap.first_delay, 6)))
+        beaten = snap.hb_count > sess.last_hb_count or snap.auto_hb > sess.last_auto_hb  # automatic beats count too
+        if beaten and (final or now >= sess.next_stats):
+            self.events.emit(HeartbeatStatsEvent(
+                rank=self.rank, count=snap.hb_count, max_interval=round(snap.max_interval, 6),
+                since_last=round(now - snap.last_hb, 6) if snap.hb_count else None,
+                auto_since_last=round(now - snap.auto_hb, 6) if snap.auto_hb else None))
+            sess.last_hb_count, sess.last_auto_hb = snap.hb_count, snap.auto_hb
             sess.next_stats = now + STATS_PERIOD
         for name, sid in self.registry.mapping().items():
             start = snap.section_start[sid]
             if snap.open_mask >> sid & 1 and sess.section_opened.get(sid) != start:
                 if not final and self._section_event_due(sess, "open", sid, now):
                     sess.section_opened[sid] = start
-                    self.events.emit("section_open", rank=self.rank, section=name, open_for=round(now - start, 6))
+                    self.events.emit(SectionOpen(rank=self.rank, section=name, open_for=round(now - start, 6)))
             closes = snap.section_closes[sid]
             if closes > sess.section_closes.get(sid, 0) and (final or self._section_event_due(sess, "close", sid, now)):
-                self.events.emit("section_close", rank=self.rank, section=name,
-                                 closes=closes - sess.section_closes.get(sid, 0),
-                                 last_duration=round(snap.section_last[sid], 6),
-                                 max_duration=round(snap.section_max[sid], 6))
+                self.events.emit(SectionClose(rank=self.rank, section=name,
+                                              closes=closes - sess.section_closes.get(sid, 0),
+                                              last_duration=round(snap.section_last[sid], 6),
+                                              max_duration=round(snap.section_max[sid], 6)))
                 sess.section_closes[sid] = closes
 
     @staticmethod
-    def _section_event_due(sess: Session, kind: str, sid: int, now: float) -> bool:
+    def _section_event_due(sess: AttachedRank, kind: str, sid: int, now: float) -> bool:
         key = (kind, sid)
         if now < sess.section_next_event.get(key, 0.0):
             return False
         sess.section_next_event[key] = now + SECTION_EVENT_PERIOD
         return True
 
-    def _on_hang(self, sess: Session, deadline: Deadline, now: float, timeouts: Timeouts) -> None:
+    def _on_hang(self, sess: AttachedRank, deadline: Deadline, now: float, timeouts: Timeouts) -> None:
         sig = self.settings.rank_termination_signal
-        info = {"rank": self.rank, "global_rank": sess.global_rank, "pid": sess.proc.pid,
-                "generation": sess.generation, "reason": deadline.reason,
-                "section": deadline.section, "elapsed": round(now - deadline.since, 6),
-                "timeout": deadline.timeout, "timeouts": timeouts.to_dict(), "signal": sig.name}
+        hang = HangDetected(rank=self.rank, global_rank=sess.global_rank, pid=sess.proc.pid,
+                            generation=sess.generation, reason=deadline.reason, section=deadline.section,
+                            elapsed=round(now - deadline.since, 6), timeout=deadline.timeout,
+                            timeouts=TimeoutsInfo.of(timeouts.to_dict()), signal=sig.name)
         log.error("rank %d hang detected: %s%s after %.3fs (timeout %.3fs); sending %s to pid %d", self.rank,
                   deadline.reason, f" [{deadline.section}]" if deadline.section else "", now - deadline.since,
                   deadline.timeout, sig.name, sess.proc.pid)
-        self.events.emit("hang_detected", **info)
-        try:
-            save_json_atomic(last_hang_file(self.state_dir, self.rank), {**info, "t": time.time()})
-        except OSError as exc:
-            log.error("cannot write %s: %s", last_hang_file(self.state_dir, self.rank), exc)
+        self.events.emit(hang)  # before the signal: the agent reads it back when the rank's exit ends the round
         sess.terminated = True
         try:
             sess.proc.send_signal(sig)  # psutil refuses if the pid was reused (create time differs)
             if sig != signal.SIGKILL:
                 sess.kill_at = now + self.term_grace
-            self.events.emit("rank_terminated", rank=self.rank, pid=sess.proc.pid, signal=sig.name,
-                             reason=deadline.reason)
+            self.events.emit(RankTerminated(rank=self.rank, pid=sess.proc.pid, signal=sig.name,
+                                            reason=deadline.reason))
         except psutil.Error as exc:
-            self.events.emit("rank_terminated", rank=self.rank, pid=sess.proc.pid, signal=sig.name,
-                             reason=deadline.reason, error=f"already gone: {exc}")
+            self.events.emit(RankTerminated(rank=self.rank, pid=sess.proc.pid, signal=sig.name,
+                                            reason=deadline.reason, error=f"already gone: {exc}"))
 
     # ---- sockets
     def _dispatch(self, key: selectors.SelectorKey) -> None:
@@ -445,14 +449,14 @@ class RankMonitor:
             return
         try:
             msgs = conn.lines.feed(data)
-        except ProtocolError as exc:
+        except MonitorProtocolError as exc:
             self._reply(conn, {"ok": False, "error": f"bad message: {exc}"})
             self._drop(conn)
             return
         for msg in msgs:
             if conn.sock not in self.conns:
                 return
-            if isinstance(msg, ProtocolError):
+            if isinstance(msg, MonitorProtocolError):
                 self._reply(conn, {"ok": False, "error": f"bad message: {msg}"})
                 if not conn.authed:
                     self._drop(conn)
@@ -505,7 +509,7 @@ class RankMonitor:
         token = msg.get("token")
         if isinstance(token, str) and hmac.compare_digest(token.encode(), self._token):
             return True
-        self.events.emit("monitor_auth_failed", rank=self.rank, op=msg.get("op"))
+        self.events.emit(MonitorAuthFailed(rank=self.rank, op=msg.get("op")))
         log.warning("rejected a %s request with a wrong or stale token", msg.get("op"))
         self._reply(conn, {"ok": False, "error": f"invalid monitor token for rank {self.rank}: wrong or stale "
                                                  "NVRX_MONITOR_TOKEN (was this rank started by this nvrx launch?)"})
@@ -531,14 +535,14 @@ class RankMonitor:
         old = self.session
         if old is None or old.proc.pid == proc.pid or old.terminated or not _alive(old.proc):
             return
-        self.events.emit("monitor_takeover_refused", rank=self.rank, pid=proc.pid, holder=old.proc.pid)
+        self.events.emit(MonitorTakeoverRefused(rank=self.rank, pid=proc.pid, holder=old.proc.pid))
         log.warning("refused pid %d: rank %d is monitored for live pid %d", proc.pid, self.rank, old.proc.pid)
         raise ValueError(f"rank monitor {self.rank} is already watching pid {old.proc.pid}, which is still running; "
                          f"pid {proc.pid} cannot take over its session (only the rank process that nvrx launch "
                          "started may use RankMonitorClient; do not call it from child processes)")
 
     def _open_session(self, conn: Conn, proc: psutil.Process, armed: bool, started: float | None,
-                      global_rank: int | None = None) -> Session:
+                      global_rank: int | None = None) -> AttachedRank:
         """A new rank run on CONN; the previous one (a restarted rank's predecessor) ends."""
         self._refuse_takeover(proc)
         if self.session is not None:
@@ -553,7 +557,7 @@ class RankMonitor:
         self._use_state_of(global_rank)
         self.tracker.reset_run()
         conn.authed = True
-        self.session = Session(conn, proc, self.generation, armed=armed, global_rank=global_rank)
+        self.session = AttachedRank(conn, proc, self.generation, armed=armed, global_rank=global_rank)
         return self.session
 
     def _session_reply(self) -> dict[str, Any]:
@@ -572,9 +576,9 @@ class RankMonitor:
         self._register_sections(msg)
         sess = self._open_session(conn, proc, bool(msg.get("armed")), msg.get("started"),
                                   _int_or_none(msg.get("global_rank")))
-        self.events.emit("monitor_attach", rank=self.rank, global_rank=sess.global_rank, pid=proc.pid,
-                         generation=sess.generation,
-                         armed=sess.armed, reattach=bool(msg.get("resume")))
+        self.events.emit(MonitorAttach(rank=self.rank, global_rank=sess.global_rank, pid=proc.pid,
+                                       generation=sess.generation, armed=sess.armed,
+                                       reattach=bool(msg.get("resume"))))
         if sess.armed:
             self._emit_connect(sess)
         return self._session_reply()
@@ -593,10 +597,10 @@ class RankMonitor:
         self._emit_connect(sess)
         return self._session_reply()
 
-    def _emit_connect(self, sess: Session) -> None:
-        self.events.emit("monitor_connect", rank=self.rank, global_rank=sess.global_rank, pid=sess.proc.pid,
-                         generation=sess.generation,
-                         timeouts=self.tracker.in_force().to_dict())
+    def _emit_connect(self, sess: AttachedRank) -> None:
+        self.events.emit(MonitorConnect(rank=self.rank, global_rank=sess.global_rank, pid=sess.proc.pid,
+                                        generation=sess.generation,
+                                        timeouts=TimeoutsInfo.of(self.tracker.in_force().to_dict())))
         log.info("rank %d monitored (pid %d, run %d)", self.rank, sess.proc.pid, sess.generation)
 
     def _op_stop_monitor(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
@@ -620,7 +624,7 @@ class RankMonitor:
         timeouts = self.tracker.in_force().to_dict()
         path = state_file(self.timeouts_dir, self._state_key)  # set: only a session's connection gets here
         save_json_atomic(path, self.tracker.state_dict())
-        self.events.emit("timeouts_set", rank=self.rank, updated=updated, timeouts=timeouts, path=str(path))
+        self.events.emit(TimeoutsSet(rank=self.rank, updated=updated, timeouts=TimeoutsInfo.of(timeouts), path=str(path)))
         return {"updated": updated, "timeouts": timeouts}
 
     def _op_state_dict(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
@@ -630,7 +634,7 @@ class RankMonitor:
     def _op_load_state_dict(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         self.tracker.load_state_dict(msg.get("state"))
         timeouts = self.tracker.in_force().to_dict()
-        self.events.emit("timeouts_loaded", rank=self.rank, source="rank", timeouts=timeouts)
+        self.events.emit(TimeoutsLoaded(rank=self.rank, source="rank", timeouts=TimeoutsInfo.of(timeouts)))
         return {"timeouts": timeouts}
 
     def _op_shutdown(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
@@ -648,8 +652,8 @@ class RankMonitor:
             self._emit_progress(sess, snap, time.monotonic(), final=True)
         except Exception as exc:  # the slot is advisory here; never fail a session end
             log.warning("cannot read the final slot state: %s", exc)
-        self.events.emit("monitor_disconnect", rank=self.rank, pid=sess.proc.pid, generation=sess.generation,
-                         reason=reason)
+        self.events.emit(MonitorDisconnect(rank=self.rank, pid=sess.proc.pid, generation=sess.generation,
+                                           reason=reason))
         log.info("rank %d run %d ended: %s", self.rank, sess.generation, reason)
 
 
@@ -659,8 +663,7 @@ class RankMonitor:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m monitors.rank_monitor", description=__doc__.split("\n")[0])
     p.add_argument("--rank", type=int, required=True, help="global rank watched by this monitor")
-    p.add_argument("--state-dir", type=Path, required=True, help="last_hang.json (and learned timeouts, unless "
-                                                                 "--timeouts-dir is given)")
+    p.add_argument("--state-dir", type=Path, required=True, help="learned timeouts, unless --timeouts-dir is given")
     p.add_argument("--timeouts-dir", type=Path, default=None,
                    help="learned timeouts, rank<GLOBAL_RANK>.timeouts.json (default: --state-dir)")
     p.add_argument("--term-grace", type=float, default=DEFAULT_TERM_GRACE,

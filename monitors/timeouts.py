@@ -178,7 +178,3 @@ class TimeoutTracker:
 
 def state_file(state_dir: Path, rank: int) -> Path:
     return Path(state_dir) / f"rank{rank}.timeouts.json"
-
-
-def last_hang_file(state_dir: Path, rank: int) -> Path:
-    return Path(state_dir) / f"rank{rank}.last_hang.json"

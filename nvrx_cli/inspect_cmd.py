@@ -1,7 +1,8 @@
 """`nvrx inspect LOG_DIR`: what happened in a run or a resume chain, from its JSON-lines event logs.
 
 Rich tables on a terminal, plain text when piped, ``--json`` for scripts, ``--follow`` for a live run.
-The analysis lives in ``monitors.inspection.timeline``; this module parses flags and renders.
+The analysis lives in ``monitors.inspection`` (data only); this module parses flags and renders, with the
+sentences of structured timeline entries and the wording of durations from ``nvrx_cli.inspect_text``.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from typing import Any, Callable
 
 import click
 
+from monitors.events import FtConfigInfo, TimeoutsInfo
 from monitors.inspection.event_files import NotARun, discover
 from monitors.inspection.run_report import Report, build_report, make_report
-from monitors.inspection.timeline import Filters, Timeline
+from monitors.inspection.timeline import CKPT_SECTION, Filters, Timeline
+from nvrx_cli.inspect_text import entry_dict, entry_text, report_dict
 
 _REL = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)\s*d)?\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*m)?"
                   r"\s*(?:(\d+(?:\.\d+)?)\s*s)?\s*(?:ago)?\s*$", re.I)
@@ -57,21 +60,23 @@ def parse_since(value: str | None, now: float | None = None) -> float | None:
 @click.option("-f", "--follow", is_flag=True, help="Keep watching a live run: print new entries until Ctrl-C.")
 @click.option("--rank", type=click.IntRange(min=0), default=None, help="Only this global rank's faults and statistics.")
 @click.option("--since", default=None, help="Only from this time: ISO time, HH:MM[:SS] today, or 10m / 2h / 1d ago.")
-@click.option("--step-section", default="step", show_default=True,
-              help="The section whose time counts as training progress for goodput.")
+@click.option("--step-section", default=None,
+              help="The section whose time counts as training progress for goodput [default: step, else iteration].")
+@click.option("--ckpt-section", default=CKPT_SECTION, show_default=True,
+              help="The section that saves a checkpoint: progress after the last one of a failed round is redone.")
 @click.option("--tail", "tail_lines", type=click.IntRange(min=0), default=10, show_default=True,
               help="Last output lines of a failing rank to show.")
 @click.option("--interval", type=click.FloatRange(min=0.05, max=60), default=1.0, show_default=True,
               help="Seconds between polls with --follow.")
 def inspect(log_dir: tuple[Path, ...], as_json: bool, follow: bool, rank: int | None, since: str | None,
-            step_section: str, tail_lines: int, interval: float) -> int:
-    """Tell what happened in a run: jobs, rounds, restarts and their causes, time lost, goodput,
-    heartbeats, sections and timeouts.
+            step_section: str | None, ckpt_section: str, tail_lines: int, interval: float) -> int:
+    """Tell what happened in a run: jobs, rounds, restarts and their causes, time lost, uptime,
+    goodput, heartbeats, sections and timeouts.
 
     LOG_DIR is a run's dir (<log-dir>/<run-id>), a --log-dir holding several runs (a resume chain),
     or event files; several may be given (e.g. also the resume state dir).
     """
-    filters = Filters(rank=rank, since=parse_since(since), step_section=step_section)
+    filters = Filters(rank=rank, since=parse_since(since), step_section=step_section, ckpt_section=ckpt_section)
     paths = list(log_dir)
     try:
         if follow:
@@ -82,7 +87,7 @@ def inspect(log_dir: tuple[Path, ...], as_json: bool, follow: bool, rank: int | 
             raise click.UsageError(str(err)) from None
         try:
             if as_json:
-                click.echo(json.dumps(report.to_dict(), indent=2, default=str))
+                click.echo(json.dumps(report_dict(report), indent=2, default=str))
             elif sys.stdout.isatty():
                 _render_rich(report, tail_lines)
             else:
@@ -140,9 +145,7 @@ def _follow(paths: list[Path], filters: Filters, as_json: bool, tail_lines: int,
     finally:
         signal.signal(signal.SIGTERM, old)
     if tl.files and not as_json:
-        g = make_report(tl).goodput
-        ratio = f"{g['ratio'] * 100:.1f} %" if g.get("ratio") is not None else "n/a"
-        click.echo(f"stopped following; goodput so far {ratio}", err=True)
+        click.echo(f"stopped following; so far: {'; '.join(_ratios(make_report(tl)))}", err=True)
     return 0
 
 
@@ -156,14 +159,14 @@ def _sleep(seconds: float, stop: dict[str, bool]) -> None:
 
 
 def _json_line(it: Any) -> None:
-    click.echo(json.dumps(it.to_dict(), default=str))
+    click.echo(json.dumps(entry_dict(it), default=str))
 
 
 def _text_line(rich: bool, tail_lines: int) -> Callable[[Any], None]:
     console = _console() if rich else None
 
     def emit(it: Any) -> None:
-        lines = [f"{_clock(it.t)}  {_LEVEL_MARK.get(it.level, '  ')} {it.text}"]
+        lines = [f"{_clock(it.t)}  {_LEVEL_MARK.get(it.level, '  ')} {entry_text(it)}"]
         lines += [f"{'':25}| {x}" for x in it.tail[-tail_lines:]] if tail_lines else []
         if console is None:
             click.echo("\n".join(lines))
@@ -226,21 +229,40 @@ def _summary(report: Report) -> list[str]:
     head = (f"{len(report.jobs)} job(s), {rounds} round(s), {faults} fault(s); {files['count']} event file(s), "
             f"{_bytes(files['bytes'])}, {files['lines']} lines, {report.corrupt['count']} corrupt")
     span = report.span
-    g = report.goodput
     lines = [f"nvrx inspect: {', '.join(report.paths)}", head]
     if span.get("start") is not None:
         state = " (still running)" if span.get("running") else ""
         lines.append(f"wall time {_secs(span['wall_s'])}: {_clock(span['start'])} -> "
                      f"{_clock(span['end'])}{state}")
-    if g.get("ratio") is not None:
-        what = (f"in section {report.filters['step_section']!r}" if g["method"] == "step_sections"
-                else "with all ranks running")
-        lines.append(f"goodput {g['ratio'] * 100:.1f} %: {_secs(g['productive_s'])} {what} / {_secs(g['wall_s'])} wall")
+        lines += _time_lines(report)
     f = report.filters
     if f.get("rank") is not None or f.get("since") is not None:
         lines.append("filters:" + (f" rank {f['rank']}" if f.get("rank") is not None else "")
                      + (f" since {_clock(f['since'])}" if f.get("since") is not None else ""))
     return lines
+
+
+def _ratios(report: Report) -> list[str]:
+    """Uptime and goodput as two short phrases (goodput only when a progress source exists)."""
+    out = [f"uptime {report.uptime * 100:.1f} %" if report.uptime is not None else "uptime n/a"]
+    if report.goodput is not None:
+        out.append(f"goodput {report.goodput * 100:.1f} % (from {report.goodput_source})")
+    else:
+        out.append("no goodput (no progress source: no step sections, no heartbeats)")
+    return out
+
+
+def _time_lines(report: Report) -> list[str]:
+    """The summary's uptime and goodput lines, with the seconds behind them."""
+    a = report.time_accounting
+    wall = _secs(a["wall_s"])
+    up, good = _ratios(report)
+    lines = [f"{up}: {_secs(a['uptime_s'])} with all ranks running / {wall} wall"]
+    if report.goodput is None:
+        return lines + [good]
+    redone = (f"; {_secs(a['recomputed_s'])} of progress redone after restarts" if a["recomputed_s"] is not None
+              else f"; recompute {a['recompute']}")
+    return lines + [f"{good}: {_secs(a['kept_s'])} of progress kept / {wall} wall{redone}"]
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -260,7 +282,10 @@ def _rank_rows(report: Report) -> list[list[str]]:
     for r in report.ranks:
         secs = "; ".join(f"{n}: {s['closes']} x, max {_secs(s['max_s'])}, ~{_secs(s['total_s_est'])}"
                          for n, s in r["sections"].items()) or "-"
-        rows.append([str(r["rank"]), ",".join(r["nodes"]), str(r["sessions"]), str(r["heartbeats"]),
+        beats = str(r["heartbeats"])
+        if r.get("auto_heartbeat"):  # automatic beats are seen by the monitor, not counted
+            beats = "auto" if not r["heartbeats"] else f"{beats} + auto"
+        rows.append([str(r["rank"]), ",".join(r["nodes"]), str(r["sessions"]), beats,
                      _secs(r["hb_max_interval_s"]), _secs(r["first_heartbeat_max_s"]), str(r["hangs"]), secs])
     return rows
 
@@ -268,10 +293,11 @@ def _rank_rows(report: Report) -> list[list[str]]:
 def _fmt_timeouts(t: dict[str, Any] | None) -> str:
     if not t:
         return "-"
-    secs = t.get("sections") or {}
-    parts = [f"first hb {_num(t.get('initial_heartbeat'))}", f"hb {_num(t.get('heartbeat'))}"]
+    f = TimeoutsInfo.F
+    secs = t.get(f.sections) or {}
+    parts = [f"first hb {_num(t.get(f.initial_heartbeat))}", f"hb {_num(t.get(f.heartbeat))}"]
     parts += [f"{n} {_num(v)}" for n, v in secs.items()]
-    parts.append(f"out-of-section {_num(t.get('out_of_section'))}")
+    parts.append(f"out-of-section {_num(t.get(f.out_of_section))}")
     return ", ".join(parts)
 
 
@@ -287,10 +313,12 @@ def _num(v: Any) -> str:
 def _configured(cfg: dict[str, Any] | None) -> str:
     if not cfg:
         return "not logged (no ft_config event)"
-    t = {"initial_heartbeat": cfg.get("initial_rank_heartbeat_timeout"), "heartbeat": cfg.get("rank_heartbeat_timeout"),
-         "sections": cfg.get("rank_section_timeouts") or {}, "out_of_section": cfg.get("rank_out_of_section_timeout")}
-    return (f"{_fmt_timeouts(t)}; check every {_num(cfg.get('workload_check_interval'))} s, "
-            f"safety factor {_num(cfg.get('safety_factor'))}, kill with {cfg.get('rank_termination_signal')}")
+    c, f = FtConfigInfo.F, TimeoutsInfo.F
+    t = {f.initial_heartbeat: cfg.get(c.initial_rank_heartbeat_timeout), f.heartbeat: cfg.get(c.rank_heartbeat_timeout),
+         f.sections: cfg.get(c.rank_section_timeouts) or {}, f.out_of_section: cfg.get(c.rank_out_of_section_timeout)}
+    auto = "; automatic heartbeat" if cfg.get(c.auto_heartbeat) else ""
+    return (f"{_fmt_timeouts(t)}; check every {_num(cfg.get(c.workload_check_interval))} s, "
+            f"safety factor {_num(cfg.get(c.safety_factor))}, kill with {cfg.get(c.rank_termination_signal)}{auto}")
 
 
 def _timeout_rows(report: Report) -> list[list[str]]:
@@ -311,7 +339,7 @@ def render_text(report: Report, tail_lines: int = 10) -> str:
     with_date = _multi_day(report)
     out = _summary(report) + ["", "Timeline"]
     for it in report.items:
-        out.append(f"  {_clock(it.t, with_date)}  {_LEVEL_MARK.get(it.level, '  ')} {it.text}")
+        out.append(f"  {_clock(it.t, with_date)}  {_LEVEL_MARK.get(it.level, '  ')} {entry_text(it)}")
         if tail_lines:
             out += [f"  {'':14}  | {x}" for x in it.tail[-tail_lines:]]
     if not report.items:
@@ -325,8 +353,16 @@ def render_text(report: Report, tail_lines: int = 10) -> str:
     if rows:
         out += _table(TIMEOUT_HEAD, rows)
     out += _problems(report)
-    out.append(f"goodput: {report.goodput['definition']}")
+    out += _definitions(report)
     return "\n".join(out) + "\n"
+
+
+def _definitions(report: Report) -> list[str]:
+    a = report.time_accounting
+    out = [f"{name}: {text}" for name, text in a["definitions"].items()]
+    if a.get("recompute"):
+        out.append(f"redone: {a['recompute']}")
+    return out
 
 
 def _problems(report: Report) -> list[str]:
@@ -367,7 +403,8 @@ def _render_rich(report: Report, tail_lines: int) -> None:
     tbl.add_column("what")
     for it in report.items:
         style = _LEVEL_STYLE.get(it.level, "")
-        text = f"[{style}]{escape(it.text)}[/{style}]" if style else escape(it.text)
+        words = escape(entry_text(it))
+        text = f"[{style}]{words}[/{style}]" if style else words
         tail = it.tail[-tail_lines:] if tail_lines else []
         if tail:
             text += "\n" + "\n".join(f"[dim]| {escape(x)}[/dim]" for x in tail)
@@ -387,4 +424,5 @@ def _render_rich(report: Report, tail_lines: int) -> None:
     console.print(f"configured timeouts: {escape(_configured(report.timeouts['configured']))}")
     for line in _problems(report):
         console.print(f"[yellow]{escape(line)}[/yellow]" if line else "")
-    console.print(f"[dim]goodput: {escape(report.goodput['definition'])}[/dim]")
+    for line in _definitions(report):
+        console.print(f"[dim]{escape(line)}[/dim]")

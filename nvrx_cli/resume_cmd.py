@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import click
 
 from nvrx_common import exit_codes
+from nvrx_common.errors import NvrxError
 from launcher.rank.job_control import FINISHED_FLAG_ENV
 
 _EPILOG = """\b
@@ -33,7 +34,7 @@ Exit status: 0 finished, 3 continue, 4 give up, 2 usage error / unusable state d
 """
 
 
-class ResumeFailure(click.ClickException):
+class ResumeFailure(NvrxError, click.ClickException):
     """A runtime problem the user must fix (state dir, Slurm tools): one line, exit 2."""
 
     exit_code = exit_codes.USAGE

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 
 class NvrxError(Exception):
-    """Base class of every exception nvrx defines (``RestartInterrupt`` excepted: it must not be caught
-    by ``except Exception``, so it derives from ``BaseException``)."""
+    """Base class of every exception nvrx defines, except the few that must not be caught by
+    ``except Exception`` and so derive from ``BaseException``: the in-process ``RestartInterrupt`` and
+    ``RetriesExhausted``, and the bootstrap's ``_NotRunnable`` (tests/unit/test_error_hierarchy.py lists
+    them and checks the rest)."""
 
 
 class ConfigError(NvrxError, ValueError):

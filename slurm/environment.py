@@ -15,6 +15,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Mapping
 
+from nvrx_common.errors import NvrxError
 # Rendezvous ports derived from the job id: below the kernel's ephemeral range (32768+), so a
 # process-group store or an outgoing connection never holds the port we are about to bind.
 RDZV_PORT_BASE = 20000
@@ -22,7 +23,7 @@ RDZV_PORT_SPAN = 10000
 MAX_HOSTS = 100_000  # a hostlist expanding to more names than this is a typo, not a cluster
 
 
-class SlurmEnvError(ValueError):
+class SlurmEnvError(NvrxError, ValueError):
     """The Slurm environment cannot be used as it is; the message is one line saying what and how to fix it."""
 
 

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from monitors.events import field_problem, read_events
+from monitors.events import RdzvJoin, RdzvStop, StopDetail, field_problem, read_events
 from nvrx_common import exit_codes
 from slurm.environment import SlurmEnvError, expand_hostlist
 
@@ -106,10 +106,10 @@ def _steer_stop_time(path: Path, since: float | None) -> float | None:
         for e in read_events(path):
             if isinstance(e, str) or field_problem(e) is not None:
                 continue  # a corrupt line or a wrongly typed record: skipped, as nvrx inspect does
-            if e["ev"] == "rdzv_join" and e.get("node_id") is not None:
-                own.add(e["node_id"])
-            elif (e["ev"] == "rdzv_stop" and e.get("kind") == "failed" and e.get("by_node") in own
-                  and (e.get("detail") or {}).get("steer") == exit_codes.RESUME_ELSEWHERE
+            if e["ev"] == RdzvJoin.EV and e.get(RdzvJoin.F.node_id) is not None:
+                own.add(e[RdzvJoin.F.node_id])
+            elif (e["ev"] == RdzvStop.EV and e.get(RdzvStop.F.kind) == "failed" and e.get(RdzvStop.F.by_node) in own
+                  and (e.get(RdzvStop.F.detail) or {}).get(StopDetail.F.steer) == exit_codes.RESUME_ELSEWHERE
                   and (since is None or e["t"] >= since)):
                 newest = e["t"]
     except OSError as exc:

@@ -16,16 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from nvrx_common.errors import NvrxError
 log = logging.getLogger("nvrx.resume")
 
 Runner = Callable[..., subprocess.CompletedProcess]
 
 
-class SlurmSetupError(Exception):
+class SlurmSetupError(NvrxError):
     """A missing tool or an unknown batch script: found before anything runs (usage error)."""
 
 
-class SubmitError(Exception):
+class SubmitError(NvrxError):
     """sbatch/scontrol failed or did not answer: the run should continue but nothing was submitted."""
 
 

@@ -15,11 +15,12 @@ import socket
 from collections import deque
 from typing import Any
 
+from nvrx_common.errors import NvrxError
 _MAX_FDS = 16
 _CHUNK = 1 << 16
 
 
-class ChannelClosed(EOFError):
+class ChannelClosed(NvrxError, EOFError):
     """The other end of the channel is gone (the process exited or was killed)."""
 
 

@@ -8,20 +8,28 @@ round's stop record appearing in the store (a watcher thread), and signals sent 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
 
 from nvrx_common import exit_codes
+from nvrx_common.errors import NvrxError
 from launcher.agent.config import LaunchConfig
-from launcher.agent.rank_monitors import MonitorGroup
+from launcher.agent.rank_monitors import RankMonitorGroup
 from launcher.agent.rdzv_errors import RendezvousError
-from launcher.agent.workers import RankExit, RankSpec, WorkerGroup
-from monitors.events import EventLog
+from launcher.agent.rdzv_records import FAULT_KINDS, RoundResult, StopKind, StopRecord
+from launcher.agent.worker_group import RankExit, RankSpec, WorkerGroup
+from monitors.events import (AgentSignal as AgentSignalEvent, AgentStart, EventLog, FtConfig, FtConfigInfo,
+                             InprocessRankLost, JobEnd, JobFailure)
+
+if TYPE_CHECKING:  # both import torch: the agent does so only after the fork server started importing it
+    from launcher.agent.rendezvous import Rendezvous
+    from launcher.agent.store import RendezvousStore
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +51,20 @@ def _end_status(code: int) -> str:
     return "steered" if code in exit_codes.STEERING_CODES else "failed"
 
 
-class AgentSignal(Exception):
+class RoundState(enum.Enum):
+    """This node's part in the current round while its ranks run (Agent._supervise moves it).
+
+    RUNNING -> FAILED | SUCCEEDED | INTERRUPTED; FAILED, SUCCEEDED -> INTERRUPTED; INTERRUPTED is final.
+    The round itself ends only with its stop record, which any node may write first.
+    """
+
+    RUNNING = "running"  # ranks run; this node has not asked to end the round
+    FAILED = "failed"  # a local rank or rank monitor failed; this node reported the stop "failed"
+    SUCCEEDED = "succeeded"  # every local rank exited 0; this node told the rendezvous so
+    INTERRUPTED = "interrupted"  # a handled signal arrived: forwarded to the ranks, reported as "interrupted"
+
+
+class AgentSignal(NvrxError):
     """A handled signal arrived while the agent was not supervising ranks (e.g. in rendezvous)."""
 
     def __init__(self, signum: int) -> None:
@@ -56,12 +77,12 @@ class _StopWatch:
     """Runs Rendezvous.wait_stop in a thread and wakes the main loop through a pipe."""
 
     wake_fd: int
-    record: Any = None
+    record: StopRecord | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
 
-def build_rank_env(cfg: LaunchConfig, result: Any, local_rank: int,
+def build_rank_env(cfg: LaunchConfig, result: RoundResult, local_rank: int,
                    extra: dict[str, str] | None = None) -> dict[str, str]:
     """The torchrun environment for one rank of this round (plus e.g. where its monitor listens)."""
     w = cfg.workers
@@ -104,19 +125,19 @@ class Agent:
         self.cfg = cfg
         self.events = events
         self.workers = WorkerGroup(cfg.workers, events, cfg.run_log_dir, console_out, console_err)
-        self.monitors = (MonitorGroup(cfg.ft, cfg.workers.nproc_per_node, cfg.run_log_dir, events,
-                                      dict(cfg.workers.base_env), cfg.state_dir, cfg.node_name,
-                                      term_grace=cfg.workers.term_timeout)
+        self.monitors = (RankMonitorGroup(cfg.ft, cfg.workers.nproc_per_node, cfg.run_log_dir, events,
+                                          dict(cfg.workers.base_env), cfg.state_dir, cfg.node_name,
+                                          term_grace=cfg.workers.term_timeout)
                          if cfg.ft is not None else None)
         self.failures: list[dict[str, Any]] = []  # one entry per fault stop, for the final report
         self._sig_r, self._sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._pending_signal: int | None = None
         self._raise_on_signal = False  # only while blocked in rendezvous; elsewhere signals wake the loop
-        self._forwarded = False
+        self._state = RoundState.RUNNING  # of the round being supervised (or the last one)
         self._signal_time = 0.0
         self._old_handlers: dict[int, Any] = {}
-        self._rdzv: Any = None
-        self._rs: Any = None
+        self._rdzv: Rendezvous | None = None
+        self._rs: RendezvousStore | None = None
         self._monitor_failure_round: int | None = None  # the round in which a given-up monitor was reported
 
     # ------------------------------------------------------------ entry point
@@ -129,12 +150,13 @@ class Agent:
         try:
             return self._run(t0)
         except AgentSignal as sig:
-            self.events.emit("agent_signal", signal=signal.Signals(sig.signum).name, phase="rendezvous")
+            self.events.emit(AgentSignalEvent(signal=signal.Signals(sig.signum).name, phase="rendezvous"))
             return exit_codes.interrupted(sig.signum)
         except RendezvousError as err:  # e.g. the store's host is gone: the log says so, not only stderr
             if not err.usage:  # a usage error is the CLI's one line; no job ran
-                self.events.emit("job_end", status="failed", exit_code=exit_codes.FAILED, detail=str(err),
-                                 seconds=round(time.monotonic() - t0, 3), failures=self.failures)
+                self.events.emit(JobEnd(status="failed", exit_code=exit_codes.FAILED, detail=str(err),
+                                        seconds=round(time.monotonic() - t0, 3),
+                                        failures=[JobFailure.of(f) for f in self.failures]))
             raise
         finally:
             self._restore_signal_handlers()
@@ -144,14 +166,14 @@ class Agent:
         from launcher.agent.rendezvous import JobFinished, Rendezvous
         from launcher.agent.store import open_rendezvous_store
 
-        self.events.emit("agent_start", pid=os.getpid(), nproc=self.cfg.workers.nproc_per_node,
-                         nnodes=f"{self.cfg.rdzv.min_nodes}:{self.cfg.rdzv.max_nodes}",
-                         max_restarts=self.cfg.max_restarts, run_id=self.cfg.rdzv.run_id)
+        self.events.emit(AgentStart(pid=os.getpid(), nproc=self.cfg.workers.nproc_per_node,
+                                    nnodes=f"{self.cfg.rdzv.min_nodes}:{self.cfg.rdzv.max_nodes}",
+                                    max_restarts=self.cfg.max_restarts, run_id=self.cfg.rdzv.run_id))
         if self.cfg.ft is not None:
             from monitors.ft_config import describe
 
             log.info("%s", describe(self.cfg.ft))  # describe() already starts with "fault tolerance:"
-            self.events.emit("ft_config", config=self.cfg.ft.to_dict())
+            self.events.emit(FtConfig(config=FtConfigInfo.of(self.cfg.ft.to_dict())))
         with self._signals_raise():
             self._rs = open_rendezvous_store(self.cfg.rdzv)
         self._rdzv = Rendezvous(self._rs, self.cfg.rdzv, self.cfg.max_restarts, self.events)
@@ -160,17 +182,18 @@ class Agent:
                 with self._signals_raise():
                     result = self._rdzv.next_round()
             except JobFinished as fin:
-                self.events.emit("job_end", status="already_finished", detail=str(fin))
+                self.events.emit(JobEnd(status="already_finished", detail=str(fin)))
                 return exit_codes.OK
             code = self._run_round(result)
             if code is not None:
-                self.events.emit("job_end", status=_end_status(code), exit_code=code,
-                                 seconds=round(time.monotonic() - t0, 3), failures=self.failures)
+                self.events.emit(JobEnd(status=_end_status(code), exit_code=code,
+                                        seconds=round(time.monotonic() - t0, 3),
+                                        failures=[JobFailure.of(f) for f in self.failures]))
                 return code
 
     # ------------------------------------------------------------ one round
 
-    def _run_round(self, result: Any) -> int | None:
+    def _run_round(self, result: RoundResult) -> int | None:
         """Start and supervise the ranks of one round. None means: go to the next round."""
         specs = [RankSpec(lr, result.rank_offset + lr, build_rank_env(self.cfg, result, lr, self._monitor_env(lr)))
                  for lr in range(self.cfg.workers.nproc_per_node)]
@@ -205,40 +228,55 @@ class Agent:
         threading.Thread(target=run, name=f"stop-watch-{round_no}", daemon=True).start()
         return watch
 
-    def _supervise(self, result: Any, watch: _StopWatch) -> Any:
+    def _supervise(self, result: RoundResult, watch: _StopWatch) -> StopRecord:
         """Wait for: a local rank failing, the round's stop record, or a signal. Returns the stop record."""
         wake_fd = watch.wake_fd
-        succeeded_reported = round_failed = False
-        forwarded = self._forwarded = False
+        self._state = RoundState.RUNNING
         try:
-            # Before the first wait: a monitor given up on while an earlier round was ending fails this one at once.
-            round_failed = self._monitors_failed(result, stopping=False)
+            if self._monitors_failed(result, stopping=False):
+                # RUNNING -> FAILED: a monitor given up on while an earlier round was ending fails this one at once
+                self._transition(result, RoundState.FAILED)
             while True:
                 monitor_fds = self.monitors.fds() if self.monitors is not None else []
                 wake_in = self.monitors.wake_in() if self.monitors is not None else None
                 exits = self.workers.wait([wake_fd, self._sig_r, *monitor_fds], timeout=wake_in)
-                if self._monitors_failed(result, forwarded or round_failed or succeeded_reported):
-                    round_failed = True
-                if self._drain_signal_pipe() and not forwarded:
-                    forwarded = self._forwarded = True  # a signal wins over exits it may have caused
-                    self._forward_signal(result)
-                failed = [e for e in exits if e.failed]
-                if self.cfg.workers.inprocess:
-                    failed = self._inprocess_failures(exits, failed, result)
-                round_failed = round_failed or bool(failed)
-                if failed and not forwarded:
-                    self._rdzv.report_stop(result.round, "failed", self._failure_detail(result, failed[0]))
-                elif not (round_failed or succeeded_reported or forwarded) and not self.workers.unreported():
-                    succeeded_reported = True
-                    self._rdzv.node_succeeded(result.round)
+                self._step(result, exits)
                 if watch.done.is_set():
                     if watch.error is not None:
                         raise watch.error
+                    assert watch.record is not None
                     return watch.record
         finally:
             os.close(wake_fd)
 
-    def _monitors_failed(self, result: Any, stopping: bool) -> bool:
+    def _step(self, result: RoundResult, exits: list[RankExit]) -> None:
+        """Act on one wake-up of the supervising loop (rank exits, a signal, a monitor event) and move the state."""
+        if self._monitors_failed(result, stopping=self._state is not RoundState.RUNNING):
+            # RUNNING -> FAILED: a rank monitor keeps dying (the stop is reported inside _monitors_failed)
+            self._transition(result, RoundState.FAILED)
+        if self._drain_signal_pipe() and self._state is not RoundState.INTERRUPTED:
+            # any -> INTERRUPTED: a handled signal; it wins over the exits it may have caused
+            self._transition(result, RoundState.INTERRUPTED)
+            self._forward_signal(result)
+        failed = [e for e in exits if e.failed]
+        if self.cfg.workers.inprocess:
+            failed = self._inprocess_failures(exits, failed, result)
+        if failed and self._state is not RoundState.INTERRUPTED:
+            # RUNNING/FAILED -> FAILED: a local rank failed; the first stop record of the round stands
+            self._transition(result, RoundState.FAILED)
+            self._rdzv.report_stop(result.round, StopKind.FAILED, self._failure_detail(result, failed[0]))
+        elif self._state is RoundState.RUNNING and not self.workers.unreported():
+            # RUNNING -> SUCCEEDED: every local rank exited 0; the last node to say so ends the round
+            self._transition(result, RoundState.SUCCEEDED)
+            self._rdzv.node_succeeded(result.round)
+
+    def _transition(self, result: RoundResult, new: RoundState) -> None:
+        """Enter NEW; logged (debug) so a round's path through the states can be followed in the agent log."""
+        if new is not self._state:
+            log.debug("round %d: %s -> %s", result.round, self._state.value, new.value)
+        self._state = new
+
+    def _monitors_failed(self, result: RoundResult, stopping: bool) -> bool:
         """Restart dead monitors; True once one keeps dying, after ending the job with that reason.
 
         A rank whose monitor cannot be kept alive runs unwatched, and a job that then "succeeds" hides it;
@@ -255,10 +293,11 @@ class Agent:
             detail = {"local_rank": failure["local_rank"], "rank": result.rank_offset + failure["local_rank"],
                       "group_rank": result.group_rank, "round": result.round, "describe": failure["describe"],
                       "monitor_failed": True, "no_restart": True}
-            self._rdzv.report_stop(result.round, "failed", detail)
+            self._rdzv.report_stop(result.round, StopKind.FAILED, detail)
         return True
 
-    def _inprocess_failures(self, exits: list[RankExit], failed: list[RankExit], result: Any) -> list[RankExit]:
+    def _inprocess_failures(self, exits: list[RankExit], failed: list[RankExit],
+                            result: RoundResult) -> list[RankExit]:
         """--inprocess (spec "Known issues" 6): a failed rank does not stop the job; the Wrapper in the other
         ranks restarts without it. The node fails only once all its ranks ended and none of them ended well."""
         self._rank_succeeded = self._rank_succeeded or any(not e.failed for e in exits)
@@ -267,8 +306,8 @@ class Agent:
             return steering  # the rank asks for something a restart in place cannot give
         for ex in failed:
             self._absorbed.append(ex)
-            self.events.emit("inprocess_rank_lost", rank=ex.global_rank, local_rank=ex.local_rank, pid=ex.pid,
-                             exitcode=ex.exitcode, signal=ex.signal, round=result.round)
+            self.events.emit(InprocessRankLost(rank=ex.global_rank, local_rank=ex.local_rank, pid=ex.pid,
+                                               exitcode=ex.exitcode, signal=ex.signal, round=result.round))
         if self.workers.unreported() or self._rank_succeeded or not self._absorbed:
             return []
         return self._absorbed[-1:]
@@ -276,7 +315,7 @@ class Agent:
     def _monitor_env(self, local_rank: int) -> dict[str, str]:
         return self.monitors.rank_env(local_rank) if self.monitors is not None else {}
 
-    def _failure_detail(self, result: Any, ex: RankExit) -> dict[str, Any]:
+    def _failure_detail(self, result: RoundResult, ex: RankExit) -> dict[str, Any]:
         hang = self.monitors.hang_reason(ex.local_rank, ex.pid) if self.monitors is not None else None
         describe = ex.describe()
         if hang:
@@ -308,28 +347,28 @@ class Agent:
         lr = max(earlier, key=earlier.get)
         return lr, earlier[lr]
 
-    def _forward_signal(self, result: Any) -> None:
+    def _forward_signal(self, result: RoundResult) -> None:
         """First handled signal: pass it to the ranks once and tell the other nodes to stop too."""
         signum = self._pending_signal or signal.SIGTERM
         name = signal.Signals(signum).name
-        self.events.emit("agent_signal", signal=name, phase="running", round=result.round)
+        self.events.emit(AgentSignalEvent(signal=name, phase="running", round=result.round))
         self.workers.signal_all(signum)
-        self._rdzv.report_stop(result.round, "interrupted", {"signal": name, "signum": int(signum)})
+        self._rdzv.report_stop(result.round, StopKind.INTERRUPTED, {"signal": name, "signum": int(signum)})
 
-    def _conclude(self, result: Any, record: Any) -> int | None:
+    def _conclude(self, result: RoundResult, record: StopRecord) -> int | None:
         """Act on the round's stop record: finish, give up, or stop ranks for the next round."""
-        if record.kind == "succeeded":
+        if record.kind is StopKind.SUCCEEDED:
             self.workers.stop()  # nothing should be left; bounded anyway
             return exit_codes.OK
-        if record.kind == "interrupted":
+        if record.kind is StopKind.INTERRUPTED:
             signum = int(record.detail.get("signum") or signal.SIGTERM)
-            if not self._forwarded:  # another node was signalled: pass the same signal on, once
+            if self._state is not RoundState.INTERRUPTED:  # another node was signalled: pass the same signal on, once
                 self.workers.signal_all(signum)
             self._let_ranks_finish(self.cfg.workers.term_timeout)
             self.workers.stop(grace=0.0)
             return exit_codes.interrupted(signum)
         self.workers.stop()
-        if record.kind in ("failed", "node_left"):
+        if record.kind in FAULT_KINDS:
             self.failures.append({"round": record.round, "kind": record.kind, **record.detail})
         if record.give_up:
             steer = record.detail.get("steer")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from monitors.ft_config import FaultToleranceConfig
 from nvrx_common.errors import ConfigError
 from nvrx_common.signals import DEFAULT_SIGNALS, parse_signals
 from slurm.environment import SlurmEnvError, SlurmTopology, slurm_topology
@@ -80,7 +81,6 @@ class WorkerSettings:
     no_python: bool = False
     python: str = sys.executable
     role: str = "default"
-    log_dir: Path | None = None
     redirects: Mapping[int, Std] = field(default_factory=dict)
     tee: Mapping[int, Std] = field(default_factory=dict)
     local_ranks_filter: frozenset[int] | None = None
@@ -90,7 +90,6 @@ class WorkerSettings:
     fast_exit: bool = True  # ranks skip the interpreter teardown after atexit handlers and flushes
     inprocess: bool = False  # --inprocess: ranks run the script in an in-process restart Wrapper
     inprocess_spares: int = 0  # --inprocess-spares: ranks kept idle until active ranks are lost
-    async_ckpt: bool = False  # --async-ckpt: each rank starts its persistent checkpoint writer at rank start
     base_env: Mapping[str, str] = field(default_factory=dict)  # environment ranks inherit
 
 
@@ -101,10 +100,9 @@ class LaunchConfig:
     rdzv: RdzvSettings
     workers: WorkerSettings
     max_restarts: int
-    monitor_interval: float
     signals_to_handle: tuple[signal.Signals, ...]
     run_log_dir: Path  # where this run's JSON-lines event files go
-    ft: Any = None  # monitors.ft_config.FaultToleranceConfig, built by the caller (layered sources)
+    ft: FaultToleranceConfig | None = None  # built by the caller (layered sources); None: no rank monitors
     node_name: str = field(default_factory=socket.gethostname)  # per-node names/paths (Slurm: SLURMD_NODENAME)
     slurm: SlurmTopology | None = None  # set when the topology came from the Slurm environment
     state_dir: Path | None = None  # learned timeouts etc., kept across jobs (default <run_log_dir>/ft_state)
@@ -303,7 +301,8 @@ def resolve_state_dir(flag: str | None, env: Mapping[str, str], run_log_dir: Pat
     return Path(chosen).expanduser().resolve()
 
 
-def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str], ft: Any = None) -> LaunchConfig:
+def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str],
+                        ft: FaultToleranceConfig | None = None) -> LaunchConfig:
     """Validate raw CLI values (keys as the click parameter names) into a LaunchConfig.
 
     Raises ConfigError with a one-line message for anything the user must fix.
@@ -397,7 +396,6 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str], ft: Any 
         module=module,
         no_python=no_python,
         role=raw.get("role") or "default",
-        log_dir=log_dir,
         redirects=redirects,
         tee=tee,
         local_ranks_filter=parse_ranks_filter(raw.get("local_ranks_filter")),
@@ -405,11 +403,12 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str], ft: Any 
         kill_timeout=positive_float(raw.get("kill_timeout", 5.0), "--kill-timeout"),
         fork_server=bool(raw.get("fork_server", True)) and not no_python,
         fast_exit=bool(raw.get("fast_exit", True)),
-        async_ckpt=bool(raw.get("async_ckpt")),
         base_env=base_env,
         **parse_inprocess(raw, nproc * min_nodes),
     )
 
+    # torchrun's --monitor-interval: checked for torchrun compatibility, unused (rank exits wake the agent at once)
+    positive_float(raw.get("monitor_interval", 0.1), "--monitor-interval")
     max_restarts = raw.get("max_restarts", 0)
     if not re.fullmatch(r"\d+", str(max_restarts)):
         raise ConfigError(f"--max-restarts {max_restarts!r} must be a whole number >= 0")
@@ -418,7 +417,6 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str], ft: Any 
         rdzv=rdzv,
         workers=workers,
         max_restarts=int(max_restarts),
-        monitor_interval=positive_float(raw.get("monitor_interval", 0.1), "--monitor-interval"),
         signals_to_handle=parse_signals(raw.get("signals_to_handle") or DEFAULT_SIGNALS),
         run_log_dir=run_log_dir,
         state_dir=resolve_state_dir(raw.get("state_dir"), env, run_log_dir),

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from launcher.rank import bootstrap
+from nvrx_common.errors import NvrxError
 from nvrx_common.process import die_with_parent
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ _SERVER_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # it ends with
 _ORIGINAL_HANDLERS = {sig: signal.getsignal(sig) for sig in _SERVER_IGNORES}  # what a rank must get back
 
 
-class ProtocolError(Exception):
+class ForkServerProtocolError(NvrxError):
     """A message that is not what the protocol allows (truncated, not JSON, not an object)."""
 
 
@@ -64,13 +65,13 @@ def recv_msg(sock: socket.socket, maxfds: int, bufsize: int = MAX_MESSAGE) -> tu
         return None, []
     try:
         if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-            raise ProtocolError("message truncated")
+            raise ForkServerProtocolError("message truncated")
         msg = json.loads(data)
         if not isinstance(msg, dict):
-            raise ProtocolError("message is not a JSON object")
-    except (ValueError, ProtocolError):
+            raise ForkServerProtocolError("message is not a JSON object")
+    except (ValueError, ForkServerProtocolError):
         close_fds(fds)
-        raise ProtocolError(f"bad message {data[:80]!r}") from None
+        raise ForkServerProtocolError(f"bad message {data[:80]!r}") from None
     return msg, fds
 
 
@@ -139,7 +140,7 @@ class _Server:
                     msg, fds = recv_msg(self.sock, 2)
                 except (BlockingIOError, InterruptedError):
                     continue
-                except ProtocolError as exc:
+                except ForkServerProtocolError as exc:
                     log.warning("fork server: %s", exc)
                     continue
                 except OSError:

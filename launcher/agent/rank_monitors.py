@@ -1,8 +1,8 @@
 """The agent's side of rank monitoring: one monitor process per local rank, started once.
 
 Monitors outlive rank restarts. Each gets a secret token (in its environment, never argv), a
-private 0700 directory for its control socket and heartbeat slot, this node's state dir for the
-reason of its last kill (which the agent reads to explain a failure), and the job's shared
+private 0700 directory for its control socket and heartbeat slot, an event file (whose
+``hang_detected`` events the agent reads back to explain a rank it killed), and the job's shared
 timeouts dir, where learned timeouts are kept per global rank (so a continuation job of an
 auto-resume chain finds them even when it runs on other nodes).
 
@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from monitors.client import ENV_AUTO_HEARTBEAT, ENV_SHM, ENV_SOCKET, ENV_TOKEN
-from monitors.events import EventLog
+from monitors.events import (EventLog, HangDetected, MonitorAttach, MonitorConnect, MonitorDied, MonitorGaveUp,
+                             MonitorSpawned, MonitorStuck, last_event)
 from monitors.heartbeat import Slot, SlotError
 from monitors.progress_watchdog import watchdog_interval
-from monitors.timeouts import last_hang_file
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class _Restarts:
     due: float | None = None  # monotonic time of the scheduled restart
 
 
-class MonitorGroup:
+class RankMonitorGroup:
     """Starts, watches (pidfds), restarts and stops the rank monitors of one node."""
 
     def __init__(self, ft: Any, nproc: int, run_log_dir: Path, events: EventLog, base_env: dict[str, str],
@@ -62,7 +62,7 @@ class MonitorGroup:
         self.events = events
         self.base_env = dict(base_env)
         self.timeouts_dir = Path(state_dir) / TIMEOUTS_SUBDIR  # job-wide, by global rank: survives node changes
-        self.state_dir = Path(state_dir) / node_name  # this node's: last_hang files are by local rank
+        self.state_dir = Path(state_dir) / node_name  # this node's (the monitors' --state-dir)
         self.term_grace = term_grace  # a hung rank ignoring a non-SIGKILL termination signal is killed after this
         self.events_dir = run_log_dir
         self.node = f"{node_name}-{os.getpid()}"
@@ -91,13 +91,16 @@ class MonitorGroup:
                "--timeouts-dir", str(self.timeouts_dir), "--term-grace", f"{self.term_grace:g}",
                "--socket", str(sock), "--shm", str(shm), "--token-env", TOKEN_ENV,
                "--config-json", json.dumps(self.ft.to_dict()), "--parent-pid", str(os.getpid()),
-               "--events", str(self.events_dir / f"monitor-{self.node}-{lr}.jsonl")]
+               "--events", str(self.events_file(lr))]
         with open(self.log_file(lr), "ab") as err:  # the monitor's own log, off the terminal
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
                                     start_new_session=True)
         self.procs[lr] = proc
         self.pidfds[os.pidfd_open(proc.pid)] = lr
-        self.events.emit("monitor_spawned", local_rank=lr, pid=proc.pid)
+        self.events.emit(MonitorSpawned(local_rank=lr, pid=proc.pid))
+
+    def events_file(self, local_rank: int) -> Path:
+        return self.events_dir / f"monitor-{self.node}-{local_rank}.jsonl"
 
     def log_file(self, local_rank: int) -> Path:
         return self.events_dir / f"monitor-{self.node}-{local_rank}.log"
@@ -141,7 +144,7 @@ class MonitorGroup:
         while r.deaths and now - r.deaths[0] > RESTART_WINDOW:
             r.deaths.popleft()
         r.deaths.append(now)
-        self.events.emit("monitor_died", local_rank=lr, pid=proc.pid, returncode=proc.returncode)
+        self.events.emit(MonitorDied(local_rank=lr, pid=proc.pid, returncode=proc.returncode))
         if len(r.deaths) > MAX_RESTARTS:
             self._give_up(lr, proc, len(r.deaths))
             return
@@ -156,8 +159,8 @@ class MonitorGroup:
                   f"(last exit code {proc.returncode}{': ' + last if last else ''}); not restarting it, so the "
                   f"rank would run unwatched - see {self.log_file(lr)}")
         log.error("%s", reason)
-        self.events.emit("monitor_gave_up", local_rank=lr, pid=proc.pid, returncode=proc.returncode,
-                         deaths=deaths, window=RESTART_WINDOW, last_line=last, log=str(self.log_file(lr)))
+        self.events.emit(MonitorGaveUp(local_rank=lr, pid=proc.pid, returncode=proc.returncode, deaths=deaths,
+                                       window=RESTART_WINDOW, last_line=last, log=str(self.log_file(lr))))
         if self.failure is None:
             self.failure = {"local_rank": lr, "describe": reason, "returncode": proc.returncode}
 
@@ -193,12 +196,17 @@ class MonitorGroup:
         return found
 
     def hang_reason(self, local_rank: int, pid: int) -> dict[str, Any] | None:
-        """Why the monitor killed this rank process, if it did."""
-        try:
-            info = json.loads(last_hang_file(self.state_dir, local_rank).read_text())
-        except (OSError, ValueError):
+        """Why the monitor killed this rank process, if it did: its ``hang_detected`` event, with the event's time.
+
+        The monitor's event is the one record of a hang's cause (it is written before the rank is signalled,
+        so it is there by the time the rank's exit is seen); the agent copies it into the stop record. A
+        session the monitor opened for PID after the hang (a reused pid) means the hang was not this process.
+        """
+        e = last_event(self.events_file(local_rank), (HangDetected, MonitorAttach, MonitorConnect),
+                       lambda e: e.get(HangDetected.F.pid) == pid)
+        if e is None or e["ev"] != HangDetected.EV:
             return None
-        return info if isinstance(info, dict) and info.get("pid") == pid else None
+        return {k: v for k, v in e.items() if k not in ("v", "src", "ev")}
 
     def close(self, timeout: float = 5.0) -> None:
         for r in self.restarts:
@@ -216,7 +224,7 @@ class MonitorGroup:
                 try:
                     proc.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:  # stuck in the kernel: report, never wait forever
-                    self.events.emit("monitor_stuck", pid=proc.pid)
+                    self.events.emit(MonitorStuck(pid=proc.pid))
         for fd in self.pidfds:
             os.close(fd)
         self.pidfds.clear()

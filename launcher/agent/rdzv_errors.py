@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from nvrx_common.errors import NvrxError
 
-class RendezvousError(RuntimeError):
+class RendezvousError(NvrxError, RuntimeError):
     """The rendezvous cannot proceed; the message is one line telling the user what to fix."""
 
     usage = False  # True: the command line or setup is wrong (exit 2), not a fault of the running job

@@ -26,26 +26,26 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Iterator
 
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from launcher.agent.config import RdzvSettings
+from launcher.agent.rdzv_records import FAULT_KINDS, NodeInfo, RoundResult, StopKind, StopRecord
 from launcher.agent.store import (
     RendezvousError,
     RendezvousMismatch,
     RendezvousStore,
     advertised_address,
 )
-from monitors.events import EventLog
+from monitors.events import EventLog, RdzvJoin, RdzvRound, RdzvStandby, RdzvStop, StopDetail
 from nvrx_common.net import start_store_server
+from nvrx_common.errors import NvrxError
 
 log = logging.getLogger(__name__)
 
-STOP_KINDS = ("failed", "node_left", "succeeded", "scale_up", "interrupted")
-FAULT_KINDS = ("failed", "node_left")  # only these spend the restart budget
 MAX_POLL = 0.02  # seconds; the longest sleep between two polls
 LINGER_MAX = 10.0  # how long the store host waits for peers to read the final stop record
 
@@ -54,55 +54,8 @@ class RendezvousTimeout(RendezvousError):
     """Not enough nodes joined a round within join_timeout."""
 
 
-class JobFinished(Exception):
+class JobFinished(NvrxError):
     """The job already succeeded or gave up; a late agent must not start a new round."""
-
-    def __init__(self, message: str, record: "StopRecord | None" = None) -> None:
-        super().__init__(message)
-        self.record = record
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    node_id: str
-    addr: str
-    nproc: int
-
-
-@dataclass(frozen=True)
-class RoundResult:
-    round: int
-    group_rank: int
-    nodes: tuple[NodeInfo, ...]
-    restart_count: int
-    master_addr: str
-    master_port: int
-    agent_hosts_pg_store: bool
-
-    @property
-    def world_size(self) -> int:
-        return sum(n.nproc for n in self.nodes)
-
-    @property
-    def rank_offset(self) -> int:
-        return sum(n.nproc for n in self.nodes[: self.group_rank])
-
-
-@dataclass(frozen=True)
-class StopRecord:
-    round: int
-    kind: str
-    by_node: str
-    detail: dict
-    restart_count: int
-    give_up: bool
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), default=str, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, raw: bytes | str) -> "StopRecord":
-        return cls(**json.loads(raw))
 
 
 def make_node_id() -> str:
@@ -263,8 +216,8 @@ class Rendezvous:
     def _raise_if_finished(self, store: TCPStore) -> None:
         if store.check([self.keys.finished]):
             rec = StopRecord.from_json(store.get(self.keys.finished))
-            how = "succeeded" if rec.kind == "succeeded" else f"gave up after {rec.restart_count} restarts"
-            raise JobFinished(f"job {self.settings.run_id} already {how} (round {rec.round})", rec)
+            how = "succeeded" if rec.kind is StopKind.SUCCEEDED else f"gave up after {rec.restart_count} restarts"
+            raise JobFinished(f"job {self.settings.run_id} already {how} (round {rec.round})")
 
     def _nodes_text(self) -> str:
         s = self.settings
@@ -295,7 +248,7 @@ class Rendezvous:
         """Rounds advance only through stop records; write one if the caller skipped it."""
         if self._result and not store.check([self.keys.r(self._result.round, "stop")]):
             log.warning("round %d has no stop record; recording it as interrupted", self._result.round)
-            self._report_stop(store, self._result.round, "interrupted", {"node": self.node_id})
+            self._report_stop(store, self._result.round, StopKind.INTERRUPTED, {"node": self.node_id})
 
     def _open_round(self, store: TCPStore, at_least: int) -> int:
         """The first round at or after max(AT_LEAST, hint) that has not stopped yet."""
@@ -310,7 +263,7 @@ class Rendezvous:
         info = {**asdict(self.info), "node_rank": self.settings.node_rank}
         store.set(self.keys.join(r, j), json.dumps(info))
         log.debug("joined round %d as joiner %d", r, j)
-        self.events.emit("rdzv_join", round=r, node_id=self.node_id)
+        self.events.emit(RdzvJoin(round=r, node_id=self.node_id))
 
     def _wait_closed(self, store: TCPStore, r: int, started: float) -> dict:
         """Poll until round R is closed, closing it ourselves when max or the last call is reached."""
@@ -364,15 +317,14 @@ class Rendezvous:
         self._result = result
         waited = round(time.monotonic() - started, 3)
         log.info("round %d: group rank %d of %d nodes, world size %d", r, g, len(nodes), result.world_size)
-        self.events.emit(
-            "rdzv_round",
+        self.events.emit(RdzvRound(
             round=r,
             group_rank=g,
             nodes=[n.node_id for n in nodes],
             world_size=result.world_size,
             restart_count=result.restart_count,
             waited=waited,
-        )
+        ))
         return result
 
     def _pg_endpoint(self, store: TCPStore, r: int, g: int, nodes: tuple[NodeInfo, ...]) -> tuple[str, int, bool]:
@@ -404,9 +356,9 @@ class Rendezvous:
         room = len(record["nodes"]) < self.settings.max_nodes
         reason = "scale_up" if room else "round full"
         log.info("round %d already running with %d nodes; standing by (%s)", r, len(record["nodes"]), reason)
-        self.events.emit("rdzv_standby", round=r, node_id=self.node_id, reason=reason, nodes=len(record["nodes"]))
+        self.events.emit(RdzvStandby(round=r, node_id=self.node_id, reason=reason, nodes=len(record["nodes"])))
         if room:
-            self._report_stop(store, r, "scale_up", {"node": self.node_id})
+            self._report_stop(store, r, StopKind.SCALE_UP, {"node": self.node_id})
             return
         self._wait_standby(store, r, record)
 
@@ -424,26 +376,28 @@ class Rendezvous:
                     alive.update(node.node_id, store.add(self.keys.beat(node.node_id), 0))
                 silent = alive.silent()
                 if silent:
-                    self._report_stop(store, r, "node_left", {"node": silent[0], "group_rank": silent[1]})
+                    self._report_stop(store, r, StopKind.NODE_LEFT, {"node": silent[0], "group_rank": silent[1]})
                 next_check = time.monotonic() + self.settings.keepalive_interval
             backoff.sleep()
 
     # ------------------------------------------------------------ stops and the restart budget
 
-    def report_stop(self, round: int, kind: str, detail: dict) -> StopRecord:
+    def report_stop(self, round: int, kind: StopKind | str, detail: dict) -> StopRecord:
         """End ROUND; idempotent across nodes: the first record wins and is returned to everyone."""
         with self._store_errors():
             return self._report_stop(self._client(), round, kind, detail)
 
-    def _report_stop(self, store: TCPStore, r: int, kind: str, detail: dict) -> StopRecord:
-        if kind not in STOP_KINDS:
-            raise ValueError(f"unknown stop kind {kind!r}; expected one of {', '.join(STOP_KINDS)}")
+    def _report_stop(self, store: TCPStore, r: int, kind: StopKind | str, detail: dict) -> StopRecord:
+        try:
+            kind = StopKind(kind)
+        except ValueError:
+            raise ValueError(f"unknown stop kind {kind!r}; expected one of {', '.join(StopKind)}") from None
         stop_key = self.keys.r(r, "stop")
         if store.add(self.keys.r(r, "stop_claim"), 1) == 1:
             count = int(store.add(self.keys.restarts, 1 if kind in FAULT_KINDS else 0))
             give_up = kind in FAULT_KINDS and (count > self.max_restarts or bool(detail.get("no_restart")))
             rec = StopRecord(r, kind, self.node_id, dict(detail), count, give_up)
-            if give_up or kind == "succeeded":
+            if give_up or kind is StopKind.SUCCEEDED:
                 store.set(self.keys.finished, rec.to_json())  # before the stop: whoever sees it sees this
             store.set(stop_key, rec.to_json())
             store.set(self.keys.hint, str(r + 1))
@@ -463,7 +417,9 @@ class Rendezvous:
             store.add(self.keys.r(rec.round, "acked"), 1)
         log.info("round %d stopped: %s by %s (restarts %d%s)", rec.round, rec.kind, rec.by_node,
                  rec.restart_count, ", giving up" if rec.give_up else "")
-        self.events.emit("rdzv_stop", **asdict(rec))
+        self.events.emit(RdzvStop(round=rec.round, kind=str(rec.kind), by_node=rec.by_node,
+                                  detail=StopDetail.of(rec.detail), restart_count=rec.restart_count,
+                                  give_up=rec.give_up))
 
     def wait_stop(self, round: int) -> StopRecord:
         """Block until ROUND has a stop record (for a watcher thread; uses its own connection)."""
@@ -487,7 +443,7 @@ class Rendezvous:
             done = store.add(self.keys.r(round, "succeeded"), 1)
             members = len(self._get_json(store, self.keys.r(round, "closed"))["nodes"])
             if done >= members:
-                self._report_stop(store, round, "succeeded", {"nodes": members})
+                self._report_stop(store, round, StopKind.SUCCEEDED, {"nodes": members})
 
     # ------------------------------------------------------------ keepalive
 
@@ -534,7 +490,7 @@ class Rendezvous:
         if silent is None:
             return True
         log.warning("node %s (group rank %d) stopped beating for %g s", silent[0], silent[1], alive.timeout)
-        self._report_stop(store, r, "node_left", {"node": silent[0], "group_rank": silent[1]})
+        self._report_stop(store, r, StopKind.NODE_LEFT, {"node": silent[0], "group_rank": silent[1]})
         return False
 
     # ------------------------------------------------------------ shutdown

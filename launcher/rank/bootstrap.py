@@ -31,6 +31,7 @@ from typing import NoReturn
 from monitors import client as monitor_client
 from monitors.progress_watchdog import ProgressWatchdog
 from ckpt.async_ckpt import writer_process as ckpt_writer  # light: no torch import
+from nvrx_common.process import set_process_title
 
 # Set by the agent when it put the launcher's root on PYTHONPATH so `-m launcher.*` imports from
 # any working directory; undone below before user code can see it.
@@ -53,7 +54,8 @@ _LAUNCHER_FILES = frozenset(os.path.abspath(f) for f in (__file__, importlib.uti
 class _NotRunnable(BaseException):
     """The entry point cannot be run; python reports this as ``<python>: <message>``.
 
-    A BaseException so that an in-process restart Wrapper ends on it instead of retrying.
+    A BaseException (so not an ``NvrxError``) so that an in-process restart Wrapper ends on it instead of
+    retrying: the Wrapper restarts on ``Exception``s.
     """
 
     def __init__(self, message: str, code: int = 1) -> None:
@@ -262,8 +264,16 @@ def _inprocess_mode() -> types.ModuleType | None:
     return launch_mode
 
 
+def torchrun_command_line(entry: str, args: list[str], module: bool) -> list[str]:
+    """The command line torchrun starts a rank with: ``[python, -u, (-m,) ENTRY, *ARGS]``."""
+    return [sys.executable or "python", "-u", *(["-m"] if module else []), entry, *args]
+
+
 def run_user_code(entry: str, args: list[str], module: bool) -> int:
     """Run ENTRY as ``__main__`` in this process; return its exit code (``-signum`` = die by signal)."""
+    # First, before the monitor link's thread may read the environment: ps, top, pgrep -f and GPU process
+    # lists then show the rank as torchrun's, not as the template process or `-m launcher.rank.bootstrap`.
+    set_process_title(torchrun_command_line(entry, args, module))
     _attach_to_monitor(time.monotonic())
     ckpt_writer.start_if_requested(os.environ)  # nvrx launch --async-ckpt: this rank's writer, started once
     inprocess = _inprocess_mode()

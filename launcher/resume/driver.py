@@ -22,6 +22,9 @@ from nvrx_common import exit_codes
 from nvrx_common.process import die_with_parent
 from nvrx_common.signals import DEFAULT_SIGNALS, parse_signals
 
+from monitors.events import (EventLog, ResumeAttemptEnd, ResumeAttemptStart, ResumeDecision, ResumeEnd, ResumeLimits,
+                             ResumeReset, ResumeSignal, ResumeStart, ResumeStateRecovered, ResumeSubmit,
+                             read_events)
 from slurm import submit as slurm_submit
 from launcher.resume.progress import ProgressSource, read_progress
 from launcher.resume.state import Loaded, ResumeError, ResumeState, StateStore
@@ -263,8 +266,6 @@ class ResumeDriver:
 
     def run(self) -> int:
         """The driver's exit code (0 finished, 3 continue, 4 give up). Raises ResumeError / SubmitError."""
-        from monitors.events import EventLog
-
         self.store.open(lock=not self.cfg.check_only)
         try:
             self._check_submit_setup()
@@ -285,22 +286,22 @@ class ResumeDriver:
         cfg = self.cfg
         if loaded.note:
             log.warning("%s", loaded.note)
-            self.events.emit("resume_state_recovered", source=loaded.source, note=loaded.note,
-                             corrupt_copy=str(loaded.corrupt_copy) if loaded.corrupt_copy else None)
+            self.events.emit(ResumeStateRecovered(source=loaded.source, note=loaded.note,
+                                                  corrupt_copy=str(loaded.corrupt_copy) if loaded.corrupt_copy else None))
         state = loaded.state
         if cfg.reset:
             state = replace(ResumeState(created=time.time()), seq=state.seq, jobs=state.jobs,
                             submitted=state.submitted, history=state.history)
-            self.events.emit("resume_reset")
+            self.events.emit(ResumeReset())
         if cfg.slurm.run_key and cfg.slurm.run_key not in state.jobs:
             state = replace(state, jobs=(*state.jobs, cfg.slurm.run_key))
         state = settle_lost_attempt(state)
         mode = ("check" if cfg.check_only else "stop" if cfg.stop else "record" if cfg.exit_code is not None
                 else "loop")
-        self.events.emit("resume_start", mode=mode, pid=os.getpid(), job_id=cfg.slurm.job_id,
-                         node=cfg.slurm.node_name, state_dir=str(cfg.state_dir),
-                         finished_flag=str(cfg.finished_flag), limits=vars(cfg.limits),
-                         submit=cfg.submit.method if cfg.submit else None, command=list(cfg.command))
+        self.events.emit(ResumeStart(mode=mode, pid=os.getpid(), job_id=cfg.slurm.job_id, node=cfg.slurm.node_name,
+                                     state_dir=str(cfg.state_dir), finished_flag=str(cfg.finished_flag),
+                                     limits=ResumeLimits.of(vars(cfg.limits)),
+                                     submit=cfg.submit.method if cfg.submit else None, command=list(cfg.command)))
         blocked = self._block_signals()
         try:
             state, decision = self._decide(mode, state)
@@ -310,7 +311,7 @@ class ResumeDriver:
             self._unblock_signals(blocked)
         log.info("%s: %s", {FINISHED: "finished", CONTINUE: "continue", GIVE_UP: "giving up"}[decision.action],
                  decision.reason)
-        self.events.emit("resume_end", action=decision.action, reason=decision.reason, exit_code=decision.exit_code)
+        self.events.emit(ResumeEnd(action=decision.action, reason=decision.reason, exit_code=decision.exit_code))
         return decision.exit_code
 
     def _decide(self, mode: str, state: ResumeState) -> tuple[ResumeState, Decision]:
@@ -326,7 +327,7 @@ class ResumeDriver:
             decision = early or Decision(CONTINUE, f"attempts so far {state.attempts}, failures {state.failures}"
                                                   + (" (the last one was lost with its driver)"
                                                      if state.last_cause == LOST else ""))
-            self.events.emit("resume_decision", action=decision.action, reason=decision.reason, check=True)
+            self.events.emit(ResumeDecision(action=decision.action, reason=decision.reason, check=True))
             return state, decision
         if early is not None:
             return self._commit(state, early), early
@@ -346,8 +347,8 @@ class ResumeDriver:
             running = {"attempt": attempt, "job_id": cfg.slurm.job_id, "node": cfg.slurm.node_name,
                        "start": round(time.time(), 3)}
             state = self.store.save(replace(state, running=running))
-            self.events.emit("resume_attempt_start", attempt=attempt, job_id=cfg.slurm.job_id,
-                             node=cfg.slurm.node_name, command=list(cfg.command), progress=before)
+            self.events.emit(ResumeAttemptStart(attempt=attempt, job_id=cfg.slurm.job_id, node=cfg.slurm.node_name,
+                                                command=list(cfg.command), progress=before))
             log.info("attempt %d: %s", attempt, _shown(cfg.command))
             t0 = time.monotonic()
             code = self._run_attempt(attempt)
@@ -356,8 +357,9 @@ class ResumeDriver:
             state, decision = decide(state, self._outcome(code, before, extra), cfg.limits)
             if self._signal is not None and decision.action == CONTINUE:
                 decision = Decision(CONTINUE, f"stopped by {self._signal.name}: {decision.reason}", new_job=True)
-            self.events.emit("resume_attempt_end", attempt=attempt, exit_code=code, cause=state.last_cause,
-                             progress=state.history[-1].get("progress"), finished=state.finished, **extra)
+            self.events.emit(ResumeAttemptEnd(attempt=attempt, exit_code=code, cause=state.last_cause,
+                                              progress=state.history[-1].get("progress"), finished=state.finished,
+                                              **extra))
             state = self._commit(state, decision)
             if decision.action != CONTINUE or decision.new_job:
                 return state, decision
@@ -394,11 +396,11 @@ class ResumeDriver:
 
     def _commit(self, state: ResumeState, decision: Decision) -> ResumeState:
         state = self.store.save(state)
-        self.events.emit("resume_decision", action=decision.action, reason=decision.reason,
-                         new_job=decision.new_job, attempts=state.attempts, failures=state.failures,
-                         no_progress=state.no_progress, last_progress=state.last_progress,
-                         last_cause=state.last_cause, excluded_nodes=list(state.excluded_nodes),
-                         state=state.counts())
+        self.events.emit(ResumeDecision(action=decision.action, reason=decision.reason, new_job=decision.new_job,
+                                        attempts=state.attempts, failures=state.failures,
+                                        no_progress=state.no_progress, last_progress=state.last_progress,
+                                        last_cause=state.last_cause, excluded_nodes=list(state.excluded_nodes),
+                                        state=state.counts()))
         return state
 
     def _run_attempt(self, attempt: int) -> int:
@@ -434,8 +436,7 @@ class ResumeDriver:
                     pass
             log.info("got %s: %s", sig.name, "passed it to the launch" if forward else
                      "the launch got it too" if reached else "already passed one on")
-            self.events.emit("resume_signal", signal=sig.name, forwarded=forward, sender_pid=info.si_pid,
-                             attempt=attempt)
+            self.events.emit(ResumeSignal(signal=sig.name, forwarded=forward, sender_pid=info.si_pid, attempt=attempt))
 
     # ------------------------------------------------------------ signals
 
@@ -498,7 +499,7 @@ class ResumeDriver:
                                  "command": cmd, "exclude": excluded, "ok": None}
         # Saved first: a requeue ends this very job, and we may not live to record the result.
         state = self.store.save(replace(state, submitted=(*state.submitted, entry)))
-        self.events.emit("resume_submit", status="submitting", **entry)
+        self.events.emit(_submit_event("submitting", entry))
         try:
             out = slurm_submit.call(cmd, env, sub.timeout, cwd, self.runner)
             job_id = slurm_submit.parse_sbatch_job_id(out) if sub.method == "sbatch" else slurm.job_id
@@ -507,11 +508,11 @@ class ResumeDriver:
         except SubmitError as exc:
             entry = {**entry, "ok": False, "error": str(exc)}
             state = self.store.save(replace(state, submitted=(*state.submitted[:-1], entry)))
-            self.events.emit("resume_submit", status="failed", **entry)
+            self.events.emit(_submit_event("failed", entry))
             raise
         entry = {**entry, "ok": True, "job_id": job_id}
         state = self.store.save(replace(state, submitted=(*state.submitted[:-1], entry)))
-        self.events.emit("resume_submit", status="submitted", state=state.counts(), **entry)
+        self.events.emit(_submit_event("submitted", entry, state.counts()))
         if sub.method == "sbatch":
             log.info("submitted the continuation: job %s (%s)", job_id, " ".join(cmd[1:]))
         else:
@@ -526,15 +527,24 @@ def _shown(command: Sequence[str]) -> str:
     return " ".join(command)
 
 
+def _submit_event(status: str, entry: Mapping[str, Any], state: dict[str, Any] | None = None) -> ResumeSubmit:
+    """The resume_submit event of a submission ENTRY (as kept in the state; its time is the event's)."""
+    return ResumeSubmit(status=status, method=entry["method"], from_job=entry.get("from_job"),
+                        command=list(entry["command"]), exclude=list(entry["exclude"]), ok=entry.get("ok"),
+                        job_id=entry.get("job_id"), error=entry.get("error"), state=state)
+
+
+_SNAPSHOTS = {ResumeDecision.EV: ResumeDecision.F.state, ResumeSubmit.EV: ResumeSubmit.F.state}
+
+
 def _read_snapshots(path: Path) -> list[dict[str, Any]]:
     """State snapshots from resume.jsonl: the third copy of the counts, used when both files are bad."""
-    from monitors.events import read_events
-
     out: list[dict[str, Any]] = []
     try:
         for item in read_events(path):
-            if isinstance(item, dict) and isinstance(item.get("state"), dict):
-                out.append(item["state"])
+            key = _SNAPSHOTS.get(item["ev"]) if isinstance(item, dict) else None
+            if key is not None and isinstance(item.get(key), dict):
+                out.append(item[key])
     except OSError:
         return []
     return out

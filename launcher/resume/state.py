@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 
 from monitors.events import BOOL, INT, STR, Kind, shown
 from nvrx_common.files import save_json_atomic
+from nvrx_common.errors import NvrxError
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,11 @@ EVENTS_FILE = "resume.jsonl"
 HISTORY_KEEP = 200  # attempt records kept in the file; the counts are separate and never trimmed
 
 
-class ResumeError(Exception):
+class ResumeError(NvrxError):
     """A user-fixable problem with the state dir or the setup (one line, exit 2)."""
 
 
-class CorruptState(ValueError):
+class CorruptState(NvrxError, ValueError):
     """A state file (or snapshot) that cannot be read back into a ResumeState."""
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 from monitors.events import decode_event
+from nvrx_common.errors import NvrxError
 
 _AGENT_RE = re.compile(r"^agent-(?P<node>.+)\.jsonl$")
 _MONITOR_RE = re.compile(r"^monitor-(?P<node>.+)-(?P<lr>\d+)\.jsonl$")
@@ -25,7 +27,7 @@ MAX_LINE = 1 << 20       # a "line" longer than this without a newline is garbag
 _EV_KEY = b'"ev":"'
 
 
-class NotARun(Exception):
+class NotARun(NvrxError):
     """The given path holds nothing `nvrx inspect` can read; the message says what to pass instead."""
 
 
@@ -177,6 +179,16 @@ def first_event_time(ef: EventFile) -> float | None:
     except OSError:
         return None
     return None
+
+
+def iso(t: float | None) -> str | None:
+    """An event time as local ISO-8601 with milliseconds (the JSON report's ``time`` fields); None if T is not one."""
+    if t is None:
+        return None
+    try:
+        return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t)) + f".{int((t % 1) * 1000):03d}"
+    except (OverflowError, ValueError, OSError):
+        return None
 
 
 @dataclass

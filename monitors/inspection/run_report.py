@@ -1,9 +1,17 @@
-"""The report `nvrx inspect` shows, derived from a folded Timeline: causes, time lost, goodput, stats.
+"""The report `nvrx inspect` shows, derived from a folded Timeline: causes, time lost, uptime, goodput, stats.
 
 ``make_report(timeline)`` turns the per-file state that ``monitors.inspection.timeline`` folded into plain data:
-jobs with their rounds, every stop with a cause a person can act on, the time each fault cost, goodput,
-per-rank heartbeat and section statistics and the timeouts (configured, in force, computed).
-``Report.to_dict()`` is the ``--json`` output. Definitions are in ``monitors.inspection.timeline``'s docstring.
+jobs with their rounds, every stop with a cause a person can act on, the time each fault cost, uptime and
+goodput, per-rank heartbeat and section statistics and the timeouts (configured, in force, computed).
+``Report.to_dict()`` is the ``--json`` output, except that the timeline's structured entries (``text`` None: the
+resume driver's events, job ends) are worded by the renderer (``nvrx_cli.inspect_text.report_dict``). Numbers
+are data here (seconds, ratios, ISO times); their display is the CLI's. Definitions are in
+``monitors.inspection.timeline``'s docstring.
+
+A hang's cause has one source: the monitor's ``hang_detected`` event. The agent reads it back from the
+monitor's event file when the rank's exit ends the round and copies it into the stop record
+(``rdzv_stop.detail.hang``), which every agent of the job logs, so the report takes a stop's hang from
+the stop record alone; the monitor's events add only the hangs no stop explains.
 """
 
 from __future__ import annotations
@@ -13,14 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from monitors.events import AgentStart, HangInfo, JobEnd, RdzvStop, StopDetail
+from monitors.inspection.event_files import NotARun, discover, iso
+from monitors.inspection.timeline import (STEP_SECTIONS, Entry, Filters, JobState, MonitorFile, RankSession,
+                                          RoundState, SectionTally, Timeline, rounded)
 from nvrx_common import exit_codes
-from monitors.inspection.event_files import NotARun, discover
-from monitors.inspection.timeline import (Entry, Filters, JobState, MonitorFile, RankSession, RoundState, SectionTally, Timeline,
-                               duration, iso, rounded)
 
-REPORT_SCHEMA = 1
+REPORT_SCHEMA = 2  # 2: uptime / goodput / goodput_source replace the one "goodput" ratio that was uptime
 LIVE_WINDOW = 120.0  # s: an open job whose files changed this recently is shown as running
 TAIL_SHOWN = 20
+HANG_SHOWN = (HangInfo.F.t, HangInfo.F.reason, HangInfo.F.section, HangInfo.F.elapsed, HangInfo.F.timeout,
+              HangInfo.F.signal)  # a rank's hangs in the JSON report
 CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGABRT", "SIGFPE", "SIGILL", "SIGSYS", "SIGTRAP"})
 HANG_TEXT = {
     "section_timeout": "hung in section {section!r} after {elapsed:.1f} s, timeout {timeout:g} s",
@@ -37,14 +48,20 @@ def make_report(tl: Timeline, now: float | None = None) -> "Report":
 
 @dataclass
 class Report:
-    """Everything `nvrx inspect` shows; plain data (to_dict() is the --json output)."""
+    """Everything `nvrx inspect` shows; plain data (to_dict() is the --json output, structured entries unworded).
+
+    ITEMS are the timeline's entries, TIMELINE the same entries as dicts, in the same order.
+    """
 
     paths: list[str]
     files: dict[str, Any]
     corrupt: dict[str, Any]
     unknown_events: dict[str, int]
     span: dict[str, Any]
-    goodput: dict[str, Any]
+    uptime: float | None
+    goodput: float | None
+    goodput_source: str | None
+    time_accounting: dict[str, Any]
     jobs: list[dict[str, Any]]
     faults: list[dict[str, Any]]
     timeline: list[dict[str, Any]]
@@ -56,7 +73,8 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         return {"schema": REPORT_SCHEMA, "paths": self.paths, "filters": self.filters, "files": self.files,
                 "corrupt": self.corrupt, "unknown_events": self.unknown_events, "span": self.span,
-                "goodput": self.goodput, "jobs": self.jobs, "faults": self.faults, "timeline": self.timeline,
+                "uptime": self.uptime, "goodput": self.goodput, "goodput_source": self.goodput_source,
+                "time_accounting": self.time_accounting, "jobs": self.jobs, "faults": self.faults, "timeline": self.timeline,
                 "ranks": self.ranks, "timeouts": self.timeouts}
 
 
@@ -78,20 +96,24 @@ class _ReportBuilder:
         items = [it for it in items if self._shown(it.t, it.rank)]
         items.sort(key=lambda it: (it.t, it.key[0] != "job"))
         span = self._span()
+        acct = self._time_accounting(rounds, sessions, span)
         return Report(
             paths=sorted({str(ef.run_dir) for ef in tl.files}),
             files=self._files(),
             corrupt={"count": tl.damage.count, "first": list(tl.damage.first)},
             unknown_events=dict(sorted(tl.unknown.items())),
             span=span,
-            goodput=self._goodput(rounds, sessions, span),
+            uptime=acct["uptime"],
+            goodput=acct["goodput"],
+            goodput_source=acct["goodput_source"],
+            time_accounting=acct,
             jobs=[self._job_dict(job) for job in tl.jobs],
             faults=[f for f in faults if self._shown(f["t"], f.get("rank"))],
             timeline=[it.to_dict() for it in items],
             ranks=self._ranks(sessions),
             timeouts=self._timeouts(sessions),
             filters={"rank": self.f.rank, "since": self.f.since, "since_time": iso(self.f.since),
-                     "step_section": self.f.step_section},
+                     "step_section": self.f.step_section, "ckpt_section": self.f.ckpt_section},
             items=items,
         )
 
@@ -152,43 +174,109 @@ class _ReportBuilder:
     def _round_end(self, rd: RoundState) -> float:
         return rd.stop_t if rd.stop_t is not None else rd.job.last_t
 
-    def _goodput(self, rounds: list[RoundState], sessions: list, span: dict[str, Any]) -> dict[str, Any]:
-        step = self.f.step_section
-        per_round: dict[int, list[float]] = {}
-        for s, rank, rd, _ in sessions:
-            if rd is None or step not in s.sections or (self.f.rank is not None and rank != self.f.rank):
-                continue
-            per_round.setdefault(id(rd), []).append(s.sections[step].total_s)
-        running = 0.0
+    def _round_redone(self, rd: RoundState) -> bool:
+        """RD's work after the last checkpoint is done again: it ended other than by succeeding."""
+        if rd.stop is None:  # in a job that ended all the same (its agents killed, e.g. by the time limit)
+            return not rd.job.open
+        return rd.stop.get(RdzvStop.F.kind) != "succeeded"
+
+    def _progress_source(self, sessions: list) -> tuple[str, str | None] | None:
+        """Which progress the goodput is measured by: ("section", name), ("heartbeats" | "auto", None) or None."""
+        names = [self.f.step_section] if self.f.step_section else list(STEP_SECTIONS)
+        mine = [s for s, rank, _, _ in sessions if self.f.rank is None or rank == self.f.rank]
+        for name in names:
+            if any(name in s.sections and s.sections[name].closes for s in mine):
+                return "section", name
+        if any(s.first_hb_t is not None or s.hb_count for s in mine):
+            return "heartbeats", None
+        if any(s.auto for s in mine):
+            return "auto", None
+        return None
+
+    def _session_progress(self, s: RankSession, source: tuple[str, str | None]) -> tuple[float, float] | None:
+        """(seconds of progress, of which before the last checkpoint) of one rank process, or None."""
+        kind, name = source
+        if kind == "section":
+            sec = s.sections.get(name or "")
+            if sec is None:
+                return None
+            at_ckpt = s.totals_at_ckpt.get(name or "", 0.0) if s.ckpt_t is not None else 0.0
+            return sec.total_s, min(at_ckpt, sec.total_s)
+        first = s.first_hb_t if s.first_hb_t is not None else (s.t if s.auto else None)
+        lasts = [x for x in (s.last_hb_t, s.last_auto_t) if x is not None]
+        last = max(lasts) if lasts else None
+        hang = s.hang or {}
+        if isinstance(hang.get(HangInfo.F.t), (int, float)):  # no progress since the moment the hang began
+            stalled = float(hang[HangInfo.F.t]) - float(hang.get(HangInfo.F.elapsed) or 0.0)
+            last = stalled if last is None else min(last, stalled)
+        if first is None or last is None:
+            return None
+        if self.f.since is not None:
+            first = max(first, self.f.since)
+        total = max(0.0, last - first)
+        at_ckpt = max(0.0, min(s.ckpt_t, last) - first) if s.ckpt_t is not None else 0.0
+        return total, min(at_ckpt, total)
+
+    def _time_accounting(self, rounds: list[RoundState], sessions: list, span: dict[str, Any]) -> dict[str, Any]:
+        """Uptime (all ranks running) and goodput (kept progress, from the first progress source) over wall time."""
+        wall = span.get("wall_s") or 0.0
+        up = 0.0
         for rd in rounds:
             if rd.running_at is not None:
                 begin = max(rd.running_at, self.f.since or rd.running_at)
-                running += max(0.0, self._round_end(rd) - begin)
-        if per_round:
-            method = "step_sections"
-            productive = 0.0
-            for rd in rounds:
-                vals = per_round.get(id(rd))
-                if vals:
-                    est = sum(vals) / len(vals)
-                    if rd.running_at is not None:  # an estimate never exceeds the round's running time
-                        est = min(est, max(0.0, self._round_end(rd) - rd.running_at))
-                    productive += est
-            definition = (f"time ranks spent in section {step!r} (mean over a round's ranks, summed over "
-                          "rounds) / wall time")
-        else:
-            method, productive = "ranks_running", running
-            definition = (f"no {step!r} section events: time all ranks of a round were running (last rank start "
-                          "to the round's stop) / wall time")
-        wall = span.get("wall_s") or 0.0
-        return {"method": method, "productive_s": rounded(productive), "ranks_running_s": rounded(running),
-                "wall_s": wall, "ratio": rounded(productive / wall, 4) if wall > 0 else None, "definition": definition}
+                up += max(0.0, self._round_end(rd) - begin)
+        out: dict[str, Any] = {
+            "wall_s": wall, "uptime_s": rounded(up), "uptime": rounded(up / wall, 4) if wall > 0 else None,
+            "goodput": None, "goodput_source": None, "progress_s": None, "kept_s": None, "recomputed_s": None,
+            "recompute": None,
+            "definitions": {
+                "uptime": "time all ranks of a round were running (last rank start to the round's stop) / wall time",
+                "goodput": "progress kept (not redone after a restart) / wall time; progress from the step section, "
+                           "else heartbeats (explicit, else automatic); none without a progress source",
+            }}
+        source = self._progress_source(sessions)
+        if source is None:
+            return out
+        ckpt_known = any(s.ckpt_t is not None for s, _, _, _ in sessions)
+        progress, kept = self._round_progress(rounds, sessions, source, ckpt_known)
+        label = {"section": f"{source[1]!r} sections", "heartbeats": "heartbeats",
+                 "auto": "automatic heartbeats"}[source[0]]
+        ckpt = self.f.ckpt_section
+        out.update(goodput=rounded(kept / wall, 4) if wall > 0 else None, goodput_source=label,
+                   progress_s=rounded(progress), kept_s=rounded(kept),
+                   recomputed_s=rounded(progress - kept) if ckpt_known else None,
+                   recompute=(f"progress after the last {ckpt!r} section of a round that did not succeed"
+                              if ckpt_known else f"unknown: no {ckpt!r} sections, so all progress counts"))
+        return out
+
+    def _round_progress(self, rounds: list[RoundState], sessions: list, source: tuple[str, str | None],
+                        ckpt_known: bool) -> tuple[float, float]:
+        """Progress and kept progress, summed over rounds of the mean over each round's ranks."""
+        per_round: dict[int, list[tuple[float, float]]] = {}
+        for s, rank, rd, _ in sessions:
+            if rd is None or (self.f.rank is not None and rank != self.f.rank):
+                continue
+            p = self._session_progress(s, source)
+            if p is not None:
+                per_round.setdefault(id(rd), []).append(p)
+        progress = kept = 0.0
+        for rd in rounds:
+            vals = per_round.get(id(rd))
+            if not vals:
+                continue
+            done = sum(v[0] for v in vals) / len(vals)
+            saved = sum(v[1] for v in vals) / len(vals) if ckpt_known and self._round_redone(rd) else done
+            if rd.running_at is not None:  # an estimate never exceeds the round's running time
+                done = min(done, max(0.0, self._round_end(rd) - rd.running_at))
+            progress += done
+            kept += min(saved, done)
+        return progress, kept
 
     # ---- faults and stops
     def _faults(self, rounds: list[RoundState]) -> tuple[list[dict[str, Any]], list[Entry]]:
         faults, items = [], []
         for rd in rounds:
-            if rd.stop is None or rd.stop.get("kind") == "succeeded":
+            if rd.stop is None or rd.stop.get(RdzvStop.F.kind) == "succeeded":
                 continue
             f = self._fault(rd)
             faults.append(f)
@@ -199,48 +287,49 @@ class _ReportBuilder:
 
     def _fault(self, rd: RoundState) -> dict[str, Any]:
         stop = rd.stop or {}
-        kind = str(stop.get("kind"))
-        d = stop.get("detail") if isinstance(stop.get("detail"), dict) else {}
+        S, D = RdzvStop.F, StopDetail.F
+        kind = str(stop.get(S.kind))
+        d = stop.get(S.detail) if isinstance(stop.get(S.detail), dict) else {}
         f: dict[str, Any] = {"job": rd.job.index, "run_id": rd.job.run_id, "round": rd.number, "kind": kind,
-                             "t_stop": rd.stop_t, "by_node": stop.get("by_node"),
-                             "restart_count": stop.get("restart_count"), "give_up": bool(stop.get("give_up"))}
+                             "t_stop": rd.stop_t, "by_node": stop.get(S.by_node),
+                             "restart_count": stop.get(S.restart_count), "give_up": bool(stop.get(S.give_up))}
         fault_t = rd.stop_t
         if kind == "failed":
-            hang = d.get("hang") if isinstance(d.get("hang"), dict) else self._hang_for(rd, d)
+            hang = d.get(D.hang) if isinstance(d.get(D.hang), dict) else None
             cause = self._failed_cause(d, hang)
-            pid = d.get("pid")
+            pid = d.get(D.pid)
             fault_t = rd.exits.get(pid, fault_t) if isinstance(pid, int) else fault_t
-            if hang and isinstance(hang.get("t"), (int, float)):
-                fault_t = float(hang["t"]) - float(hang.get("elapsed") or 0.0)
-            f.update(rank=d.get("rank"), local_rank=d.get("local_rank"), group_rank=d.get("group_rank"), pid=pid,
-                     exitcode=d.get("exitcode"), signal=d.get("signal"), hang=hang,
-                     tail=[str(x) for x in (d.get("tail") or [])][-TAIL_SHOWN:])
-            node = self._node_of_group_rank(rd, d.get("group_rank"))
+            if hang and isinstance(hang.get(HangInfo.F.t), (int, float)):
+                fault_t = float(hang[HangInfo.F.t]) - float(hang.get(HangInfo.F.elapsed) or 0.0)
+            node = self._node_of_group_rank(rd, d.get(D.group_rank))
+            f.update(rank=d.get(D.rank), local_rank=d.get(D.local_rank), group_rank=d.get(D.group_rank), pid=pid,
+                     exitcode=d.get(D.exitcode), signal=d.get(D.signal), hang=hang, node=node,
+                     tail=[str(x) for x in (d.get(D.tail) or [])][-TAIL_SHOWN:])
             if node and len(rd.nodes) > 1:
                 cause += f" on node {node}"
         elif kind == "node_left":
-            node = d.get("node")
-            cause = f"node {node} left (group rank {d.get('group_rank')}; it stopped beating)"
+            node = d.get(D.node)
+            cause = f"node {node} left (group rank {d.get(D.group_rank)}; it stopped beating)"
             gone = self.agents_by_id.get(node)
             if gone is not None and gone.last_t:
                 fault_t = min(fault_t or gone.last_t, gone.last_t)
-            f.update(node=node, group_rank=d.get("group_rank"))
+            f.update(node=node, group_rank=d.get(D.group_rank))
         elif kind == "interrupted":
-            sig = d.get("signal")
+            sig = d.get(D.signal)
             cause = f"interrupted by {sig} (preemption or a stop request)" if sig else \
-                f"stopped without a stop record (node {d.get('node')})"
+                f"stopped without a stop record (node {d.get(D.node)})"
             f.update(signal=sig)
         elif kind == "scale_up":
-            cause = f"node {d.get('node')} is waiting to join: restarting the round to scale up"
+            cause = f"node {d.get(D.node)} is waiting to join: restarting the round to scale up"
         else:
             cause = kind.replace("_", " ")
         recovered = self._recovered_at(rd)
         f.update(cause=cause, t=fault_t, time=iso(fault_t), recovered_at=recovered,
                  lost_s=rounded(recovered - fault_t) if recovered is not None and fault_t is not None else None)
-        if kind == "failed" and d.get("steer") in exit_codes.STEERING_CODES:
-            what = f"no restart in place: the job ends with code {d['steer']} for the resume logic"
+        if kind == "failed" and d.get(D.steer) in exit_codes.STEERING_CODES:
+            what = f"no restart in place: the job ends with code {d[D.steer]} for the resume logic"
         elif kind in ("failed", "node_left"):
-            what = "giving up: restarts used up" if f["give_up"] else f"restart {stop.get('restart_count')}"
+            what = "giving up: restarts used up" if f["give_up"] else f"restart {stop.get(S.restart_count)}"
         elif kind == "interrupted":
             what = "job stops (resumable)"
         else:
@@ -249,36 +338,26 @@ class _ReportBuilder:
         return f
 
     def _failed_cause(self, d: dict[str, Any], hang: dict[str, Any] | None) -> str:
-        who = f"rank {d.get('rank')}"
-        sig, code = d.get("signal"), d.get("exitcode")
+        D = StopDetail.F
+        who = f"rank {d.get(D.rank)}"
+        sig, code = d.get(D.signal), d.get(D.exitcode)
         if hang:
             text = hang_text(hang, "hung ({reason}) after {elapsed:.1f} s, timeout {timeout:g} s")
-            return f"{who} {text} (killed with {hang.get('signal') or sig} by its monitor)"
-        if d.get("abandoned"):
+            first = hang.get(HangInfo.F.stalled_first)
+            stalled = f"; rank {first} stopped making progress first" if isinstance(first, int) else ""
+            return f"{who} {text} (killed with {hang.get(HangInfo.F.signal) or sig} by its monitor){stalled}"
+        if d.get(D.monitor_failed):
+            return str(d.get(D.describe) or f"the rank monitor of {who} kept dying")
+        if d.get(D.abandoned):
             return f"{who} could not be killed (stuck in the kernel) and was abandoned"
         if sig:
             if sig in CRASH_SIGNALS:
                 return f"{who} crashed with {sig}"
             return f"{who} was killed by {sig}" + (" (out of memory?)" if sig == "SIGKILL" else "")
-        if code == 127 and d.get("pid") == -1:
+        if code == 127 and d.get(D.pid) == -1:
             return f"{who} could not be started"
         meaning = _EXIT_MEANINGS.get(code) if code in exit_codes.STEERING_CODES else None
         return f"{who} exited with code {code}" + (f" ({meaning})" if meaning else "")
-
-    def _hang_for(self, rd: RoundState, d: dict[str, Any]) -> dict[str, Any] | None:
-        """The monitor's hang_detected for the failed rank process, when the failure detail lacks it.
-        Pids repeat across nodes sharing a log dir: the monitor must be on the failed rank's node, and
-        a hang that names a global rank must name this one."""
-        agent = self.agents_by_id.get(self._node_of_group_rank(rd, d.get("group_rank")) or "")
-        for m, hang in self.tl.hangs:
-            if hang.get("pid") != d.get("pid") or m.ef.run_dir != rd.job.run_dir:
-                continue
-            if agent is not None and m.ef.node != agent.ef.node:
-                continue
-            if None not in (hang.get("global_rank"), d.get("rank")) and hang["global_rank"] != d["rank"]:
-                continue
-            return hang
-        return None
 
     def _node_of_group_rank(self, rd: RoundState, g: Any) -> str | None:
         return rd.nodes[g] if isinstance(g, int) and 0 <= g < len(rd.nodes) else None
@@ -296,23 +375,27 @@ class _ReportBuilder:
         return None
 
     def _hang_items(self, faults: list[dict[str, Any]]) -> list[Entry]:
-        """Hangs a monitor detected that are not the cause of a stop (e.g. a second rank hung too)."""
-        explained = {(f.get("hang") or {}).get("pid") for f in faults}
+        """Hangs a monitor detected that no stop names as its cause (e.g. a second rank hung too)."""
+        explained = set()
+        for f in faults:
+            hang, node = f.get("hang") or {}, self.agents_by_id.get(f.get("node") or "")
+            explained.add((node.ef.node if node else None, hang.get(HangInfo.F.pid)))
         items = []
         for m, hang in self.tl.hangs:
-            if hang.get("pid") in explained:
+            pid = hang.get(HangInfo.F.pid)
+            if (m.ef.node, pid) in explained or (None, pid) in explained:
                 continue
             agent = self.agents_by_node.get((m.ef.run_dir, m.ef.node))
-            rank = agent.pids[hang["pid"]][0] if agent and hang.get("pid") in agent.pids else hang.get("rank")
+            rank = agent.pids[pid][0] if agent and pid in agent.pids else hang.get(HangInfo.F.global_rank)
             text = hang_text(hang, "hung ({reason})")
-            items.append(Entry(("hang", str(m.ef.path), hang.get("t")), hang["t"], "hang_detected",
-                               f"rank {rank} {text}; monitor sent {hang.get('signal')}", "warn", rank=rank))
+            items.append(Entry(("hang", str(m.ef.path), hang.get(HangInfo.F.t)), hang[HangInfo.F.t], "hang_detected",
+                               f"rank {rank} {text}; monitor sent {hang.get(HangInfo.F.signal)}", "warn", rank=rank))
         return items
 
     # ---- jobs and rounds
     def _job_status(self, job: JobState) -> tuple[str, int | None]:
-        codes = [e.get("exit_code") for e in job.ends if isinstance(e.get("exit_code"), int)]
-        statuses = [str(e.get("status")) for e in job.ends]
+        codes = [e.get(JobEnd.F.exit_code) for e in job.ends if isinstance(e.get(JobEnd.F.exit_code), int)]
+        statuses = [str(e.get(JobEnd.F.status)) for e in job.ends]
         if job.open:
             return ("running" if self._alive(job) else "no end record (agent killed, or still running)"), None
         code = max(codes, key=lambda c: (c != 0, c)) if codes else None
@@ -340,8 +423,8 @@ class _ReportBuilder:
                 "start_time": iso(job.start), "end": job.last_t, "end_time": iso(job.last_t),
                 "seconds": rounded(job.last_t - job.start), "status": status, "exit_code": code,
                 "exit_meaning": exit_meaning(code), "nodes": sorted({a.node_id or str(a.ef.node) for a in job.agents}),
-                "nproc_per_node": job.info.get("nproc"), "nnodes": job.info.get("nnodes"),
-                "max_restarts": job.info.get("max_restarts"),
+                "nproc_per_node": job.info.get(AgentStart.F.nproc), "nnodes": job.info.get(AgentStart.F.nnodes),
+                "max_restarts": job.info.get(AgentStart.F.max_restarts),
                 "rounds": [self._round_dict(rd) for rd in rounds]}
 
     def _round_dict(self, rd: RoundState) -> dict[str, Any]:
@@ -351,31 +434,32 @@ class _ReportBuilder:
                 "ranks_running_at": rd.running_at,
                 "start_latency_s": rounded(rd.running_at - rd.t) if rd.running_at is not None else None,
                 "running_s": rounded(end - rd.running_at) if rd.running_at is not None else None,
-                "stop": (rd.stop or {}).get("kind"), "stop_t": rd.stop_t}
+                "stop": (rd.stop or {}).get(RdzvStop.F.kind), "stop_t": rd.stop_t}
 
     def _job_items(self) -> list[Entry]:
         items = []
         for job in self.tl.jobs:
-            info = job.info
-            nodes = len({a.ef.path for a in job.agents})
+            info, a = job.info, AgentStart.F
+            nodes = len({agent.ef.path for agent in job.agents})
             where = f" in {job.run_dir.name}/" if job.run_dir.name != job.run_id else ""
             items.append(Entry(("job", job.index), job.start, "job_start",
                                f"job {job.run_id or '?'} started{where}: {nodes} agent(s), nnodes "
-                               f"{info.get('nnodes')}, {info.get('nproc')} rank(s) per node, max restarts "
-                               f"{info.get('max_restarts')}", job=job.index))
+                               f"{info.get(a.nnodes)}, {info.get(a.nproc)} rank(s) per node, max restarts "
+                               f"{info.get(a.max_restarts)}", job=job.index))
             status, code = self._job_status(job)
-            errors = "".join(f"; node {e['node']}: {e['detail']}" for e in job.ends
-                             if e.get("status") == "failed" and e.get("detail"))
+            failed = [[str(e["node"]), str(e[JobEnd.F.detail])] for e in job.ends
+                      if e.get(JobEnd.F.status) == "failed" and e.get(JobEnd.F.detail)]
+            errors = "".join(f"; node {node}: {detail}" for node, detail in failed)
             if job.open:  # a state, not an event: --follow does not print it
                 items.append(Entry(("job_open", job.index), job.last_t, "job_open",
                                    f"job {job.run_id or '?'}: {status}; its last event so far{errors}", "warn",
                                    job=job.index))
                 continue
-            meaning = exit_meaning(code)
-            text = (f"job {job.run_id or '?'} {status} (exit code {code}" + (f": {meaning}" if meaning else "")
-                    + f") after {duration(job.last_t - job.start)}{errors}")
             level = {"succeeded": "ok", "interrupted": "warn"}.get(status, "error")
-            items.append(Entry(("job_end", job.index), job.last_t, "job_end", text, level, job=job.index))
+            fields = {"run_id": job.run_id, "status": status, "exit_code": code, "exit_meaning": exit_meaning(code),
+                      "seconds": job.last_t - job.start, "errors": failed}
+            items.append(Entry(("job_end", job.index), job.last_t, "job_end", None, level, job=job.index,
+                               form="job_end", fields=fields))
         return items
 
     def _round_items(self, rounds: list[RoundState]) -> list[Entry]:
@@ -400,14 +484,18 @@ class _ReportBuilder:
             if self.f.since is not None and (s.end_t or self.now) < self.f.since:
                 continue
             r = by_rank.setdefault(rank, {"rank": rank, "nodes": set(), "sessions": 0, "heartbeats": 0,
-                                          "hb_max_interval_s": None, "first_heartbeat_max_s": None, "hangs": 0,
-                                          "sections": {}, "monitor_restarts": 0, "_mons": set()})
+                                          "auto_heartbeat": False, "hb_max_interval_s": None, "first_heartbeat_max_s": None, "hangs": 0,
+                                          "hang_details": [], "sections": {}, "monitor_restarts": 0,
+                                          "_mons": set()})
             r["nodes"].add(str(m.ef.node))
             r["sessions"] += 1
             r["heartbeats"] += s.hb_count
+            r["auto_heartbeat"] = r["auto_heartbeat"] or s.auto  # automatic beats are seen, not counted
             r["hb_max_interval_s"] = max_known(r["hb_max_interval_s"], s.hb_max_interval)
             r["first_heartbeat_max_s"] = max_known(r["first_heartbeat_max_s"], s.first_delay)
-            r["hangs"] += 1 if s.hang else 0
+            if s.hang:
+                r["hangs"] += 1
+                r["hang_details"].append({k: s.hang.get(k) for k in HANG_SHOWN})
             if id(m) not in r["_mons"]:
                 r["_mons"].add(id(m))
                 r["monitor_restarts"] += m.restarts
@@ -453,12 +541,13 @@ class _ReportBuilder:
 
 def hang_text(hang: dict[str, Any], unknown: str) -> str:
     """A monitor's hang_detected in words (HANG_TEXT by reason; UNKNOWN is the template for other reasons)."""
-    tmpl = HANG_TEXT.get(str(hang.get("reason")), unknown)
+    h = HangInfo.F
+    tmpl = HANG_TEXT.get(str(hang.get(h.reason)), unknown)
     try:
-        return tmpl.format(section=hang.get("section"), elapsed=float(hang.get("elapsed") or 0),
-                           timeout=float(hang.get("timeout") or 0), reason=hang.get("reason"))
+        return tmpl.format(section=hang.get(h.section), elapsed=float(hang.get(h.elapsed) or 0),
+                           timeout=float(hang.get(h.timeout) or 0), reason=hang.get(h.reason))
     except (TypeError, ValueError):
-        return f"hung ({hang.get('reason')})"
+        return f"hung ({hang.get(h.reason)})"
 
 
 def max_known(a: float | None, b: float | None) -> float | None:

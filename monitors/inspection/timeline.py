@@ -6,17 +6,41 @@ happened: jobs (one ``nvrx launch`` of a run across its nodes), rendezvous round
 details, rank sessions with heartbeat and section tallies, hangs, timeouts, and the resume driver's
 decisions as timeline entries.
 
+Every event record of ``monitors.events`` has a reader here (``AGENT_HANDLERS``, ``MONITOR_HANDLERS``,
+``RESUME_LEVEL``) or is listed in ``NOT_SHOWN`` with the reason; fields are read through the records'
+field names (``RdzvRound.F.waited``). ``tests/unit/test_event_contract.py`` holds both sides together.
+
+This is the backend: it produces data, the CLI renders it. A timeline ``Entry`` is either a finished
+sentence (``text``) or, for the resume driver's events and other writers' events, a structured entry:
+its ``form`` names how to word it and ``fields`` holds the event's fields; ``nvrx_cli.inspect_text``
+words those, and does all human formatting of times. Numbers inside the sentences kept here are plain:
+seconds as a number of seconds, rounded (no minutes or hours). Every entry's level (ok / info / warn /
+error) is decided here, the resume events' too (``RESUME_LEVEL``): it is a fact about the event (how an
+attempt or a decision turned out), the same for every renderer, and what a script filters the
+``--json`` timeline on; only the sentence is the renderer's.
+
 Definitions:
 
 * **job**: the agent files of one run dir whose lifetimes overlap (every node's agent of one launch).
 * **wall time**: first event of the first job to the last event of the last job; the gaps between
   the jobs of a resume chain (queueing, restarts of the allocation) are included.
-* **productive time**: per round, the time ranks spent in the step section (default ``step``), the mean
-  over the round's ranks, summed over rounds. Monitors log section closes at a bounded rate as
-  ``closes`` + ``last_duration``, so a batch counts ``closes x last_duration`` (or the exact ``total``
-  field when a monitor writes one). Without any step-section event it is the time all ranks of a round
-  were running: from its last ``rank_start`` to the round's stop.
-* **goodput** = productive time / wall time.
+* **uptime** = time all ranks of a round were running (its last ``rank_start`` to the round's stop),
+  summed over rounds, / wall time. It counts a hung rank and work that is later redone as up.
+* **goodput** = kept progress time / wall time, from the first progress source present:
+
+  1. the step section (``--step-section``; by default ``step``, else ``iteration``): per rank process
+     the time in that section (monitors log section closes at a bounded rate as ``closes`` +
+     ``last_duration``, so a batch counts ``closes x last_duration``, or the exact ``total``);
+  2. heartbeats, explicit or else automatic (``--ft-param-auto-heartbeat``): per rank process the span
+     from its first progress (first heartbeat; the process start for automatic beats) to its last
+     (the last beat the monitor saw, or the last progress before a detected hang).
+
+  Per round the mean over its ranks, capped at the round's running time, summed over rounds.
+  **Recompute**: a round that did not succeed (a fault, a preemption, a scale-up) is redone from the
+  last checkpoint, so the progress a rank process made after its last checkpoint is not kept. A
+  checkpoint is a close of the checkpoint section (``--ckpt-section``, default ``checkpointing``);
+  when a run has no such section, recompute cannot be told and all progress counts (the report says
+  so). Without any progress source there is no goodput: uptime is not a substitute.
 * **time lost per fault**: from the fault to all ranks of the next round running (its last
   ``rank_start``); for an interruption or a job that gave up, to the next job's ranks running. The
   fault's moment: a crash is the failing rank's exit; a hang is its last progress (detection time minus
@@ -31,22 +55,43 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from monitors.inspection.event_files import Damage, EventFile, event_name, first_event_time, raw_string, read_chunk
-from monitors.events import decode_event, field_problem
+from monitors.events import (
+    AgentKilledRank, AgentSignal, AgentStart, Event, FirstHeartbeat, ForkServerFallback, ForkServerReady, FtConfig,
+    HangDetected, HeartbeatStats, InprocessRankLost, JobEnd, MonitorAttach, MonitorAuthFailed, MonitorConnect,
+    MonitorDied, MonitorDisconnect, MonitorExit, MonitorGaveUp, MonitorSpawned, MonitorStart, MonitorStuck,
+    MonitorTakeoverRefused, RankExit, RankKilled, RankStart, RankStuck, RankTerminated, RdzvJoin, RdzvRound,
+    RdzvStandby, RdzvStop, ResumeAttemptEnd, ResumeAttemptStart, ResumeDecision, ResumeEnd, ResumeReset,
+    ResumeSignal, ResumeStart, ResumeStateRecovered, ResumeSubmit, SectionClose, SectionOpen, StopDetail,
+    TimeoutsLoaded, TimeoutsSet, TimeoutsStateIgnored, decode_event, field_problem,
+)
+from monitors.inspection.event_files import (Damage, EventFile, event_name, first_event_time, iso, raw_string,
+                                             read_chunk)
+
+STEP_SECTIONS = ("step", "iteration")  # the default progress sections, in order of preference
+CKPT_SECTION = "checkpointing"          # the spec's name for the checkpoint section
+
+# The hot handlers' field names, bound once (a renamed record field fails at import, not silently).
+_SC_SECTION, _SC_CLOSES, _SC_LAST, _SC_MAX, _SC_TOTAL = (SectionClose.F.section, SectionClose.F.closes,
+                                                        SectionClose.F.last_duration, SectionClose.F.max_duration,
+                                                        SectionClose.F.total)
+_HB = HeartbeatStats.F
 
 
 @dataclass(frozen=True)
 class Filters:
-    """What the report covers: one global rank, events from a time on, and the training-step section."""
+    """What the report covers: one global rank, events from a time on, and the progress/checkpoint sections.
+
+    STEP_SECTION None: ``step``, else ``iteration`` (the first a run has).
+    """
 
     rank: int | None = None
     since: float | None = None
-    step_section: str = "step"
+    step_section: str | None = None
+    ckpt_section: str = CKPT_SECTION
 
 
 # ------------------------------------------------------------------ folded state
@@ -64,7 +109,7 @@ class RoundState:
     restart_count: int | None = None
     waited: float | None = None
     running_at: float | None = None       # the last rank_start of the round, over all nodes
-    stop: dict[str, Any] | None = None
+    stop: dict[str, Any] | None = None    # the rdzv_stop fields (RdzvStop.F names)
     stop_t: float | None = None
     stop_agent: "AgentFile | None" = None
     exits: dict[int, float] = field(default_factory=dict)  # rank pid -> exit time
@@ -80,7 +125,7 @@ class JobState:
     run_id: str | None = None
     agents: list["AgentFile"] = field(default_factory=list)
     rounds: dict[int, RoundState] = field(default_factory=dict)
-    ends: list[dict[str, Any]] = field(default_factory=list)  # job_end events, one per agent
+    ends: list[dict[str, Any]] = field(default_factory=list)  # job_end fields (JobEnd.F names) + t, node
     left_nodes: set[str] = field(default_factory=set)  # reported gone (node_left): they write no job_end
 
     @property
@@ -112,9 +157,10 @@ class AgentFile:
     first_t: float | None = None
     last_t: float = 0.0
     ended: bool = False
-    info: dict[str, Any] = field(default_factory=dict)       # agent_start fields
-    ft_config: dict[str, Any] | None = None
+    info: dict[str, Any] = field(default_factory=dict)       # agent_start fields (AgentStart.F names)
+    ft_config: dict[str, Any] | None = None                   # FtConfigInfo fields
     pids: dict[int, tuple[int, RoundState | None]] = field(default_factory=dict)  # rank pid -> (global rank, round)
+    global_of_local: dict[int, int] = field(default_factory=dict)  # local rank -> its latest global rank
 
 
 @dataclass
@@ -141,15 +187,25 @@ class RankSession:
     pid: int | None
     generation: Any
     t: float
+    global_rank: int | None = None
     end_t: float | None = None
     end_reason: str | None = None
     hb_count: int = 0
     hb_base: int = 0
     hb_max_interval: float | None = None
     first_delay: float | None = None
+    first_hb_t: float | None = None       # when the monitor saw the first explicit heartbeat
+    last_hb_t: float | None = None        # the last explicit heartbeat the monitor saw
+    last_auto_t: float | None = None      # the last automatic heartbeat it saw (None: no automatic beats)
     sections: dict[str, SectionTally] = field(default_factory=dict)
+    ckpt_t: float | None = None           # the last close of the checkpoint section
+    totals_at_ckpt: dict[str, float] = field(default_factory=dict)  # section totals at that close
     timeouts: dict[str, Any] | None = None
-    hang: dict[str, Any] | None = None
+    hang: dict[str, Any] | None = None    # HangDetected fields + t
+
+    @property
+    def auto(self) -> bool:
+        return self.last_auto_t is not None
 
 
 @dataclass
@@ -171,17 +227,25 @@ class MonitorFile:
 
 @dataclass
 class Entry:
-    """One line of the timeline (KEY identifies it across --follow polls)."""
+    """One line of the timeline (KEY identifies it across --follow polls).
+
+    TEXT is a finished sentence, or None for a structured entry: FORM names how the renderer words it
+    (``nvrx_cli.inspect_text.FORMS``: an event name of ``monitors.events``, ``job_end``, or ``event`` for
+    any event listed field by field) and FIELDS holds what it needs. ``to_dict()`` leaves such an entry's
+    ``text`` None; the renderers (the JSON one too) fill it in.
+    """
 
     key: tuple
     t: float
     kind: str
-    text: str
+    text: str | None
     level: str = "info"          # info | warn | error | ok
     job: int | None = None
     round: int | None = None
     rank: int | None = None
     tail: list[str] = field(default_factory=list)
+    form: str | None = None
+    fields: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {"t": self.t, "time": iso(self.t), "kind": self.kind, "level": self.level, "text": self.text,
@@ -192,6 +256,8 @@ class Entry:
 
 
 # ------------------------------------------------------------------ the builder
+
+Handler = Callable[[Any, dict[str, Any]], None]
 
 
 class Timeline:
@@ -210,11 +276,14 @@ class Timeline:
         self.others: list[Entry] = []         # resume driver and other notable one-off events
         self.hangs: list[tuple[MonitorFile, dict[str, Any]]] = []
         self.live = False  # --follow: an open job extends to the present (its agents write rarely)
-        handlers = {name[4:]: getattr(self, name) for name in dir(self) if name.startswith("_on_")}
-        self._agent_handlers: dict[str, Callable[[Any, dict[str, Any]], None]] = {
-            k: v for k, v in handlers.items() if k in _AGENT_EVENTS}
-        self._monitor_handlers: dict[str, Callable[[Any, dict[str, Any]], None]] = {
-            k: v for k, v in handlers.items() if k not in _AGENT_EVENTS}
+        skip = {cls.EV: _skip for cls in NOT_SHOWN}
+        self._agent_handlers: dict[str, Handler] = {
+            **{c.EV: _skip for c in NOT_SHOWN if c.SOURCE == "agent"},
+            **{cls.EV: fn.__get__(self) for cls, fn in AGENT_HANDLERS.items()}}
+        self._monitor_handlers: dict[str, Handler] = {
+            **{c.EV: _skip for c in NOT_SHOWN if c.SOURCE == "monitor"},
+            **{cls.EV: fn.__get__(self) for cls, fn in MONITOR_HANDLERS.items()}}
+        self._not_shown = skip
 
     # ---- input
     def add_files(self, files: Iterable[EventFile]) -> list[EventFile]:
@@ -272,8 +341,8 @@ class Timeline:
                     self.unknown[key] = self.unknown.get(key, 0) + 1
                     self.readable += 1
                     continue
-                if self._apply(owner, handler, e, i) and lazy and ev == "section_close" and owner.deferred_open:
-                    owner.deferred_open.pop(e.get("section"), None)  # a (well-typed) close supersedes the open
+                if self._apply(owner, handler, e, i) and lazy and ev == _SECTION_CLOSE and owner.deferred_open:
+                    owner.deferred_open.pop(e.get(_SC_SECTION), None)  # a (well-typed) close supersedes the open
             if owner is not None:
                 owner.last_t = max(owner.last_t, last_t)
             self.lines += len(lines)
@@ -285,7 +354,7 @@ class Timeline:
             self._apply_deferred(owner)
         return n
 
-    def _apply(self, owner: Any, handler: Callable[[Any, dict[str, Any]], None], e: dict[str, Any], lineno: int) -> bool:
+    def _apply(self, owner: Any, handler: Handler, e: dict[str, Any], lineno: int) -> bool:
         """Fold one event (True); a record whose fields have the wrong types is skipped as a corrupt line."""
         problem = field_problem(e)
         if problem is not None:
@@ -324,208 +393,290 @@ class Timeline:
     # ---- agent events
     def _on_agent_start(self, a: AgentFile, e: dict[str, Any]) -> None:
         job = self._job_for(a, e["t"])
-        a.info = {k: e.get(k) for k in ("nproc", "nnodes", "max_restarts", "run_id")}
-        job.run_id = job.run_id or e.get("run_id")
+        f = AgentStart.F
+        a.info = {k: e.get(k) for k in (f.nproc, f.nnodes, f.max_restarts, f.run_id)}
+        job.run_id = job.run_id or e.get(f.run_id)
 
     def _on_ft_config(self, a: AgentFile, e: dict[str, Any]) -> None:
         self._job_for(a, e["t"])
-        if isinstance(e.get("config"), dict):
-            a.ft_config = e["config"]
-
-    def _on_monitor_spawned(self, a: AgentFile, e: dict[str, Any]) -> None:
-        self._job_for(a, e["t"])
+        config = e.get(FtConfig.F.config)
+        if isinstance(config, dict):
+            a.ft_config = config
 
     def _on_fork_server_ready(self, a: AgentFile, e: dict[str, Any]) -> None:
         self._job_for(a, e["t"])
 
     def _on_rdzv_join(self, a: AgentFile, e: dict[str, Any]) -> None:
         self._job_for(a, e["t"])
-        a.node_id = a.node_id or e.get("node_id")
+        a.node_id = a.node_id or e.get(RdzvJoin.F.node_id)
 
     def _on_rdzv_round(self, a: AgentFile, e: dict[str, Any]) -> None:
-        rd = self._round(self._job_for(a, e["t"]), e)
+        f = RdzvRound.F
+        rd = self._round(self._job_for(a, e["t"]), e[f.round], e["t"])
         rd.t = min(rd.t, e["t"])
-        rd.nodes = list(e.get("nodes") or rd.nodes)
-        rd.world_size = e.get("world_size", rd.world_size)
-        rd.restart_count = e.get("restart_count", rd.restart_count)
-        rd.waited = e.get("waited", rd.waited)
+        rd.nodes = list(e.get(f.nodes) or rd.nodes)
+        rd.world_size = e.get(f.world_size, rd.world_size)
+        rd.restart_count = e.get(f.restart_count, rd.restart_count)
+        rd.waited = e.get(f.waited, rd.waited)
         a.round = rd
 
     @staticmethod
-    def _round(job: JobState, e: dict[str, Any]) -> RoundState:
-        """The round E names in JOB, created at E's time if this is its first event."""
-        r = int(e["round"])
+    def _round(job: JobState, number: Any, t: float) -> RoundState:
+        """Round NUMBER of JOB, created at time T if this is its first event."""
+        r = int(number)
         rd = job.rounds.get(r)
         if rd is None:
-            rd = job.rounds[r] = RoundState(job, r, e["t"])
+            rd = job.rounds[r] = RoundState(job, r, t)
         return rd
 
     def _on_rdzv_standby(self, a: AgentFile, e: dict[str, Any]) -> None:
+        f = RdzvStandby.F
         job = self._job_for(a, e["t"])
-        self._note(("standby", job.index, e.get("round"), a.ef.node), e["t"], "standby",
-                   f"node {e.get('node_id') or a.ef.node} waits as a standby: round {e.get('round')} "
-                   f"is running with {e.get('nodes')} node(s) ({e.get('reason')})", job=job.index)
+        self._note(("standby", job.index, e.get(f.round), a.ef.node), e["t"], "standby",
+                   f"node {e.get(f.node_id) or a.ef.node} waits as a standby: round {e.get(f.round)} "
+                   f"is running with {e.get(f.nodes)} node(s) ({e.get(f.reason)})", job=job.index)
 
     def _on_rank_start(self, a: AgentFile, e: dict[str, Any]) -> None:
+        f = RankStart.F
         rd = a.round
-        pid = e.get("pid")
+        pid = e.get(f.pid)
         if isinstance(pid, int):
-            a.pids[pid] = (int(e["rank"]), rd)
+            a.pids[pid] = (int(e[f.rank]), rd)
+        if isinstance(e.get(f.local_rank), int):
+            a.global_of_local[e[f.local_rank]] = int(e[f.rank])
         if rd is not None:
             rd.running_at = e["t"] if rd.running_at is None else max(rd.running_at, e["t"])
 
     def _on_rank_exit(self, a: AgentFile, e: dict[str, Any]) -> None:
-        if a.round is not None and isinstance(e.get("pid"), int):
-            a.round.exits.setdefault(e["pid"], e["t"])
+        pid = e.get(RankExit.F.pid)
+        if a.round is not None and isinstance(pid, int):
+            a.round.exits.setdefault(pid, e["t"])
 
     def _on_rank_stuck(self, a: AgentFile, e: dict[str, Any]) -> None:
+        f = RankStuck.F
         job = self._job_for(a, e["t"])
-        self._note(("stuck", a.ef.path, e.get("pid")), e["t"], "rank_stuck",
-                   f"rank {e.get('rank')} (pid {e.get('pid')}) did not die after SIGKILL "
-                   f"(state {e.get('state')}); abandoned", level="error", job=job.index, rank=e.get("rank"))
+        self._note(("stuck", a.ef.path, e.get(f.pid)), e["t"], "rank_stuck",
+                   f"rank {e.get(f.rank)} (pid {e.get(f.pid)}) did not die after SIGKILL "
+                   f"(state {e.get(f.state)}); abandoned", level="error", job=job.index, rank=e.get(f.rank))
+
+    def _on_agent_killed_rank(self, a: AgentFile, e: dict[str, Any]) -> None:
+        f = AgentKilledRank.F
+        job = self._job_for(a, e["t"])
+        rd = a.round
+        during = f" while stopping round {rd.number}" if rd is not None else ""
+        self._note(("agent_kill", a.ef.path, e.get(f.pid)), e["t"], "agent_killed_rank",
+                   f"rank {e.get(f.rank)} (local {e.get(f.local_rank)}, pid {e.get(f.pid)}) ignored {e.get(f.after)}"
+                   f"{during}: still running {rounded(e.get(f.waited), 2)} s later (--term-timeout), so the agent sent "
+                   f"{e.get(f.signal)}", level="warn", job=job.index, rank=e.get(f.rank))
+
+    def _on_inprocess_rank_lost(self, a: AgentFile, e: dict[str, Any]) -> None:
+        f = InprocessRankLost.F
+        job = self._job_for(a, e["t"])
+        how = f"was killed by {e[f.signal]}" if e.get(f.signal) else f"exited with code {e.get(f.exitcode)}"
+        self._note(("inprocess_lost", a.ef.path, e.get(f.pid), e["t"]), e["t"], "inprocess_rank_lost",
+                   f"rank {e.get(f.rank)} (local {e.get(f.local_rank)}, pid {e.get(f.pid)}) {how} in round "
+                   f"{e.get(f.round)}; --inprocess: the other ranks restart in process without it",
+                   level="warn", job=job.index, rank=e.get(f.rank))
 
     def _on_rdzv_stop(self, a: AgentFile, e: dict[str, Any]) -> None:
+        f = RdzvStop.F
         job = self._job_for(a, e["t"])
-        rd = self._round(job, e)
+        rd = self._round(job, e[f.round], e["t"])
         if rd.stop_t is None or e["t"] < rd.stop_t:
-            rd.stop = {k: e.get(k) for k in ("kind", "by_node", "detail", "restart_count", "give_up")}
+            rd.stop = {k: e.get(k) for k in (f.kind, f.by_node, f.detail, f.restart_count, f.give_up)}
             rd.stop_t = e["t"]
             rd.stop_agent = a
-        detail = e.get("detail")
-        if e.get("kind") == "node_left" and isinstance(detail, dict) and detail.get("node"):
-            job.left_nodes.add(str(detail["node"]))
+        detail = e.get(f.detail)
+        if e.get(f.kind) == "node_left" and isinstance(detail, dict) and detail.get(StopDetail.F.node):
+            job.left_nodes.add(str(detail[StopDetail.F.node]))
 
     def _on_agent_signal(self, a: AgentFile, e: dict[str, Any]) -> None:
+        f = AgentSignal.F
         job = self._job_for(a, e["t"])
-        if e.get("phase") != "running":  # while running, the interrupted stop record says it
+        if e.get(f.phase) != "running":  # while running, the interrupted stop record says it
             self._note(("signal", a.ef.path, e["t"]), e["t"], "signal",
-                       f"{e.get('signal')} received by the agent of node {a.node_id or a.ef.node} during "
-                       f"{e.get('phase')}", level="warn", job=job.index)
+                       f"{e.get(f.signal)} received by the agent of node {a.node_id or a.ef.node} during "
+                       f"{e.get(f.phase)}", level="warn", job=job.index)
 
     def _on_monitor_died(self, a: AgentFile, e: dict[str, Any]) -> None:
+        f = MonitorDied.F
         job = self._job_for(a, e["t"])
-        self._note(("monitor_died", a.ef.path, e.get("pid")), e["t"], "monitor_died",
-                   f"the monitor of local rank {e.get('local_rank')} on node {a.node_id or a.ef.node} died "
-                   f"(exit code {e.get('returncode')}); restarted", level="warn", job=job.index)
+        self._note(("monitor_died", a.ef.path, e.get(f.pid)), e["t"], "monitor_died",
+                   f"the monitor of local rank {e.get(f.local_rank)} on node {a.node_id or a.ef.node} died "
+                   f"(exit code {e.get(f.returncode)}); restarted", level="warn", job=job.index)
+
+    def _on_monitor_gave_up(self, a: AgentFile, e: dict[str, Any]) -> None:
+        f = MonitorGaveUp.F
+        job = self._job_for(a, e["t"])
+        lr = e.get(f.local_rank)
+        rank = a.global_of_local.get(lr) if isinstance(lr, int) else None
+        last = f": {e[f.last_line]}" if e.get(f.last_line) else ""
+        where = f"; its log: {e[f.log]}" if e.get(f.log) else ""
+        self._note(("monitor_gave_up", a.ef.path, e.get(f.pid)), e["t"], "monitor_gave_up",
+                   f"the monitor of local rank {lr}{f' (rank {rank})' if rank is not None else ''} on node "
+                   f"{a.node_id or a.ef.node} died {e.get(f.deaths)} times within {rounded(e.get(f.window), 2)} s "
+                   f"(last exit code {e.get(f.returncode)}{last}); not restarted: its rank would run unwatched, "
+                   f"so the job fails{where}", level="error", job=job.index, rank=rank)
 
     def _on_monitor_stuck(self, a: AgentFile, e: dict[str, Any]) -> None:
-        self._note(("monitor_stuck", a.ef.path, e.get("pid")), e["t"], "monitor_stuck",
-                   f"a rank monitor (pid {e.get('pid')}) did not exit", level="warn")
+        pid = e.get(MonitorStuck.F.pid)
+        self._note(("monitor_stuck", a.ef.path, pid), e["t"], "monitor_stuck",
+                   f"a rank monitor (pid {pid}) did not exit", level="warn")
 
     def _on_fork_server_fallback(self, a: AgentFile, e: dict[str, Any]) -> None:
         job = self._job_for(a, e["t"])
         self._note(("fork_fallback", a.ef.path), e["t"], "fork_server_fallback",
-                   f"ranks spawned directly, not forked: {e.get('reason')}", job=job.index)
+                   f"ranks spawned directly, not forked: {e.get(ForkServerFallback.F.reason)}", job=job.index)
 
     def _on_job_end(self, a: AgentFile, e: dict[str, Any]) -> None:
+        f = JobEnd.F
         job = self._job_for(a, e["t"])
         a.ended = True
-        job.ends.append({k: e.get(k) for k in ("t", "status", "exit_code", "seconds", "detail")} |
-                        {"node": a.node_id or a.ef.node})
+        job.ends.append({k: e.get(k) for k in (f.status, f.exit_code, f.seconds, f.detail)}
+                        | {"t": e["t"], "node": a.node_id or a.ef.node})
 
     # ---- monitor events
     def _on_monitor_start(self, m: MonitorFile, e: dict[str, Any]) -> None:
         if m.configured is not None:
             m.restarts += 1
         self._end_session(m, e["t"], "monitor restarted")
-        m.configured = e.get("timeouts")
+        m.configured = e.get(MonitorStart.F.timeouts)
 
     def _on_monitor_exit(self, m: MonitorFile, e: dict[str, Any]) -> None:
-        self._end_session(m, e["t"], f"monitor exited ({e.get('reason')})")
+        self._end_session(m, e["t"], f"monitor exited ({e.get(MonitorExit.F.reason)})")
 
-    def _new_session(self, m: MonitorFile, e: dict[str, Any]) -> RankSession:
+    def _new_session(self, m: MonitorFile, t: float, pid: Any, generation: Any = None,
+                     global_rank: Any = None) -> RankSession:
         s = m.session
-        if s is not None and s.pid == e.get("pid") and s.end_t is None:
+        if s is not None and s.pid == pid and s.end_t is None:
+            if isinstance(global_rank, int):
+                s.global_rank = global_rank
             return s
-        self._end_session(m, e["t"], "replaced")
-        s = RankSession(m.ef.node, m.ef.local_rank if m.ef.local_rank is not None else int(e.get("rank", -1)),
-                     e.get("pid"), e.get("generation"), e["t"])
+        self._end_session(m, t, "replaced")
+        s = RankSession(m.ef.node, m.ef.local_rank if m.ef.local_rank is not None else -1, pid, generation, t,
+                        global_rank=global_rank if isinstance(global_rank, int) else None)
         m.session = s
         m.sessions.append(s)
         return s
 
     def _on_monitor_attach(self, m: MonitorFile, e: dict[str, Any]) -> None:
-        self._new_session(m, e)
+        f = MonitorAttach.F
+        self._new_session(m, e["t"], e.get(f.pid), e.get(f.generation), e.get(f.global_rank))
 
     def _on_monitor_connect(self, m: MonitorFile, e: dict[str, Any]) -> None:
-        s = self._new_session(m, e)
-        s.timeouts = e.get("timeouts")
+        f = MonitorConnect.F
+        s = self._new_session(m, e["t"], e.get(f.pid), e.get(f.generation), e.get(f.global_rank))
+        s.timeouts = e.get(f.timeouts)
 
-    def _current(self, m: MonitorFile, e: dict[str, Any]) -> RankSession:
+    def _current(self, m: MonitorFile, e: dict[str, Any], pid: Any = None) -> RankSession:
         s = m.session
         if s is None or s.end_t is not None:  # a file that starts mid-session (rotated, --since)
-            s = self._new_session(m, {"t": e["t"], "pid": e.get("pid")})
+            s = self._new_session(m, e["t"], pid)
         return s
 
     def _on_first_heartbeat(self, m: MonitorFile, e: dict[str, Any]) -> None:
-        self._current(m, e).first_delay = float(e["delay"])
+        f = FirstHeartbeat.F
+        s = self._current(m, e, e.get(f.pid))
+        s.first_delay = float(e[f.delay])
+        s.first_hb_t = e["t"]
 
     def _on_heartbeat_stats(self, m: MonitorFile, e: dict[str, Any]) -> None:
         s = self._current(m, e)
-        count = int(e.get("count") or 0)
-        if self.filters.since is not None and e["t"] < self.filters.since:
+        t = e["t"]
+        since = e.get(_HB.since_last)
+        if isinstance(since, (int, float)) and e.get(_HB.count):
+            s.last_hb_t = t - since
+        auto = e.get(_HB.auto_since_last)
+        if isinstance(auto, (int, float)):
+            s.last_auto_t = t - auto
+        count = int(e.get(_HB.count) or 0)
+        if self.filters.since is not None and t < self.filters.since:
             s.hb_base = count  # counts are cumulative per session: --since counts from here
             return
         s.hb_count = max(s.hb_count, count - s.hb_base)
-        mi = e.get("max_interval")
-        if isinstance(mi, (int, float)):
+        mi = e.get(_HB.max_interval)
+        if isinstance(mi, (int, float)) and count:  # explicit beats only: automatic ones are not timed
             s.hb_max_interval = mi if s.hb_max_interval is None else max(s.hb_max_interval, mi)
 
-    def _section(self, m: MonitorFile, e: dict[str, Any]) -> SectionTally:
+    def _on_section_open(self, m: MonitorFile, e: dict[str, Any]) -> None:
+        f = SectionOpen.F
         s = self._current(m, e)
-        name = e["section"]
+        name = str(e[f.section])
+        sec = s.sections.get(name)
+        if sec is None:
+            sec = s.sections[name] = SectionTally()
+        sec.open_for = float(e.get(f.open_for) or 0.0)
+
+    def _on_section_close(self, m: MonitorFile, e: dict[str, Any]) -> None:
+        # The hot path: most events of a big log are section closes.
+        s = m.session
+        if s is None or s.end_t is not None:
+            s = self._current(m, e)
+        name = e[_SC_SECTION]
         sec = s.sections.get(name)
         if sec is None:
             sec = s.sections[str(name)] = SectionTally()
-        return sec
-
-    def _on_section_open(self, m: MonitorFile, e: dict[str, Any]) -> None:
-        sec = self._section(m, e)
-        sec.open_for = float(e.get("open_for") or 0.0)
-
-    def _on_section_close(self, m: MonitorFile, e: dict[str, Any]) -> None:
-        sec = self._section(m, e)
         sec.open_for = None
         if self.filters.since is not None and e["t"] < self.filters.since:
             return
-        closes = e.get("closes") or 0
-        last = e.get("last_duration") or 0.0
+        closes = e.get(_SC_CLOSES) or 0
+        last = e.get(_SC_LAST) or 0.0
         sec.closes += int(closes)
         sec.last_s = last
-        longest = e.get("max_duration") or last
+        longest = e.get(_SC_MAX) or last
         if longest > sec.max_s:
             sec.max_s = longest
-        total = e.get("total")  # exact, if a monitor writes it; else estimated from the last duration
+        total = e.get(_SC_TOTAL)  # exact, if a monitor writes it; else estimated from the last duration
         sec.total_s += total if isinstance(total, (int, float)) else closes * last
+        if name == self.filters.ckpt_section:
+            s.ckpt_t = e["t"]
+            s.totals_at_ckpt = {n: x.total_s for n, x in s.sections.items()}
 
     def _on_hang_detected(self, m: MonitorFile, e: dict[str, Any]) -> None:
-        s = self._current(m, e)
-        s.hang = dict(e)
+        s = self._current(m, e, e.get(HangDetected.F.pid))
+        s.hang = {k: v for k, v in e.items() if k not in ("v", "src", "ev")}
         self.hangs.append((m, s.hang))
 
     def _on_rank_terminated(self, m: MonitorFile, e: dict[str, Any]) -> None:
         s = self._current(m, e)
         if s.hang is not None:
-            s.hang["terminated"] = e.get("error") or "signal sent"
+            s.hang["terminated"] = e.get(RankTerminated.F.error) or "signal sent"
+
+    def _on_rank_killed(self, m: MonitorFile, e: dict[str, Any]) -> None:
+        f = RankKilled.F
+        s = self._current(m, e)
+        failed = f" (failed: {e[f.error]})" if e.get(f.error) else ""
+        who = f"rank {s.global_rank}" if s.global_rank is not None else f"local rank {m.ef.local_rank}"
+        self._note(("rank_killed", m.ef.path, e.get(f.pid)), e["t"], "rank_killed",
+                   f"{who} (pid {e.get(f.pid)}) on node {m.ef.node} was still alive {rounded(e.get(f.grace), 2)} s "
+                   f"after its monitor sent {e.get(f.after)} for a hang; the monitor sent {e.get(f.signal)}"
+                   f"{failed}", level="warn", rank=s.global_rank)
 
     def _on_monitor_disconnect(self, m: MonitorFile, e: dict[str, Any]) -> None:
-        self._end_session(m, e["t"], str(e.get("reason")))
+        self._end_session(m, e["t"], str(e.get(MonitorDisconnect.F.reason)))
 
     def _on_timeouts_set(self, m: MonitorFile, e: dict[str, Any]) -> None:
-        m.computed, m.computed_t = e.get("timeouts"), e["t"]
+        m.computed, m.computed_t = e.get(TimeoutsSet.F.timeouts), e["t"]
 
     def _on_timeouts_loaded(self, m: MonitorFile, e: dict[str, Any]) -> None:
-        m.loaded = e.get("timeouts")
+        m.loaded = e.get(TimeoutsLoaded.F.timeouts)
 
     def _on_timeouts_state_ignored(self, m: MonitorFile, e: dict[str, Any]) -> None:
+        f = TimeoutsStateIgnored.F
         self._note(("state_ignored", m.ef.path, e["t"]), e["t"], "timeouts_state_ignored",
-                   f"monitor of local rank {m.ef.local_rank} ignored unusable timeouts state {e.get('path')}: "
-                   f"{e.get('error')}", level="warn")
+                   f"monitor of local rank {m.ef.local_rank} ignored unusable timeouts state {e.get(f.path)}: "
+                   f"{e.get(f.error)}", level="warn")
 
     def _on_monitor_auth_failed(self, m: MonitorFile, e: dict[str, Any]) -> None:
         self._note(("auth", m.ef.path, e["t"]), e["t"], "monitor_auth_failed",
-                   f"monitor of local rank {m.ef.local_rank} rejected a {e.get('op')} request with a wrong "
-                   f"or stale token", level="warn")
+                   f"monitor of local rank {m.ef.local_rank} rejected a {_short(e.get(MonitorAuthFailed.F.op), 40)} "
+                   f"request with a wrong or stale token", level="warn")
+
+    def _on_monitor_takeover_refused(self, m: MonitorFile, e: dict[str, Any]) -> None:
+        f = MonitorTakeoverRefused.F
+        self._note(("takeover", m.ef.path, e["t"]), e["t"], "monitor_takeover_refused",
+                   f"monitor of local rank {m.ef.local_rank} refused pid {e.get(f.pid)}: it watches the live rank "
+                   f"process {e.get(f.holder)} (a child of a rank may not use RankMonitorClient)", level="warn")
 
     def _end_session(self, m: MonitorFile, t: float, reason: str) -> None:
         s = m.session
@@ -535,27 +686,33 @@ class Timeline:
 
     # ---- resume driver and unknown sources
     def _generic(self, ef: EventFile, e: dict[str, Any], lineno: int) -> None:
-        """Resume-driver (and other writers') events: one timeline line each; unknown names are counted."""
+        """Resume-driver (and other writers') events: one structured timeline entry each; unknown names are counted.
+
+        A well-formed resume record keeps its fields under its own form (worded by the renderer) and gets
+        its level here (RESUME_LEVEL); anything else (a newer writer's event, a record with wrongly typed
+        fields) is the form ``event``: its scalar fields, listed as they are.
+        """
         name, src = e["ev"], _short(e.get("src", ef.kind), 40)
-        fmt = _RESUME_TEXT.get(name)
-        text, level = None, "info"
-        if fmt is not None:
+        level_of = _RESUME_LEVEL_BY_NAME.get(name)
+        if level_of is not None and field_problem(e) is None:
+            fields = {k: v for k, v in e.items() if k not in _ENVELOPE}
             try:
-                text, level = fmt(_Fields(e))
+                level = level_of(fields)
             except (TypeError, ValueError, KeyError, AttributeError, OverflowError):
-                text = None
-        else:
+                level = "info"
+            self._note(("generic", ef.path, lineno), e["t"], f"{src}:{name}", None, level=level, form=name,
+                       fields=fields)
+            return
+        if level_of is None and name not in self._not_shown:
             key = f"{src}/{name}"
             self.unknown[key] = self.unknown.get(key, 0) + 1
-        if text is None:
-            fields = ", ".join(f"{k}={_short(v)}" for k, v in e.items() if k not in ("v", "t", "src", "ev")
-                               and (v is None or isinstance(v, (str, int, float, bool))))
-            text = f"{src}: {name.replace('_', ' ')}" + (f" ({fields})" if fields else "")
-        self._note(("generic", ef.path, lineno), e["t"], f"{src}:{name}", text, level=level)
+        fields = {"src": src, "ev": name} | {k: v for k, v in e.items() if k not in _ENVELOPE
+                                              and (v is None or isinstance(v, (str, int, float, bool)))}
+        self._note(("generic", ef.path, lineno), e["t"], f"{src}:{name}", None, form="event", fields=fields)
 
-    def _note(self, key: tuple, t: float, kind: str, text: str, level: str = "info", job: int | None = None,
-              rank: int | None = None) -> None:
-        self.others.append(Entry(key, t, kind, text, level, job=job, rank=rank))
+    def _note(self, key: tuple, t: float, kind: str, text: str | None, level: str = "info", job: int | None = None,
+              rank: int | None = None, form: str | None = None, fields: dict[str, Any] | None = None) -> None:
+        self.others.append(Entry(key, t, kind, text, level, job=job, rank=rank, form=form, fields=fields))
 
     # ---- jobs
     def _job_for(self, a: AgentFile, t: float) -> JobState:
@@ -577,64 +734,101 @@ class Timeline:
         return a.job
 
 
-class _Fields(dict):
-    """An event's fields for a format: a missing one reads as '?'."""
-
-    def __missing__(self, key: str) -> str:
-        return "?"
+def _skip(owner: Any, e: dict[str, Any]) -> None:
+    """The reader of an event in NOT_SHOWN: read, checked, deliberately not shown."""
 
 
-def _resume_decision(e: _Fields) -> tuple[str, str]:
-    level = {"finished": "ok", "continue": "info", "give_up": "error"}.get(str(e["action"]), "warn")
-    reason = str(e["reason"])
-    counts = f" (attempts {e['attempts']}, failures {e['failures']})" if "attempts" in e and "attempt" not in reason else ""
-    return f"resume decision: {str(e['action']).replace('_', ' ')}: {reason}{counts}", level
-
-
-def _resume_submit(e: _Fields) -> tuple[str, str]:
-    status = e["status"]
-    if status == "failed":
-        return f"resume: submitting the continuation failed: {e['error']}", "error"
-    job = f" job {e['job_id']}" if "job_id" in e else ""
-    return f"resume: continuation {status}{job} ({e['method']} from job {e['from_job']})", "info"
-
-
-def _resume_attempt_end(e: _Fields) -> tuple[str, str]:
-    progress = f", progress {e['progress']}" if e.get("progress") is not None else ""
-    secs = f" after {duration(float(e['seconds']))}" if isinstance(e.get("seconds"), (int, float)) else ""
-    level = "ok" if e.get("finished") else "info" if e["cause"] in ("clean_exit", "interrupted") else "warn"
-    return (f"resume: attempt {e['attempt']} ended: exit code {e['exit_code']} ({e['cause']}){secs}{progress}",
-            level)
-
-
-def _where(e: _Fields) -> str:
-    parts = [f"job {e['job_id']}" if e.get("job_id") else "", f"node {e['node']}" if e.get("node") else ""]
-    return ", ".join(p for p in parts if p)
-
-
-_RESUME_TEXT: dict[str, Callable[[_Fields], tuple[str, str]]] = {
-    "resume_start": lambda e: (f"resume driver started ({'; '.join(x for x in (str(e['mode']), _where(e)) if x)})",
-                               "info"),
-    "resume_attempt_start": lambda e: (f"resume: attempt {e['attempt']} starts"
-                                       + (f" ({_where(e)})" if _where(e) else ""), "info"),
-    "resume_attempt_end": _resume_attempt_end,
-    "resume_decision": _resume_decision,
-    "resume_submit": _resume_submit,
-    "resume_signal": lambda e: (f"resume driver got {e['signal']} during attempt {e['attempt']}"
-                                f"{' (passed to the launch)' if e.get('forwarded') else ''}", "warn"),
-    "resume_end": lambda e: (f"resume driver ends: {str(e['action']).replace('_', ' ')} (exit code {e['exit_code']})",
-                             "info"),
-    "resume_state_recovered": lambda e: (f"resume state recovered from {e['source']}: {e['note']}", "warn"),
-    "resume_reset": lambda e: ("resume state reset (--reset)", "warn"),
+# Every record of monitors.events has a reader below or is here, with the reason it is not shown.
+NOT_SHOWN: dict[type[Event], str] = {
+    # The agent started a rank monitor: the monitor's own file (monitor_start, its sessions) says more.
+    MonitorSpawned: "the monitor's own events tell its story",
 }
-_AGENT_EVENTS = frozenset({"agent_start", "ft_config", "monitor_spawned", "fork_server_ready", "rdzv_join",
-                           "rdzv_round", "rdzv_standby", "rank_start", "rank_exit", "rank_stuck", "rdzv_stop",
-                           "agent_signal", "monitor_died", "monitor_stuck", "fork_server_fallback", "job_end"})
+
+AGENT_HANDLERS: dict[type[Event], Callable[..., None]] = {
+    AgentStart: Timeline._on_agent_start,
+    FtConfig: Timeline._on_ft_config,
+    ForkServerReady: Timeline._on_fork_server_ready,
+    ForkServerFallback: Timeline._on_fork_server_fallback,
+    MonitorDied: Timeline._on_monitor_died,
+    MonitorGaveUp: Timeline._on_monitor_gave_up,
+    MonitorStuck: Timeline._on_monitor_stuck,
+    RdzvJoin: Timeline._on_rdzv_join,
+    RdzvRound: Timeline._on_rdzv_round,
+    RdzvStandby: Timeline._on_rdzv_standby,
+    RdzvStop: Timeline._on_rdzv_stop,
+    RankStart: Timeline._on_rank_start,
+    RankExit: Timeline._on_rank_exit,
+    RankStuck: Timeline._on_rank_stuck,
+    AgentKilledRank: Timeline._on_agent_killed_rank,
+    InprocessRankLost: Timeline._on_inprocess_rank_lost,
+    AgentSignal: Timeline._on_agent_signal,
+    JobEnd: Timeline._on_job_end,
+}
+
+MONITOR_HANDLERS: dict[type[Event], Callable[..., None]] = {
+    MonitorStart: Timeline._on_monitor_start,
+    MonitorExit: Timeline._on_monitor_exit,
+    MonitorAuthFailed: Timeline._on_monitor_auth_failed,
+    MonitorTakeoverRefused: Timeline._on_monitor_takeover_refused,
+    MonitorAttach: Timeline._on_monitor_attach,
+    MonitorConnect: Timeline._on_monitor_connect,
+    MonitorDisconnect: Timeline._on_monitor_disconnect,
+    FirstHeartbeat: Timeline._on_first_heartbeat,
+    HeartbeatStats: Timeline._on_heartbeat_stats,
+    SectionOpen: Timeline._on_section_open,
+    SectionClose: Timeline._on_section_close,
+    HangDetected: Timeline._on_hang_detected,
+    RankTerminated: Timeline._on_rank_terminated,
+    RankKilled: Timeline._on_rank_killed,
+    TimeoutsSet: Timeline._on_timeouts_set,
+    TimeoutsLoaded: Timeline._on_timeouts_loaded,
+    TimeoutsStateIgnored: Timeline._on_timeouts_state_ignored,
+}
 
 
-_SESSION_BOUNDARIES = frozenset({"monitor_start", "monitor_exit", "monitor_attach", "monitor_connect",
-                                 "monitor_disconnect"})
-_SECTION_KEY = b'"section":"'
+def _decision_level(e: dict[str, Any]) -> str:
+    return {"finished": "ok", "continue": "info", "give_up": "error"}.get(str(e.get(ResumeDecision.F.action)), "warn")
+
+
+def _submit_level(e: dict[str, Any]) -> str:
+    return "error" if e.get(ResumeSubmit.F.status) == "failed" else "info"
+
+
+def _attempt_end_level(e: dict[str, Any]) -> str:
+    f = ResumeAttemptEnd.F
+    return "ok" if e.get(f.finished) else "info" if e.get(f.cause) in ("clean_exit", "interrupted") else "warn"
+
+
+def _info(e: dict[str, Any]) -> str:
+    return "info"
+
+
+def _warn(e: dict[str, Any]) -> str:
+    return "warn"
+
+
+# The resume driver's records and the level of each one's timeline entry (why here: the module docstring);
+# nvrx_cli.inspect_text.RESUME_TEXT words them.
+RESUME_LEVEL: dict[type[Event], Callable[[dict[str, Any]], str]] = {
+    ResumeStart: _info,
+    ResumeAttemptStart: _info,
+    ResumeAttemptEnd: _attempt_end_level,
+    ResumeDecision: _decision_level,
+    ResumeSubmit: _submit_level,
+    ResumeSignal: _warn,
+    ResumeEnd: _info,
+    ResumeStateRecovered: _warn,
+    ResumeReset: _warn,
+}
+_RESUME_LEVEL_BY_NAME = {cls.EV: level for cls, level in RESUME_LEVEL.items()}
+_ENVELOPE = ("v", "t", "src", "ev")  # the fields every event has; not the record's own
+
+_SESSION_BOUNDARIES = frozenset(c.EV for c in (MonitorStart, MonitorExit, MonitorAttach, MonitorConnect,
+                                               MonitorDisconnect))
+_SECTION_CLOSE = SectionClose.EV
+_HB_STATS_RAW = HeartbeatStats.EV.encode()
+_SECTION_OPEN_RAW = SectionOpen.EV.encode()
+_SECTION_KEY = f'"{SectionOpen.F.section}":"'.encode()
 
 
 def _defer(m: MonitorFile, lineno: int, raw: bytes) -> bool:
@@ -649,10 +843,10 @@ def _defer(m: MonitorFile, lineno: int, raw: bytes) -> bool:
     if not (raw.startswith(b'{"') and raw.endswith(b"}")):
         return False
     name = event_name(raw)
-    if name == b"heartbeat_stats":
+    if name == _HB_STATS_RAW:
         m.deferred_hb = (lineno, raw)
         return True
-    if name == b"section_open":
+    if name == _SECTION_OPEN_RAW:
         section = raw_string(raw, _SECTION_KEY)
         if section is None or b"\\" in section:
             return False
@@ -674,26 +868,8 @@ def _damage_reason(raw: bytes, exc: ValueError) -> str:
 # ------------------------------------------------------------------ helpers
 
 
-def duration(x: float) -> str:
-    """Seconds for a person: 0.25 s, 12.5 s, 4.2 min, 2.87 h."""
-    if x >= 7200:
-        return f"{x / 3600:.2f} h"
-    if x >= 120:
-        return f"{x / 60:.1f} min"
-    return f"{x:.2f} s" if x < 10 else f"{x:.1f} s"
-
-
-def iso(t: float | None) -> str | None:
-    """Local ISO time with milliseconds."""
-    if t is None:
-        return None
-    try:
-        return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t)) + f".{int((t % 1) * 1000):03d}"
-    except (OverflowError, ValueError, OSError):
-        return None
-
-
 def rounded(x: float | None, nd: int = 3) -> float | None:
+    """A number of the report, rounded to ND decimals (None stays None)."""
     return None if x is None else round(float(x), nd)
 
 

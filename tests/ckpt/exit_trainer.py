@@ -37,6 +37,8 @@ def main() -> None:
             return
         if step % 20 == 0:
             ckpt.async_save(state, root / f"step_{step:06d}")
+            if step:  # (step 0's save is scheduled before the writer line)
+                print(f"saving {step}", flush=True)  # tells the test a periodic save is in flight
         if step == 1:
             print(f"writer {default_writer().pid}", flush=True)
 

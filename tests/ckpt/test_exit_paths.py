@@ -29,6 +29,19 @@ def start(root: Path, mode: str, token: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
+def read_until(proc: subprocess.Popen, prefix: str, timeout: float = 60.0) -> str:
+    """Read PROC's stdout up to the first line starting with PREFIX; fail once it ended or TIMEOUT passed."""
+    deadline = time.monotonic() + timeout
+    seen = []
+    for line in iter(proc.stdout.readline, ""):  # the trainer prints a line every 20 steps, so this returns
+        if line.startswith(prefix):
+            return line
+        seen.append(line)
+        if time.monotonic() > deadline:
+            break
+    raise AssertionError(f"no {prefix!r} line from the trainer; got {seen}")
+
+
 def writer_gone(pid: int) -> bool:
     return wait_for(lambda: pid_gone(pid), 10.0)
 
@@ -41,7 +54,7 @@ def test_graceful_stop_publishes_the_agreed_step_before_exit(tmp_path: Path) -> 
         first = proc.stdout.readline()
         assert first.startswith("writer "), proc.stderr.read()
         writer = int(first.split()[1])
-        time.sleep(0.3)
+        read_until(proc, "saving ")  # a periodic save is in flight when the stop arrives
         os.killpg(proc.pid, signal.SIGTERM)  # as the launcher does: the whole process group, writer included
         out, err = proc.communicate(timeout=60)
     finally:

@@ -171,9 +171,10 @@ class Harness:
         return [e for e in evs if name is None or e["ev"] == name]
 
     def last_hang(self) -> dict[str, Any]:
-        data = load_json(self.state_dir / "rank0.last_hang.json")
-        assert data is not None, "no last_hang.json"
-        return data
+        """The monitor's last hang_detected event: the one record of a hang's cause."""
+        hangs = self.events("hang_detected")
+        assert hangs, "no hang_detected event"
+        return hangs[-1]
 
     def cleanup(self) -> list[psutil.Process]:
         if self.monitor is not None and self.monitor.poll() is None:

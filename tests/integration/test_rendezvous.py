@@ -38,6 +38,9 @@ from launcher.agent.store import (
 )
 from monitors.events import EventLog
 from nvrx_common.net import start_store_server
+from tests.conftest import wait_for
+
+WAIT = 10.0  # bound on waits for something that must happen; reached only when it does not
 
 
 def free_port() -> int:
@@ -70,9 +73,42 @@ class Agent:
     rs: RendezvousStore
     rdzv: Rendezvous
     events: list[dict]
+    changed: threading.Condition = dataclasses.field(default_factory=threading.Condition)
+
+    def record(self, event: dict) -> None:
+        with self.changed:
+            self.events.append(event)
+            self.changed.notify_all()
 
     def evs(self, name: str) -> list[dict]:
-        return [e for e in self.events if e["ev"] == name]
+        with self.changed:
+            return [e for e in self.events if e["ev"] == name]
+
+    def wait_ev(self, name: str) -> dict:
+        """This agent's first NAME event, waiting for it (bounded)."""
+        with self.changed:
+            assert self.changed.wait_for(lambda: self.evs(name), WAIT), f"no {name} event in {self.events}"
+            return self.evs(name)[0]
+
+    def beats(self, *node_ids: str) -> Callable[[], list[int]]:
+        """Reads the keepalive counters of NODE_IDS through a connection of its own."""
+        store = self.rs.new_client()
+        return lambda: [int(store.add(self.rdzv.keys.beat(n), 0)) for n in node_ids]
+
+    def stopped(self, round_no: int) -> bool:
+        """Whether ROUND_NO has a stop record yet."""
+        return bool(self.rs.new_client().check([self.rdzv.keys.r(round_no, "stop")]))
+
+
+def wait_for_beats(read: Callable[[], list[int]], more: int) -> None:
+    """Wait until every counter READ returns has advanced by MORE beats."""
+    start = read()
+    assert wait_for(lambda: all(now >= s + more for now, s in zip(read(), start)), WAIT), (start, read())
+
+
+def beats_past_timeout(s: RdzvSettings) -> int:
+    """Beats whose spacing adds up to more than keepalive_timeout: long enough for a silent node to be noticed."""
+    return int(s.keepalive_timeout / s.keepalive_interval) + 2
 
 
 class Cluster:
@@ -85,10 +121,9 @@ class Cluster:
     def agent(self, settings: RdzvSettings, node_id: str, max_restarts: int = 3) -> Agent:
         rs = open_rendezvous_store(settings)
         self.stores.append(rs)
-        events: list[dict] = []
         log = EventLog(None, node_id)
-        log.subscribe(events.append)
-        agent = Agent(rs, Rendezvous(rs, settings, max_restarts, log, node_id=node_id), events)
+        agent = Agent(rs, Rendezvous(rs, settings, max_restarts, log, node_id=node_id), [])
+        log.subscribe(agent.record)
         self.agents.append(agent)
         return agent
 
@@ -111,12 +146,12 @@ def no_leftover_threads() -> Iterator[None]:
     before = set(threading.enumerate())
     yield
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        extra = [t for t in set(threading.enumerate()) - before if t.is_alive() and t.name.startswith("nvrx-")]
-        if not extra:
-            return
-        time.sleep(0.02)
-    pytest.fail(f"threads left behind: {[t.name for t in extra]}")
+    extra = [t for t in set(threading.enumerate()) - before if t.name.startswith("nvrx-")]
+    for thread in extra:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = [t.name for t in extra if t.is_alive()]
+    if left:
+        pytest.fail(f"threads left behind: {left}")
 
 
 def in_parallel(*calls: Callable[[], Any], timeout: float = 10.0) -> list[Any]:
@@ -195,12 +230,10 @@ def test_standby_waits_while_full_then_job_finished(cluster: Cluster) -> None:
     a.rdzv.start_keepalive(r0)
     with ThreadPoolExecutor(max_workers=1) as pool:
         waiting = pool.submit(b.rdzv.next_round)
-        deadline = time.monotonic() + 5
-        while not b.evs("rdzv_standby") and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert b.evs("rdzv_standby")[0]["reason"] == "round full"
-        time.sleep(0.7)  # longer than keepalive_timeout: a beating round is not ended
-        assert not waiting.done()
+        assert b.wait_ev("rdzv_standby")["reason"] == "round full"
+        # a beats for longer than keepalive_timeout while b watches it: a beating round is not ended
+        wait_for_beats(a.beats("node-a"), beats_past_timeout(s))
+        assert not waiting.done() and not a.stopped(0)
         a.rdzv.node_succeeded(0)
         with pytest.raises(JobFinished, match="succeeded"):
             waiting.result(timeout=5)
@@ -284,11 +317,11 @@ def test_keepalive_reports_a_silent_node(cluster: Cluster) -> None:
     ra, rb = in_parallel(a.rdzv.next_round, b.rdzv.next_round)
     a.rdzv.start_keepalive(ra)
     b.rdzv.start_keepalive(rb)
-    time.sleep(0.3)  # both beating: nothing happens
-    t0 = time.monotonic()
+    wait_for_beats(a.beats("node-a", "node-b"), beats_past_timeout(s))
+    assert not a.stopped(0)  # both beating for longer than keepalive_timeout: nothing happens
     b.rdzv.stop_keepalive()
-    stop = a.rdzv.wait_stop(0)
-    assert time.monotonic() - t0 < 2.0
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        stop = pool.submit(a.rdzv.wait_stop, 0).result(timeout=WAIT)
     assert (stop.kind, stop.by_node, stop.detail) == ("node_left", "node-a", {"node": "node-b", "group_rank": 1})
     assert stop.restart_count == 1
     a.rdzv.stop_keepalive()
@@ -299,9 +332,10 @@ def test_wait_stop_raises_when_the_store_is_lost() -> None:
     s = make_settings(free_port(), min_nodes=1, max_nodes=2, last_call_timeout=0.0)
     host = c.agent(s, "node-a")
     client = c.agent(s, "node-b")
+    host.rdzv.report_stop(7, "interrupted", {})
+    client.rdzv.wait_stop(7)  # a stopped round: returns at once, and the watcher's own connection now exists
     with ThreadPoolExecutor(max_workers=1) as pool:
-        watching = pool.submit(client.rdzv.wait_stop, 0)
-        time.sleep(0.1)
+        watching = pool.submit(client.rdzv.wait_stop, 0)  # polls that connection until the host goes
         host.rdzv.close()
         host.rs.close()
         with pytest.raises(RendezvousError, match="lost the rendezvous store"):

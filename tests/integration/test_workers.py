@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from launcher.agent.config import Std, WorkerSettings
-from launcher.agent.workers import RankExit, RankSpec, WorkerGroup
+from launcher.agent.worker_group import RankExit, RankSpec, WorkerGroup
 from monitors.events import EventLog
 
 RANK_SCRIPT = textwrap.dedent(
@@ -442,10 +442,10 @@ def test_entrypoint_that_cannot_start_is_reported(tmp_path: Path) -> None:
 
 
 def test_rank_surviving_sigkill_is_reported_stuck_and_abandoned(script: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import launcher.agent.workers as workers
+    import launcher.agent.worker_group as worker_group
 
-    real_killpg = workers._killpg
-    monkeypatch.setattr(workers, "_killpg", lambda pgid, sig: None if sig == signal.SIGKILL else real_killpg(pgid, sig))
+    real_killpg = worker_group._killpg
+    monkeypatch.setattr(worker_group, "_killpg", lambda pgid, sig: None if sig == signal.SIGKILL else real_killpg(pgid, sig))
     h = Harness(_settings(script, False, kill_timeout=0.3), tmp_path)
     try:
         attempt = h.start([{"MODE": "ignore_term"}])

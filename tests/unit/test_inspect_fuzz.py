@@ -19,7 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 from monitors.inspection.event_files import NotARun
-from monitors.events import EventLog, field_problem
+from monitors.events import (AgentSignal, EventLog, ResumeAttemptEnd, ResumeDecision, ResumeSubmit, StopDetail,
+                             TimeoutsSet, field_problem)
 from monitors.inspection.run_report import build_report
 from monitors.inspection.timeline import Filters
 from nvrx_cli.inspect_cmd import render_text
@@ -41,15 +42,16 @@ def _valid_logs(root: Path) -> dict[Path, list[str]]:
     n.start(T, "steps")
     pids = n.round(T + 1, 0, [n.node_id], 0, run_at=T + 2)
     n.steps(0, pids[0], T + 2, T + 60, 0.5)
-    n.mons[0].emit("timeouts_set", t=T + 61, rank=0, updated=True, timeouts=TIMEOUTS, path="/s")
-    n.agent.emit("agent_signal", t=T + 62, signal="SIGTERM", phase="running", round=0)
-    n.stop(T + 62, 0, "interrupted", {"signal": "SIGTERM", "signum": 15}, 0)
+    n.mons[0].emit(TimeoutsSet(rank=0, updated=True, timeouts=TIMEOUTS, path="/s"), t=T + 61)
+    n.agent.emit(AgentSignal(signal="SIGTERM", phase="running", round=0), t=T + 62)
+    n.stop(T + 62, 0, "interrupted", StopDetail(signal="SIGTERM", signum=15), 0)
     n.end(T + 63, "interrupted", 143)
     n.close()
     resume = EventLog(root / "state" / "resume.jsonl", "resume")
-    resume.emit("resume_attempt_end", t=T + 64, attempt=1, exit_code=143, cause="interrupted", seconds=60.0)
-    resume.emit("resume_decision", t=T + 65, action="continue", reason="interrupted", attempts=1, failures=0)
-    resume.emit("resume_submit", t=T + 66, status="submitted", job_id="2", method="sbatch", from_job="1")
+    resume.emit(ResumeAttemptEnd(attempt=1, exit_code=143, cause="interrupted", finished=False, seconds=60.0), t=T + 64)
+    resume.emit(ResumeDecision(action="continue", reason="interrupted", attempts=1, failures=0), t=T + 65)
+    resume.emit(ResumeSubmit(status="submitted", job_id="2", method="sbatch", from_job="1", command=["sbatch"],
+                             exclude=[]), t=T + 66)
     resume.close()
     return {p: p.read_text().splitlines() for p in sorted(root.rglob("*.jsonl"))}
 

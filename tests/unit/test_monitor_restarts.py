@@ -1,4 +1,4 @@
-"""MonitorGroup's restart policy for dead rank monitors: backoff, then give up (no real processes)."""
+"""RankMonitorGroup's restart policy for dead rank monitors: backoff, then give up (no real processes)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from launcher.agent.rank_monitors import MAX_RESTARTS, RESTART_DELAYS, RESTART_WINDOW, MonitorGroup
+from launcher.agent.rank_monitors import MAX_RESTARTS, RESTART_DELAYS, RESTART_WINDOW, RankMonitorGroup
 from monitors.events import EventLog
 
 
@@ -25,7 +25,7 @@ def group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     events: list[dict[str, Any]] = []
     log = EventLog(None, "agent")  # in memory
     log.subscribe(events.append)
-    g = MonitorGroup(ft=None, nproc=1, run_log_dir=tmp_path, events=log, base_env={},
+    g = RankMonitorGroup(ft=None, nproc=1, run_log_dir=tmp_path, events=log, base_env={},
                      state_dir=tmp_path / "state", node_name="n0")
     started: list[int] = []
     monkeypatch.setattr(g, "_start_one", lambda lr: started.append(lr))
@@ -33,7 +33,7 @@ def group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     g.private.rmdir()
 
 
-def _die(g: MonitorGroup, now: float) -> list[int]:
+def _die(g: RankMonitorGroup, now: float) -> list[int]:
     """Report monitor 0 dead at NOW (as if its pidfd fired) and let the group react."""
     g.procs[0] = _DeadProc()  # type: ignore[assignment]
     g.pidfds[os.open(os.devnull, os.O_RDONLY)] = 0  # stands in for the pidfd; restart_dead closes it

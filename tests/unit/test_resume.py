@@ -18,7 +18,7 @@ from launcher.resume.driver import (CONTINUE, FINISHED, GIVE_UP, Decision, Limit
                              precheck, settle_lost_attempt, signal_reached_child)
 from launcher.resume.state import BACKUP_FILE, STATE_FILE, ResumeError, ResumeState, StateStore
 from slurm.submit import (SubmitError, command_of_job, parse_sbatch_job_id, sbatch_command, submit_env)
-from monitors.events import EventLog
+from monitors.events import EventLog, JobEnd, RdzvJoin, RdzvRound, RdzvStop, StopDetail
 from nvrx_cli.resume_cmd import _log_dir_of
 
 LIM = Limits(max_attempts=5, max_failures=2, max_no_progress=2)
@@ -164,12 +164,13 @@ def write_agent_logs(run_dir: Path, bad: str, t: float = 1000.0, nodes: tuple[st
     ids = {n: f"samehost-{100 + i}-abc{i}" for i, n in enumerate(nodes)}
     for i, node in enumerate(nodes):
         ev = EventLog(run_dir / f"agent-{node}-{100 + i}.jsonl", "agent")
-        ev.emit("rdzv_join", t=t, round=0, node_id=ids[node])
-        ev.emit("rdzv_round", t=t, round=0, group_rank=i, nodes=list(ids.values()), world_size=2, restart_count=0)
-        ev.emit("rdzv_stop", t=t + 5, round=0, kind="failed", by_node=ids[bad], restart_count=1, give_up=True,
-                detail={"rank": nodes.index(bad), "group_rank": nodes.index(bad), "exitcode": 16, "steer": 16,
-                        "no_restart": True})
-        ev.emit("job_end", t=t + 6, status="steered", exit_code=16)
+        ev.emit(RdzvJoin(round=0, node_id=ids[node]), t=t)
+        ev.emit(RdzvRound(round=0, group_rank=i, nodes=list(ids.values()), world_size=2, restart_count=0, waited=0.0),
+                t=t)
+        ev.emit(RdzvStop(round=0, kind="failed", by_node=ids[bad], restart_count=1, give_up=True,
+                         detail=StopDetail(rank=nodes.index(bad), group_rank=nodes.index(bad), exitcode=16, steer=16,
+                                           no_restart=True)), t=t + 5)
+        ev.emit(JobEnd(status="steered", exit_code=16), t=t + 6)
         ev.close()
 
 

@@ -1,27 +1,34 @@
 """monitors.inspection.timeline on event files written by the real writer (EventLog) with chosen times.
 
-Field names follow the emit calls in launcher/agent.py, rendezvous.py, workers.py, monitor_procs.py and
-monitors/rank_monitor.py, so these files look like what `nvrx launch` writes.
+The files are written with the same event records (monitors.events) `nvrx launch` emits, so they look like
+what the agents and monitors write.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
+from monitors.events import (
+    AgentSignal, AgentStart, EventLog, FirstHeartbeat, ForkServerReady, FtConfig, FtConfigInfo, HangDetected, HangInfo,
+    HeartbeatStats, JobEnd, MonitorConnect, MonitorDisconnect, MonitorSpawned, MonitorStart, RankExit, RankStart,
+    RankTerminated, RdzvJoin, RdzvRound, RdzvStop, ResumeAttemptEnd, ResumeDecision, ResumeSubmit, SectionClose,
+    SectionOpen, StopDetail, TimeoutsInfo,
+)
 from monitors.inspection.event_files import NotARun, discover
-from monitors.events import EventLog
 from monitors.inspection.run_report import build_report, make_report
 from monitors.inspection.timeline import Filters, Timeline
 from nvrx_cli.inspect_cmd import parse_since, render_text
+from nvrx_cli.inspect_text import report_dict
 
 T = 1_700_000_000.0
-TIMEOUTS = {"initial_heartbeat": 600.0, "heartbeat": 300.0, "sections": {"step": 30.0}, "out_of_section": None}
-FT = {"workload_check_interval": 5.0, "initial_rank_heartbeat_timeout": 600.0, "rank_heartbeat_timeout": 300.0,
-      "safety_factor": 5.0, "rank_termination_signal": "SIGKILL", "log_level": "INFO",
-      "rank_section_timeouts": {"step": 30.0}, "rank_out_of_section_timeout": None}
+TIMEOUTS = TimeoutsInfo(initial_heartbeat=600.0, heartbeat=300.0, sections={"step": 30.0}, out_of_section=None)
+FT = FtConfigInfo(workload_check_interval=5.0, initial_rank_heartbeat_timeout=600.0, rank_heartbeat_timeout=300.0,
+                  safety_factor=5.0, rank_termination_signal="SIGKILL", log_level="INFO",
+                  rank_section_timeouts={"step": 30.0}, rank_out_of_section_timeout=None, auto_heartbeat=False)
 
 
 class Node:
@@ -36,48 +43,54 @@ class Node:
         self.next_pid = pid * 10
 
     def start(self, t: float, run_id: str, max_restarts: int = 3, nnodes: str = "1:1") -> None:
-        self.agent.emit("agent_start", t=t, pid=1, nproc=self.nproc, nnodes=nnodes, max_restarts=max_restarts,
-                        run_id=run_id)
-        self.agent.emit("ft_config", t=t, config=FT)
+        self.agent.emit(AgentStart(pid=1, nproc=self.nproc, nnodes=nnodes, max_restarts=max_restarts, run_id=run_id),
+                        t=t)
+        self.agent.emit(FtConfig(config=FT), t=t)
         for lr, m in enumerate(self.mons):
-            self.agent.emit("monitor_spawned", t=t, local_rank=lr, pid=500 + lr)
-            m.emit("monitor_start", t=t + 0.1, rank=lr, pid=500 + lr, socket="/x", timeouts=TIMEOUTS, check_interval=5.0)
+            self.agent.emit(MonitorSpawned(local_rank=lr, pid=500 + lr), t=t)
+            m.emit(MonitorStart(rank=lr, pid=500 + lr, socket="/x", timeouts=TIMEOUTS, check_interval=5.0), t=t + 0.1)
 
     def round(self, t: float, r: int, nodes: list[str], restarts: int, group_rank: int = 0,
               run_at: float | None = None) -> list[int]:
-        self.agent.emit("rdzv_join", t=t, round=r, node_id=self.node_id)
-        self.agent.emit("rdzv_round", t=t, round=r, group_rank=group_rank, nodes=nodes,
-                        world_size=self.nproc * len(nodes), restart_count=restarts, waited=0.01)
+        self.agent.emit(RdzvJoin(round=r, node_id=self.node_id), t=t)
+        self.agent.emit(RdzvRound(round=r, group_rank=group_rank, nodes=nodes, world_size=self.nproc * len(nodes),
+                                  restart_count=restarts, waited=0.01), t=t)
         pids = []
         for lr in range(self.nproc):
             self.next_pid += 1
             pids.append(self.next_pid)
-            self.agent.emit("rank_start", t=run_at if run_at is not None else t + 1.0, local_rank=lr,
-                            rank=group_rank * self.nproc + lr, pid=self.next_pid, attempt=restarts, how="fork",
-                            seconds=0.004)
+            self.agent.emit(RankStart(local_rank=lr, rank=group_rank * self.nproc + lr, pid=self.next_pid,
+                                      attempt=restarts, how="fork", seconds=0.004),
+                            t=run_at if run_at is not None else t + 1.0)
         return pids
 
-    def stop(self, t: float, r: int, kind: str, detail: dict, restarts: int, give_up: bool = False) -> None:
-        self.agent.emit("rdzv_stop", t=t, round=r, kind=kind, by_node=self.node_id, detail=detail,
-                        restart_count=restarts, give_up=give_up)
+    def stop(self, t: float, r: int, kind: str, detail: StopDetail, restarts: int, give_up: bool = False) -> None:
+        self.agent.emit(RdzvStop(round=r, kind=kind, by_node=self.node_id, detail=detail, restart_count=restarts,
+                                 give_up=give_up), t=t)
 
     def end(self, t: float, status: str, code: int) -> None:
-        self.agent.emit("job_end", t=t, status=status, exit_code=code, seconds=1.0, failures=[])
+        self.agent.emit(JobEnd(status=status, exit_code=code, seconds=1.0, failures=[]), t=t)
 
-    def steps(self, lr: int, pid: int, t0: float, t1: float, step_s: float, every: float = 10.0) -> None:
-        """A monitored run of local rank LR: step sections closed at the monitor's event rate."""
+    def steps(self, lr: int, pid: int, t0: float, t1: float, step_s: float, every: float = 10.0,
+              ckpt_every: float | None = None) -> None:
+        """A monitored run of local rank LR: step sections closed at the monitor's event rate; with CKPT_EVERY,
+        a 'checkpointing' section closes that often (taking no step time)."""
         m = self.mons[lr]
-        m.emit("monitor_connect", t=t0, rank=lr, pid=pid, generation=1, timeouts=TIMEOUTS)
-        m.emit("first_heartbeat", t=t0 + 0.5, rank=lr, pid=pid, delay=0.5)
-        t, hb = t0, 0
+        m.emit(MonitorConnect(rank=lr, pid=pid, generation=1, timeouts=TIMEOUTS), t=t0)
+        m.emit(FirstHeartbeat(rank=lr, pid=pid, delay=0.5), t=t0 + 0.5)
+        t, hb, next_ckpt = t0, 0, t0 + (ckpt_every or math.inf)
         while t + every <= t1:
             t += every
             n = int(every / step_s)
             hb += n
-            m.emit("section_open", t=t, rank=lr, section="step", open_for=0.1)
-            m.emit("section_close", t=t, rank=lr, section="step", closes=n, last_duration=step_s, max_duration=step_s)
-            m.emit("heartbeat_stats", t=t, rank=lr, count=hb, max_interval=step_s + 0.01, since_last=0.0)
-        m.emit("monitor_disconnect", t=t1, rank=lr, pid=pid, generation=1, reason="rank_disconnected")
+            m.emit(SectionOpen(rank=lr, section="step", open_for=0.1), t=t)
+            m.emit(SectionClose(rank=lr, section="step", closes=n, last_duration=step_s, max_duration=step_s), t=t)
+            m.emit(HeartbeatStats(rank=lr, count=hb, max_interval=step_s + 0.01, since_last=0.0), t=t)
+            if t >= next_ckpt:
+                m.emit(SectionClose(rank=lr, section="checkpointing", closes=1, last_duration=0.5, max_duration=0.5),
+                       t=t)
+                next_ckpt += ckpt_every or math.inf
+        m.emit(MonitorDisconnect(rank=lr, pid=pid, generation=1, reason="rank_disconnected"), t=t1)
 
     def close(self) -> None:
         for log in (self.agent, *self.mons):
@@ -89,13 +102,13 @@ def _crash_run(run_dir: Path, signal: str | None = None, exitcode: int | None = 
     n = Node(run_dir, "hostA", 7)
     n.start(T, "job1")
     pids = n.round(T + 1, 0, [n.node_id], 0, run_at=T + 2)
-    n.agent.emit("rank_exit", t=T + 50, local_rank=1, rank=1, pid=pids[1], exitcode=exitcode, signal=signal,
-                 attempt=0, abandoned=False)
-    n.stop(T + 50.5, 0, "failed", {"rank": 1, "local_rank": 1, "group_rank": 0, "pid": pids[1], "exitcode": exitcode,
-                                   "signal": signal, "abandoned": False, "tail": ["step 41: loss 0.5", "boom"],
-                                   "describe": "x", "round": 0, "hang": None}, 1)
+    n.agent.emit(RankExit(local_rank=1, rank=1, pid=pids[1], exitcode=exitcode, signal=signal, attempt=0,
+                          abandoned=False), t=T + 50)
+    n.stop(T + 50.5, 0, "failed", StopDetail(rank=1, local_rank=1, group_rank=0, pid=pids[1], exitcode=exitcode,
+                                             signal=signal, abandoned=False, tail=["step 41: loss 0.5", "boom"],
+                                             describe="x", round=0), 1)
     n.round(T + 52, 1, [n.node_id], 1, run_at=T + 53)
-    n.stop(T + 100, 1, "succeeded", {"nodes": 1}, 1)
+    n.stop(T + 100, 1, "succeeded", StopDetail(nodes=1), 1)
     n.end(T + 100, "succeeded", 0)
     n.close()
     return n
@@ -125,33 +138,46 @@ def _hang_run(run_dir: Path, hang_in_detail: bool) -> None:
     n = Node(run_dir, "hostA", 7)
     n.start(T, "hang")
     pids = n.round(T + 1, 0, [n.node_id], 0, run_at=T + 2)
-    hang = {"rank": 1, "pid": pids[1], "generation": 1, "reason": "section_timeout", "section": "step",
-            "elapsed": 31.0, "timeout": 30.0, "timeouts": TIMEOUTS, "signal": "SIGKILL"}
-    n.mons[1].emit("monitor_connect", t=T + 2.5, rank=1, pid=pids[1], generation=1, timeouts=TIMEOUTS)
-    n.mons[1].emit("hang_detected", t=T + 60, **hang)
-    n.mons[1].emit("rank_terminated", t=T + 60, rank=1, pid=pids[1], signal="SIGKILL", reason="section_timeout")
-    n.agent.emit("rank_exit", t=T + 60.1, local_rank=1, rank=1, pid=pids[1], exitcode=None, signal="SIGKILL",
-                 attempt=0, abandoned=False)
-    detail_hang = {**hang, "t": T + 60} if hang_in_detail else None
-    n.stop(T + 60.2, 0, "failed", {"rank": 1, "local_rank": 1, "group_rank": 0, "pid": pids[1], "exitcode": None,
-                                   "signal": "SIGKILL", "abandoned": False, "tail": ["in step 7"], "describe": "x",
-                                   "round": 0, "hang": detail_hang}, 1)
+    hang = HangDetected(rank=1, global_rank=1, pid=pids[1], generation=1, reason="section_timeout", section="step",
+                        elapsed=31.0, timeout=30.0, timeouts=TIMEOUTS, signal="SIGKILL")
+    n.mons[1].emit(MonitorConnect(rank=1, pid=pids[1], generation=1, timeouts=TIMEOUTS), t=T + 2.5)
+    n.mons[1].emit(hang, t=T + 60)
+    n.mons[1].emit(RankTerminated(rank=1, pid=pids[1], signal="SIGKILL", reason="section_timeout"), t=T + 60)
+    n.agent.emit(RankExit(local_rank=1, rank=1, pid=pids[1], exitcode=None, signal="SIGKILL", attempt=0,
+                          abandoned=False), t=T + 60.1)
+    # what the agent copies into its stop record: the monitor's event read back (MonitorGroup.hang_reason)
+    detail_hang = HangInfo.of({**hang.to_fields(), "t": T + 60}) if hang_in_detail else None
+    n.stop(T + 60.2, 0, "failed", StopDetail(rank=1, local_rank=1, group_rank=0, pid=pids[1], exitcode=None,
+                                             signal="SIGKILL", abandoned=False, tail=["in step 7"], describe="x",
+                                             round=0, hang=detail_hang), 1)
     n.round(T + 61, 1, [n.node_id], 1, run_at=T + 62)
-    n.stop(T + 90, 1, "succeeded", {"nodes": 1}, 1)
+    n.stop(T + 90, 1, "succeeded", StopDetail(nodes=1), 1)
     n.end(T + 90, "succeeded", 0)
     n.close()
 
 
-@pytest.mark.parametrize("hang_in_detail", [True, False], ids=["from-failure-detail", "from-monitor-event"])
-def test_hang_cause_names_section_elapsed_and_timeout(tmp_path, hang_in_detail):
-    _hang_run(tmp_path / "hang", hang_in_detail)
-    (f,) = build_report([tmp_path]).faults
+def test_hang_cause_names_section_elapsed_and_timeout(tmp_path):
+    _hang_run(tmp_path / "hang", hang_in_detail=True)
+    rep = build_report([tmp_path])
+    (f,) = rep.faults
     assert f["cause"] == ("rank 1 hung in section 'step' after 31.0 s, timeout 30 s "
                           "(killed with SIGKILL by its monitor)")
     assert f["hang"]["reason"] == "section_timeout"
-    if hang_in_detail:  # the fault began at the last progress: detection time minus the elapsed time
-        assert f["t"] == pytest.approx(T + 60 - 31.0)
-        assert f["lost_s"] == pytest.approx(62 - 29.0)
+    # the fault began at the last progress: detection time minus the elapsed time
+    assert f["t"] == pytest.approx(T + 60 - 31.0)
+    assert f["lost_s"] == pytest.approx(62 - 29.0)
+    assert not [it for it in rep.timeline if it["kind"] == "hang_detected"]  # the stop explains it: one line
+
+
+def test_the_stop_record_is_the_one_source_of_a_stops_hang_cause(tmp_path):
+    # A stop record without the hang (an agent that could not read its monitor's file): the report does
+    # not guess by matching pids; the monitor's hang shows as its own entry, the stop names the exit.
+    _hang_run(tmp_path / "hang", hang_in_detail=False)
+    rep = build_report([tmp_path])
+    (f,) = rep.faults
+    assert f["cause"] == "rank 1 was killed by SIGKILL (out of memory?)" and f["hang"] is None
+    (item,) = [it for it in rep.timeline if it["kind"] == "hang_detected"]
+    assert item["rank"] == 1 and "hung in section 'step' after 31.0 s" in item["text"]
 
 
 def test_a_hang_on_another_node_with_the_same_pid_is_not_the_cause(tmp_path):
@@ -165,13 +191,12 @@ def test_a_hang_on_another_node_with_the_same_pid_is_not_the_cause(tmp_path):
     pa = a.round(T + 1, 0, nodes, 0, group_rank=0, run_at=T + 2)
     pb = b.round(T + 1, 0, nodes, 0, group_rank=1, run_at=T + 2)
     assert pa == pb
-    b.mons[1].emit("hang_detected", t=T + 30, rank=1, global_rank=3, pid=pb[1], generation=1,
-                   reason="heartbeat_timeout", elapsed=9.0, timeout=8.0, timeouts=TIMEOUTS, signal="SIGKILL")
-    a.agent.emit("rank_exit", t=T + 29.9, local_rank=1, rank=1, pid=pa[1], exitcode=13, signal=None, attempt=0,
-                 abandoned=False)
-    a.stop(T + 30, 0, "failed", {"rank": 1, "local_rank": 1, "group_rank": 0, "pid": pa[1], "exitcode": 13,
-                                 "signal": None, "abandoned": False, "tail": [], "describe": "x", "round": 0,
-                                 "hang": None}, 0, give_up=True)
+    b.mons[1].emit(HangDetected(rank=1, global_rank=3, pid=pb[1], generation=1, reason="heartbeat_timeout",
+                                elapsed=9.0, timeout=8.0, timeouts=TIMEOUTS, signal="SIGKILL"), t=T + 30)
+    a.agent.emit(RankExit(local_rank=1, rank=1, pid=pa[1], exitcode=13, signal=None, attempt=0, abandoned=False),
+                 t=T + 29.9)
+    a.stop(T + 30, 0, "failed", StopDetail(rank=1, local_rank=1, group_rank=0, pid=pa[1], exitcode=13,
+                                           abandoned=False, tail=[], describe="x", round=0), 0, give_up=True)
     a.end(T + 31, "failed", 1)
     b.end(T + 31, "failed", 1)
     a.close()
@@ -179,6 +204,8 @@ def test_a_hang_on_another_node_with_the_same_pid_is_not_the_cause(tmp_path):
     (f,) = build_report([run]).faults
     assert f["cause"] == "rank 1 exited with code 13 on node " + a.node_id
     assert f["hang"] is None
+    (item,) = [it for it in build_report([run]).timeline if it["kind"] == "hang_detected"]
+    assert item["rank"] == 3  # node B's hang is shown as its own, with B's rank
 
 
 def test_an_agent_error_after_the_store_host_died_is_in_the_report(tmp_path):
@@ -191,7 +218,7 @@ def test_an_agent_error_after_the_store_host_died_is_in_the_report(tmp_path):
     b.round(T + 1, 0, nodes, 0, group_rank=1)
     a.close()  # killed: no job_end
     why = "lost the rendezvous store at 127.0.0.1:29500 (Connection reset by peer); its host agent is gone"
-    b.agent.emit("job_end", t=T + 20, status="failed", exit_code=1, detail=why, seconds=19.0, failures=[])
+    b.agent.emit(JobEnd(status="failed", exit_code=1, detail=why, seconds=19.0, failures=[]), t=T + 20)
     b.close()
     (item,) = [i for i in build_report([run]).timeline if i["kind"] in ("job_end", "job_open")]
     assert f"node {b.node_id}: {why}" in item["text"]
@@ -205,11 +232,11 @@ def test_node_left_counts_from_the_lost_nodes_last_event(tmp_path):
     b.start(T + 0.2, "two", nnodes="1:2")
     a.round(T + 1, 0, nodes, 0, group_rank=0, run_at=T + 2)
     b.round(T + 1, 0, nodes, 0, group_rank=1, run_at=T + 2.5)
-    b.agent.emit("fork_server_ready", t=T + 20, seconds=1.0, pid=9, import_seconds=1.0, threads=1)  # its last sign of life
+    b.agent.emit(ForkServerReady(seconds=1.0, pid=9, import_seconds=1.0, threads=1), t=T + 20)  # its last sign of life
     b.close()
-    a.stop(T + 35, 0, "node_left", {"node": b.node_id, "group_rank": 1}, 1)
+    a.stop(T + 35, 0, "node_left", StopDetail(node=b.node_id, group_rank=1), 1)
     a.round(T + 40, 1, [a.node_id], 1, run_at=T + 41)
-    a.stop(T + 60, 1, "succeeded", {"nodes": 1}, 1)
+    a.stop(T + 60, 1, "succeeded", StopDetail(nodes=1), 1)
     a.end(T + 60, "succeeded", 0)
     a.close()
     rep = build_report([run])
@@ -225,20 +252,22 @@ def test_interrupted_job_and_resume_chain(tmp_path):
     a = Node(tmp_path / "1001", "hostA", 7)
     a.start(T, "1001")
     a.round(T + 1, 0, [a.node_id], 0, run_at=T + 2)
-    a.agent.emit("agent_signal", t=T + 30, signal="SIGTERM", phase="running", round=0)
-    a.stop(T + 30, 0, "interrupted", {"signal": "SIGTERM", "signum": 15}, 0)
+    a.agent.emit(AgentSignal(signal="SIGTERM", phase="running", round=0), t=T + 30)
+    a.stop(T + 30, 0, "interrupted", StopDetail(signal="SIGTERM", signum=15), 0)
     a.end(T + 31, "failed", 143)
     a.close()
     resume = EventLog(tmp_path / "state" / "resume.jsonl", "resume")
-    resume.emit("resume_attempt_end", t=T + 32, attempt=1, exit_code=143)
-    resume.emit("resume_decision", t=T + 32.5, action="continue", reason="interrupted by SIGTERM", attempts=1, failures=0)
-    resume.emit("resume_submit", t=T + 33, job_id="1002")
-    resume.emit("resume_something_new", t=T + 34, x=1)
+    resume.emit(ResumeAttemptEnd(attempt=1, exit_code=143, cause="interrupted", finished=False), t=T + 32)
+    resume.emit(ResumeDecision(action="continue", reason="interrupted by SIGTERM", attempts=1, failures=0), t=T + 32.5)
+    resume.emit(ResumeSubmit(status="submitted", method="sbatch", from_job="1001", command=["sbatch"], exclude=[],
+                             job_id="1002"), t=T + 33)
     resume.close()
+    with open(tmp_path / "state" / "resume.jsonl", "a") as fh:  # a newer writer's event
+        fh.write(json.dumps({"v": 1, "t": T + 34, "src": "resume", "ev": "resume_something_new", "x": 1}) + "\n")
     b = Node(tmp_path / "1002", "hostB", 9)
     b.start(T + 100, "1002")
     b.round(T + 101, 0, [b.node_id], 0, run_at=T + 104)
-    b.stop(T + 200, 0, "succeeded", {"nodes": 1}, 0)
+    b.stop(T + 200, 0, "succeeded", StopDetail(nodes=1), 0)
     b.end(T + 200, "succeeded", 0)
     b.close()
     rep = build_report([tmp_path])
@@ -248,40 +277,102 @@ def test_interrupted_job_and_resume_chain(tmp_path):
     (f,) = rep.faults
     assert f["kind"] == "interrupted" and "SIGTERM" in f["cause"]
     assert f["lost_s"] == pytest.approx(74.0)      # to the next job's ranks running
-    texts = [it["text"] for it in rep.timeline]
+    (decision,) = [it for it in rep.items if it.kind == "resume:resume_decision"]
+    assert decision.text is None and decision.form == "resume_decision" and decision.level == "info"  # data
+    assert decision.fields == {"action": "continue", "reason": "interrupted by SIGTERM", "attempts": 1, "failures": 0}
+    texts = [it["text"] for it in report_dict(rep)["timeline"]]  # the --json report: worded by the renderer
     assert "resume decision: continue: interrupted by SIGTERM (attempts 1, failures 0)" in texts
+    assert "resume: resume something new (x=1)" in texts
     assert rep.unknown_events == {"resume/resume_something_new": 1}  # shown, counted, not fatal
     assert rep.span["wall_s"] == pytest.approx(200.0)
     ts = [it["t"] for it in rep.timeline]
     assert ts == sorted(ts)
 
 
-def test_goodput_from_step_sections_and_from_running_time(tmp_path):
-    n = Node(tmp_path / "g", "hostA", 7)
+def _steps_run(run_dir: Path, ckpt_every: float | None) -> None:
+    """Round 0: ranks up at T+10, 60 s of steps, fails at T+70; round 1: up at T+90, 20 s of steps, succeeds."""
+    n = Node(run_dir, "hostA", 7)
     n.start(T, "g")
     pids = n.round(T, 0, [n.node_id], 0, run_at=T + 10)
-    for lr in range(2):
-        n.steps(lr, pids[lr], T + 10, T + 70, step_s=0.5)   # 6 batches x 20 closes x 0.5 s = 60 s in `step`
-    n.stop(T + 70, 0, "failed", {"rank": 0, "pid": pids[0], "exitcode": 1, "signal": None, "tail": [],
-                                 "group_rank": 0, "hang": None}, 1)
+    for lr in range(2):  # 6 batches x 20 closes x 0.5 s = 60 s in `step`; checkpoints at T+50 (with ckpt_every=40)
+        n.steps(lr, pids[lr], T + 10, T + 70, step_s=0.5, ckpt_every=ckpt_every)
+    n.stop(T + 70, 0, "failed", StopDetail(rank=0, pid=pids[0], exitcode=1, tail=[], group_rank=0), 1)
     pids = n.round(T + 80, 1, [n.node_id], 1, run_at=T + 90)
     for lr in range(2):
-        n.steps(lr, pids[lr], T + 90, T + 110, step_s=0.25)  # 2 batches x 40 x 0.25 s = 20 s
-    n.stop(T + 110, 1, "succeeded", {"nodes": 1}, 1)
+        n.steps(lr, pids[lr], T + 90, T + 110, step_s=0.25, ckpt_every=ckpt_every)  # 2 x 40 x 0.25 s = 20 s
+    n.stop(T + 110, 1, "succeeded", StopDetail(nodes=1), 1)
     n.end(T + 110, "succeeded", 0)
     n.close()
+
+
+def test_goodput_from_step_sections_leaves_out_work_redone_after_a_restart(tmp_path):
+    _steps_run(tmp_path / "g", ckpt_every=40)
     rep = build_report([tmp_path])
-    g = rep.goodput
-    assert g["method"] == "step_sections"
-    assert g["productive_s"] == pytest.approx(80.0)
-    assert g["wall_s"] == pytest.approx(110.1, abs=0.2)   # monitor files end a moment later than the agent
-    assert g["ranks_running_s"] == pytest.approx(60.0 + 20.0)
+    a = rep.time_accounting
+    assert a["wall_s"] == pytest.approx(110.0)
+    assert a["uptime_s"] == pytest.approx(60.0 + 20.0)     # all ranks running: T+10..T+70, T+90..T+110
+    assert rep.uptime == pytest.approx(80.0 / a["wall_s"], abs=1e-3)
+    assert rep.goodput_source == "'step' sections"
+    assert a["progress_s"] == pytest.approx(80.0)
+    assert a["recomputed_s"] == pytest.approx(20.0)       # round 0's steps after its last checkpoint (T+50)
+    assert a["kept_s"] == pytest.approx(60.0)
+    assert rep.goodput == pytest.approx(60.0 / a["wall_s"], abs=1e-3) and rep.goodput < rep.uptime
     r0 = rep.ranks[0]
-    assert r0["rank"] == 0 and r0["sessions"] == 2 and r0["heartbeats"] == 120 + 80
+    assert r0["rank"] == 0 and r0["sessions"] == 2 and r0["heartbeats"] == 120 + 80 and not r0["auto_heartbeat"]
     assert r0["sections"]["step"]["closes"] == 200 and r0["sections"]["step"]["max_s"] == 0.5
-    # without step sections: time all ranks were running
-    rep2 = build_report([tmp_path], Filters(step_section="nope"))
-    assert rep2.goodput["method"] == "ranks_running" and rep2.goodput["productive_s"] == pytest.approx(80.0)
+    text = render_text(rep)
+    assert "uptime 72.7 %: 80.00 s with all ranks running / 110.00 s wall" in text
+    assert "goodput 54.5 % (from 'step' sections): 60.00 s of progress kept / 110.00 s wall" in text
+    assert "20.00 s of progress redone after restarts" in text
+    d = rep.to_dict()
+    assert (d["uptime"], d["goodput"], d["goodput_source"]) == (rep.uptime, rep.goodput, "'step' sections")
+
+
+def test_goodput_from_heartbeats_when_there_is_no_step_section(tmp_path):
+    _steps_run(tmp_path / "g", ckpt_every=40)
+    rep = build_report([tmp_path], Filters(step_section="nope"))
+    a = rep.time_accounting
+    assert rep.goodput_source == "heartbeats"
+    # first heartbeat (connect + 0.5 s) to the last one: 59.5 s + 19.5 s; round 0 keeps T+10.5..T+50
+    assert a["progress_s"] == pytest.approx(79.0) and a["kept_s"] == pytest.approx(39.5 + 19.5)
+    assert rep.goodput < rep.uptime
+
+
+def test_without_checkpoint_sections_recompute_is_unknown_and_said_so(tmp_path):
+    _steps_run(tmp_path / "g", ckpt_every=None)
+    rep = build_report([tmp_path])
+    a = rep.time_accounting
+    assert a["recomputed_s"] is None and a["kept_s"] == pytest.approx(80.0)
+    assert "unknown: no 'checkpointing' sections" in a["recompute"]
+    assert "recompute unknown: no 'checkpointing' sections" in render_text(rep)
+
+
+def test_no_progress_source_means_no_goodput(tmp_path):
+    _crash_run(tmp_path / "job1")  # monitors started, but no rank ever beat or opened a section
+    rep = build_report([tmp_path])
+    assert rep.uptime is not None and rep.goodput is None and rep.goodput_source is None
+    text = render_text(rep)
+    assert "no goodput (no progress source" in text and "goodput 0" not in text
+
+
+def test_automatic_heartbeats_are_a_progress_source_and_shown_as_auto(tmp_path):
+    n = Node(tmp_path / "a", "hostA", 7, nproc=1)
+    n.start(T, "auto")
+    (pid,) = n.round(T, 0, [n.node_id], 0, run_at=T + 1)
+    m = n.mons[0]
+    m.emit(MonitorConnect(rank=0, pid=pid, generation=1, timeouts=TIMEOUTS), t=T + 1)
+    for t in (T + 31, T + 61):  # the rank's interpreter kept running bytecode until T+60
+        m.emit(HeartbeatStats(rank=0, count=0, max_interval=0.0, auto_since_last=1.0), t=t)
+    m.emit(MonitorDisconnect(rank=0, pid=pid, generation=1, reason="rank_disconnected"), t=T + 61)
+    n.stop(T + 61, 0, "succeeded", StopDetail(nodes=1), 0)
+    n.end(T + 61, "succeeded", 0)
+    n.close()
+    rep = build_report([tmp_path])
+    assert rep.goodput_source == "automatic heartbeats"
+    assert rep.time_accounting["progress_s"] == pytest.approx(59.0)  # session start (T+1) to the last beat (T+60)
+    (r0,) = rep.ranks
+    assert r0["heartbeats"] == 0 and r0["auto_heartbeat"]
+    assert "  0     hostA-7  1     auto " in render_text(rep)
 
 
 def test_rank_and_since_filters(tmp_path):
@@ -320,9 +411,9 @@ def test_deferred_parsing_gives_the_same_report_as_parsing_everything(tmp_path):
     n.start(T, "g")
     pids = n.round(T, 0, [n.node_id], 0, run_at=T + 1)
     n.steps(0, pids[0], T + 1, T + 200, step_s=0.3)
-    n.mons[1].emit("monitor_connect", t=T + 1, rank=1, pid=pids[1], generation=1, timeouts=TIMEOUTS)
-    n.mons[1].emit("section_open", t=T + 5, rank=1, section="checkpointing", open_for=4.0)  # still open at the end
-    n.mons[1].emit("heartbeat_stats", t=T + 6, rank=1, count=7, max_interval=2.0, since_last=0.0)
+    n.mons[1].emit(MonitorConnect(rank=1, pid=pids[1], generation=1, timeouts=TIMEOUTS), t=T + 1)
+    n.mons[1].emit(SectionOpen(rank=1, section="checkpointing", open_for=4.0), t=T + 5)  # still open at the end
+    n.mons[1].emit(HeartbeatStats(rank=1, count=7, max_interval=2.0, since_last=0.0), t=T + 6)
     n.close()
     fast = build_report([tmp_path]).to_dict()
     slow = build_report([tmp_path], Filters(since=T - 1)).to_dict()  # --since disables the fast path
@@ -369,7 +460,7 @@ def test_jobs_in_one_run_dir_are_told_apart_by_time(tmp_path):
         if i == 0:  # killed by the time limit: no stop, no job_end
             n.close()
             continue
-        n.stop(t0 + 50, 0, "succeeded", {"nodes": 1}, 0)
+        n.stop(t0 + 50, 0, "succeeded", StopDetail(nodes=1), 0)
         n.end(t0 + 50, "succeeded", 0)
         n.close()
     rep = build_report([run])
@@ -408,9 +499,8 @@ def test_steering_exit_code_ends_the_job_without_restart(tmp_path):
     n = Node(tmp_path / "s", "hostA", 7)
     n.start(T, "s")
     pids = n.round(T + 1, 0, [n.node_id], 0)
-    n.stop(T + 9, 0, "failed", {"rank": 0, "local_rank": 0, "group_rank": 0, "pid": pids[0], "exitcode": 16,
-                                "signal": None, "tail": [], "hang": None, "no_restart": True, "steer": 16}, 1,
-           give_up=True)
+    n.stop(T + 9, 0, "failed", StopDetail(rank=0, local_rank=0, group_rank=0, pid=pids[0], exitcode=16, tail=[],
+                                          no_restart=True, steer=16), 1, give_up=True)
     n.end(T + 10, "failed", 16)
     n.close()
     rep = build_report([tmp_path])

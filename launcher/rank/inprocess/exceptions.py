@@ -10,7 +10,10 @@ from __future__ import annotations
 import sys
 import types
 
+from nvrx_common.errors import NvrxError
 
+
+# Not an NvrxError, on purpose: it must pass through ``except Exception`` in the user's function.
 class RestartInterrupt(BaseException):
     """Raised asynchronously in the wrapped function: a fault happened (here or on another rank).
 
@@ -38,7 +41,7 @@ def swallow_location(exc: RestartInterrupt) -> str:
     return f"{where}, suppressed in {code.co_filename}:{tb.tb_frame.f_lineno} ({code.co_name})"
 
 
-class InprocessError(Exception):
+class InprocessError(NvrxError):
     """Base class of the errors the Wrapper raises itself; the message is one line saying what to do."""
 
 
@@ -50,10 +53,6 @@ class StoreUnavailable(InprocessError):
     """The Wrapper's distributed store cannot be reached (its host, rank 0 by default, is gone)."""
 
 
-class BarrierTimeout(InprocessError):
-    """A Wrapper barrier did not complete in time."""
-
-
 class HealthCheckError(InprocessError):
     """This rank is not healthy enough to take part in another iteration."""
 
@@ -62,5 +61,7 @@ class RankTerminated(InprocessError):
     """This rank was removed from the job (timed out, excluded by rank assignment, or too late)."""
 
 
+# Not an NvrxError, on purpose: raised from an ``initialize`` component inside the restart loop, it must not
+# be taken for a fault of the iteration (the loop restarts on ``Exception``s) but end the Wrapper.
 class RetriesExhausted(BaseException):
     """Raised by ``RetryController``: stop restarting. A BaseException so that it ends the Wrapper."""

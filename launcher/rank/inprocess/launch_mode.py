@@ -20,6 +20,7 @@ import sys
 from typing import Callable, Mapping
 
 from nvrx_common.exit_codes import FAILED, OK, STEERING_CODES
+from nvrx_common.errors import NvrxError
 from launcher.rank.inprocess.exceptions import InprocessError, RetriesExhausted
 from launcher.rank.inprocess.rank_filter import MaxActiveWorldSize
 from launcher.rank.inprocess.wrapper import Wrapper
@@ -28,7 +29,7 @@ ENABLE_ENV = "NVRX_INPROCESS"
 SPARES_ENV = "NVRX_INPROCESS_SPARES"
 
 
-class ScriptFailed(Exception):
+class ScriptFailed(NvrxError):
     """The script exited with a non-zero status: a fault, restarted in place."""
 
 
@@ -39,7 +40,7 @@ def enabled(env: Mapping[str, str]) -> bool:
 def build_wrapper(env: Mapping[str, str]) -> Wrapper:
     """The Wrapper for a launched script: defaults, plus spares from --inprocess-spares.
 
-    It yields to a Wrapper the script applies itself (see ``Session.defer``).
+    It yields to a Wrapper the script applies itself (see ``RestartSession.defer``).
     """
     spares = int(env.get(SPARES_ENV) or 0)
     if spares <= 0:

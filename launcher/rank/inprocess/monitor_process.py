@@ -1,4 +1,7 @@
-"""The monitor process: a small daemon per rank that keeps watch when the rank itself cannot.
+"""The in-process monitor process: a small daemon per rank that keeps watch when the rank itself cannot.
+
+Not the rank monitor of ``nvrx launch`` (``monitors/rank_monitor.py``): this one belongs to the in-process
+restart Wrapper and lives only while a wrapped call runs.
 
 The Wrapper forks it when a call starts (before the Wrapper starts its own threads), so it costs
 milliseconds instead of a second interpreter importing torch. The child closes every descriptor it
@@ -31,7 +34,7 @@ from typing import Any
 
 from launcher.rank.inprocess.progress import SLOT_DIR_PREFIX
 from launcher.rank.inprocess.store import first_line
-from monitors.control import LineBuffer, ProtocolError, encode
+from monitors.control import LineBuffer, MonitorProtocolError, encode
 
 log = logging.getLogger("launcher.rank.inprocess.monitor_process")
 
@@ -42,8 +45,8 @@ _RESET_SIGNALS = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT")
 # ---------------------------------------------------------------- the rank's side
 
 
-class MonitorProcess:
-    """Fork, command and stop the monitor process of this rank."""
+class InprocessMonitorProcess:
+    """Fork, command and stop the in-process monitor process of this rank (one per Wrapper call)."""
 
     def __init__(self, config: dict[str, Any], logfile: str | None) -> None:
         self.config = config
@@ -53,7 +56,7 @@ class MonitorProcess:
         self._cmd = -1
         self._replies: _Messages | None = None
 
-    def start(self) -> "MonitorProcess":
+    def start(self) -> "InprocessMonitorProcess":
         cmd_r, cmd_w = os.pipe2(os.O_CLOEXEC)
         rep_r, rep_w = os.pipe2(os.O_CLOEXEC)
         pid = os.fork()
@@ -326,7 +329,7 @@ class _Messages:
             return None
         messages = self._buffer.feed(chunk)
         for bad in messages:
-            if isinstance(bad, ProtocolError):
+            if isinstance(bad, MonitorProtocolError):
                 raise bad
         return messages  # type: ignore[return-value]
 

@@ -1,4 +1,4 @@
-"""The monitor thread: notices faults (on any rank, or no progress here) and interrupts the wrapped function.
+"""The in-process monitor thread: notices faults (on any rank, or no progress here) and interrupts the wrapped function.
 
 Every ``monitor_thread_interval`` it reads the fault counter in the store; when it grew past the value
 this iteration started with, it waits ``last_call_wait`` so that concurrent faults from other ranks are
@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 STORE_FAILURES_TOLERATED = 3  # consecutive failed polls before the store counts as lost
 
 
-class MonitorThread:
-    """Watches the store and this rank's progress while an iteration runs."""
+class InprocessMonitorThread:
+    """The Wrapper's thread in the rank: watches the store and this rank's progress while an iteration runs."""
 
     def __init__(self, store: StoreMixin, gate: InterruptGate, recorder: ProgressRecorder, abort: Callable[[], None],
                  *, rank: int, interval: float, last_call_wait: float, soft_timeout: float) -> None:
@@ -40,7 +40,6 @@ class MonitorThread:
         self.last_call_wait = last_call_wait
         self.soft_timeout = soft_timeout
         self.store_lost: str | None = None
-        self.interrupted_at: float | None = None  # when the interrupt of this iteration was raised (monotonic)
         self._cv = threading.Condition()
         self._armed = False
         self._iteration = 0
@@ -51,7 +50,7 @@ class MonitorThread:
         self._delivered_at: float | None = None
         self._thread = threading.Thread(target=self._run, name="inprocess-monitor", daemon=True)
 
-    def start(self) -> "MonitorThread":
+    def start(self) -> "InprocessMonitorThread":
         self._thread.start()
         return self
 
@@ -61,7 +60,6 @@ class MonitorThread:
             self._iteration = iteration
             self._fault_base = fault_base
             self._soft_reported = False
-            self.interrupted_at = None
             self._cv.notify_all()
 
     @property
@@ -136,7 +134,6 @@ class MonitorThread:
     def _interrupt(self) -> None:
         before = RestartInterrupt.last
         if self.gate.interrupt(self.abort):
-            self.interrupted_at = time.monotonic()
             self._seen = before
             self._delivered_at = None
 

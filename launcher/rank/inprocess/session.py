@@ -25,7 +25,7 @@ import time
 import traceback
 import types
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from launcher.rank.inprocess import gloo_unblock
 from launcher.rank.inprocess.barrier import StoreBarrier, empty_decision
@@ -34,15 +34,14 @@ from launcher.rank.inprocess.exceptions import (ConfigurationError, InprocessErr
                                            StoreUnavailable, swallow_location)
 from launcher.rank.inprocess.interruption import InterruptGate
 from launcher.rank.inprocess.log_setup import set_context
-from launcher.rank.inprocess.monitor_process import MonitorProcess
-from launcher.rank.inprocess.monitor_thread import MonitorThread
+from launcher.rank.inprocess.monitor_process import InprocessMonitorProcess
+from launcher.rank.inprocess.monitor_thread import InprocessMonitorThread
 from launcher.rank.inprocess.progress import ProgressRecorder
 from launcher.rank.inprocess.rank_assignment import RankAssignmentCtx
+from launcher.rank.inprocess.settings import RestartSettings
 from launcher.rank.inprocess.state import State
 from launcher.rank.inprocess.store import StoreMixin, TCPStore, first_line
-
-if TYPE_CHECKING:
-    from launcher.rank.inprocess.wrapper import Wrapper
+from nvrx_common.errors import NvrxError
 
 log = logging.getLogger(__name__)
 
@@ -52,21 +51,28 @@ ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_US
 LINGER_TIMEOUT = 30.0  # how long a store-hosting rank waits for the others to read the final decision
 
 
-def active_session() -> "Session | None":
-    """The Session of a Wrapper call running in this thread, if any (a nested Wrapper defers to it)."""
+def active_session() -> "RestartSession | None":
+    """The RestartSession of a Wrapper call running in this thread, if any (a nested Wrapper defers to it)."""
     return getattr(_active, "session", None)
 
 
-class _Restart(Exception):
+class _Restart(NvrxError):
     """Internal: the iteration ended without completing; carries why."""
 
 
-class Session:
-    """Runs FN under the restart loop; ``run()`` returns FN's result on active ranks (None on spares)."""
+class RestartSession:
+    """One call of a wrapped function with its restart loop: runs FN under SETTINGS; ``run()`` returns FN's
+    result on active ranks (None on spares).
 
-    def __init__(self, wrapper: "Wrapper", fn: Callable[..., Any], call_wrapper_param: str | None,
-                 args: tuple[Any, ...], kwargs: dict[str, Any], parent: "Session | None" = None) -> None:
-        self.w = wrapper
+    YIELDS_TO_SCRIPT_WRAPPER (nvrx launch --inprocess): a Wrapper the script applies itself runs its own
+    session inside this one (see ``defer``) instead of only calling its function.
+    """
+
+    def __init__(self, settings: RestartSettings, fn: Callable[..., Any], call_wrapper_param: str | None,
+                 args: tuple[Any, ...], kwargs: dict[str, Any], parent: "RestartSession | None" = None,
+                 yields_to_script_wrapper: bool = False) -> None:
+        self.settings = settings
+        self.yields_to_script_wrapper = yields_to_script_wrapper
         self.parent = parent  # the launcher's session this one runs inside (see defer())
         self.fn = fn
         self.param = call_wrapper_param
@@ -84,8 +90,8 @@ class Session:
         self.store: StoreMixin | None = None
         self.gate: InterruptGate | None = None
         self.recorder: ProgressRecorder | None = None
-        self.monitor_process: MonitorProcess | None = None
-        self.monitor_thread: MonitorThread | None = None
+        self.monitor_process: InprocessMonitorProcess | None = None
+        self.monitor_thread: InprocessMonitorThread | None = None
         self.call_wrapper: CallWrapper | None = None
         self.pg_server: Any = None
         self.state = State.initial(self.rank, self.world_size)
@@ -112,22 +118,23 @@ class Session:
             self._close()
 
     def _open(self) -> None:
-        w = self.w
+        settings = self.settings
         self.gate = InterruptGate()
         self.gate.install()
-        self.recorder = ProgressRecorder(w.progress_watchdog_interval)
+        self.recorder = ProgressRecorder(settings.progress_watchdog_interval)
         self.store = self._make_store()
         # Forked before the Wrapper's own threads start (see monitor_process).
-        logfile = _logfile(w.monitor_process_logfile, self.rank)
-        self.monitor_process = MonitorProcess(self._monitor_config(), logfile).start()
+        logfile = _logfile(settings.monitor_process_logfile, self.rank)
+        self.monitor_process = InprocessMonitorProcess(self._monitor_config(), logfile).start()
         self.recorder.start()
         try:
             client = self.store.new_client()
         except Exception:
             client = self.store
-        self.monitor_thread = MonitorThread(client, self.gate, self.recorder, self._abort_from_monitor, rank=self.rank,
-                                            interval=w.monitor_thread_interval, last_call_wait=w.last_call_wait,
-                                            soft_timeout=w.soft_timeout).start()
+        self.monitor_thread = InprocessMonitorThread(
+            client, self.gate, self.recorder, self._abort_from_monitor, rank=self.rank,
+            interval=settings.monitor_thread_interval, last_call_wait=settings.last_call_wait,
+            soft_timeout=settings.soft_timeout).start()
         self.call_wrapper = CallWrapper(self.gate, self.recorder)
         self.call_wrapper.state = self.state
         self._make_current()
@@ -137,9 +144,9 @@ class Session:
             raise InprocessError(str(exc)) from None
 
     def _make_store(self) -> StoreMixin:
-        w = self.w
-        kwargs = dict(w.store_kwargs)
-        if self.parent is not None and self.parent.store is not None and _default_store(w):
+        settings = self.settings
+        kwargs = dict(settings.store_kwargs)
+        if self.parent is not None and self.parent.store is not None and _default_store(settings):
             # A script's Wrapper under nvrx launch: the default store would connect to MASTER_ADDR, which now
             # names the launcher Wrapper's per-iteration store on rank 0; share the launcher's store (the
             # agent's) instead, under this session's own keys, so losing rank 0 does not lose it.
@@ -148,7 +155,7 @@ class Session:
             store.use_session(self.session)
             return store
         try:
-            store = w.store_factory(**kwargs)
+            store = settings.store_factory(**kwargs)
         except ConfigurationError:
             raise
         except Exception as exc:
@@ -162,12 +169,12 @@ class Session:
         return store
 
     def _monitor_config(self) -> dict[str, Any]:
-        w = self.w
+        settings = self.settings
         assert self.store is not None and self.recorder is not None
         return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "store": self.store.client_spec(),
-                "slot": str(self.recorder.path), "interval": w.monitor_process_interval,
-                "heartbeat_timeout": w.heartbeat_timeout, "hard_timeout": w.hard_timeout,
-                "termination_grace_time": w.termination_grace_time}
+                "slot": str(self.recorder.path), "interval": settings.monitor_process_interval,
+                "heartbeat_timeout": settings.heartbeat_timeout, "hard_timeout": settings.hard_timeout,
+                "termination_grace_time": settings.termination_grace_time}
 
     def _make_current(self) -> None:
         set_current(self.call_wrapper)
@@ -214,8 +221,8 @@ class Session:
     # ------------------------------------------------------------ the loop
 
     def _loop(self) -> Any:
-        w = self.w
-        decision = self._barrier("initial", self.members, {"host": self.host}, w.barrier_timeout)
+        settings = self.settings
+        decision = self._barrier("initial", self.members, {"host": self.host}, settings.barrier_timeout)
         assert self.monitor_process is not None
         self.monitor_process.send({"cmd": "watch"})
         self._require_member(decision, "the initial barrier")
@@ -246,7 +253,7 @@ class Session:
 
     def _start_iteration(self, iteration: int) -> int:
         """Iteration barrier; set the environment; returns the fault count this iteration starts from."""
-        w = self.w
+        settings = self.settings
         t0 = time.monotonic()
         state = self.state
         assert self.store is not None
@@ -254,7 +261,7 @@ class Session:
             self._host_pg_store(iteration)
         payload = {"rank": state.rank, "world_size": state.world_size, "active": state.active_rank,
                    "active_world_size": state.active_world_size, "host": self.host}
-        decision = self._barrier(f"iteration/{iteration}", self.members, payload, w.barrier_timeout)
+        decision = self._barrier(f"iteration/{iteration}", self.members, payload, settings.barrier_timeout)
         self._require_member(decision, f"iteration barrier {iteration}")
         payloads = {r: p for r, p in decision["payloads"]}
         self.members = frozenset(decision["members"])
@@ -361,14 +368,14 @@ class Session:
         return None
 
     def _initialize_and_check(self) -> None:
-        w = self.w
-        if w.initialize is not None:
-            self.state = w.initialize(self.state) or self.state
+        settings = self.settings
+        if settings.initialize is not None:
+            self.state = settings.initialize(self.state) or self.state
             assert self.call_wrapper is not None
             self.call_wrapper.state = self.state
-        if w.health_check is not None:
+        if settings.health_check is not None:
             try:
-                w.health_check(self.state)
+                settings.health_check(self.state)
             except RestartInterrupt:
                 raise  # a fault elsewhere reached us during the check: a restart, not a verdict on this rank
             except BaseException as exc:  # this rank leaves for good; the others restart without it
@@ -385,13 +392,13 @@ class Session:
     def _completion_barrier(self, iteration: int) -> dict[str, Any]:
         assert self.store is not None
         barrier = StoreBarrier(self.store, f"completion/{iteration}", self.rank, self.members,
-                               self.w.completion_timeout, leading=self.state.active, mark_absent=False)
+                               self.settings.completion_timeout, leading=self.state.active, mark_absent=False)
         with self.store.errors_as_unavailable():
             decision = barrier.wait()
         if decision.get("timed_out") and self.rank == min(decision.get("members") or [self.rank]):
             absent = decision.get("absent")
             self.store.record_fault(self.rank, iteration, f"completion timeout: ranks {absent} did not finish within "
-                                                          f"{self.w.completion_timeout:g} s of the others")
+                                                          f"{self.settings.completion_timeout:g} s of the others")
         return decision
 
     def _decide_incomplete(self, iteration: int) -> dict[str, Any]:
@@ -405,7 +412,7 @@ class Session:
         and is recorded even when another rank failed first: concurrent faults are all reported."""
         assert self.store is not None and self.monitor_thread is not None
         with self.store.errors_as_unavailable():
-            earlier = self._faults_elsewhere(wait=self.w.last_call_wait) if _looks_secondary(exc) else []
+            earlier = self._faults_elsewhere(wait=self.settings.last_call_wait) if _looks_secondary(exc) else []
             if earlier:
                 log.info("%s (%s) after the fault on rank %s; restarting", type(exc).__name__,
                          (str(exc).splitlines() or [""])[0][:120], earlier[0]["rank"])
@@ -468,7 +475,7 @@ class Session:
     # ------------------------------------------------------------ the restart path
 
     def _restart(self, iteration: int, why: str) -> None:
-        w = self.w
+        settings = self.settings
         assert self.gate is not None and self.store is not None
         t0 = time.monotonic()
         began = time.time()
@@ -481,16 +488,16 @@ class Session:
         t1 = time.monotonic()
         step = "finalize"
         try:
-            if w.finalize is not None:
-                self.state = w.finalize(self.state) or self.state
+            if settings.finalize is not None:
+                self.state = settings.finalize(self.state) or self.state
             step = "health check"
-            if w.health_check is not None:
-                w.health_check(self.state)
+            if settings.health_check is not None:
+                settings.health_check(self.state)
         except BaseException as exc:
             self._leave_job(f"{step} failed: {type(exc).__name__}: {exc}")
             raise
         t2 = time.monotonic()
-        decision = self._barrier(f"termination/{iteration}", self.members, None, w.barrier_timeout)
+        decision = self._barrier(f"termination/{iteration}", self.members, None, settings.barrier_timeout)
         self._require_member(decision, f"termination barrier {iteration}")
         t3 = time.monotonic()
         kept = frozenset(decision["members"])
@@ -514,8 +521,8 @@ class Session:
         gone the wait fails at once. The store is replaced at the next iteration anyway.
         """
         try:
-            if self.w.abort is not None:
-                self.w.abort(state)
+            if self.settings.abort is not None:
+                self.settings.abort(state)
         finally:
             self._stop_pg_server()
 
@@ -524,10 +531,10 @@ class Session:
 
     def _assign(self, gone: frozenset[int]) -> None:
         """Rank assignment and rank filter; a rank left without a rank leaves the job."""
-        w = self.w
+        settings = self.settings
         state = self.state
         ctx = RankAssignmentCtx(state, gone, dict(self.hostnames))
-        out = w.rank_assignment(ctx)
+        out = settings.rank_assignment(ctx)
         if not isinstance(out, RankAssignmentCtx):
             raise ConfigurationError(f"rank_assignment returned {type(out).__name__}, not a RankAssignmentCtx")
         if out.terminated_ranks:
@@ -536,11 +543,11 @@ class Session:
         new = out.state
         if new.rank is None:
             self._leave_job("excluded by rank assignment")
-            raise RankTerminated(f"rank {self.rank} was excluded by rank assignment ({w.rank_assignment!r}); "
+            raise RankTerminated(f"rank {self.rank} was excluded by rank assignment ({settings.rank_assignment!r}); "
                                  "it does not rejoin")
         new = new.replace(active_rank=new.rank, active_world_size=new.world_size)
-        if w.rank_filter is not None:
-            new = w.rank_filter(new)
+        if settings.rank_filter is not None:
+            new = settings.rank_filter(new)
         if not 0 <= new.rank < new.world_size or not 0 < new.active_world_size <= new.world_size:
             raise ConfigurationError(f"rank assignment/filter produced rank {new.rank} of {new.world_size} with "
                                      f"{new.active_world_size} active ranks; there must be at least one active rank")
@@ -694,14 +701,14 @@ def _clear_frames(exc: BaseException) -> None:
         pass
 
 
-def _default_store(wrapper: "Wrapper") -> bool:
-    return wrapper.store_factory is TCPStore and not wrapper.store_kwargs
+def _default_store(settings: RestartSettings) -> bool:
+    return settings.store_factory is TCPStore and not settings.store_kwargs
 
 
 _deferral_logged = threading.Event()
 
 
-def _log_deferral_once(session: Session) -> None:
+def _log_deferral_once(session: RestartSession) -> None:
     """Say once per process that the script's Wrapper is in charge, and what of the launcher's no longer applies."""
     if _deferral_logged.is_set():
         return

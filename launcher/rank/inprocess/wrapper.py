@@ -47,7 +47,8 @@ from launcher.rank.inprocess.compose import Compose
 from launcher.rank.inprocess.health_check import CudaHealthCheck
 from launcher.rank.inprocess.log_setup import setup_rank_logging
 from launcher.rank.inprocess.rank_assignment import ShiftRanks
-from launcher.rank.inprocess.session import Session, active_session
+from launcher.rank.inprocess.session import RestartSession, active_session
+from launcher.rank.inprocess.settings import RestartSettings
 from launcher.rank.inprocess.store import StoreMixin, TCPStore
 
 log = logging.getLogger(__name__)
@@ -162,47 +163,45 @@ class Wrapper:
         termination_grace_time: Seconds = 5.0,
         enabled: bool = True,
     ) -> None:
-        self.store_factory = _store_factory(store_factory)
-        self.store_kwargs = _store_kwargs(store_kwargs)
-        self.initialize = _component(initialize, "initialize")
-        self.abort = _component(AbortTorchDistributed() if abort is _DEFAULT else abort, "abort")
-        self.finalize = _component(finalize, "finalize")
-        self.health_check = _component(CudaHealthCheck() if health_check is _DEFAULT else health_check, "health_check")
-        self.rank_assignment = _component(ShiftRanks() if rank_assignment is _DEFAULT else rank_assignment,
-                                          "rank_assignment")
-        if self.rank_assignment is None:
+        if rank_assignment is None:
             raise ValueError("Wrapper: rank_assignment cannot be None; the default is ShiftRanks()")
-        self.rank_filter = _component(rank_filter, "rank_filter")
-        self.monitor_thread_interval = _interval(monitor_thread_interval, "monitor_thread_interval")
-        self.monitor_process_interval = _interval(monitor_process_interval, "monitor_process_interval")
-        self.progress_watchdog_interval = _interval(progress_watchdog_interval, "progress_watchdog_interval")
-        self.monitor_process_logfile = _logfile(monitor_process_logfile)
-        self.last_call_wait = _seconds(last_call_wait, "last_call_wait", allow_zero=True, upper=MAX_INTERVAL)
-        self.soft_timeout = _seconds(soft_timeout, "soft_timeout")
-        self.hard_timeout = _seconds(hard_timeout, "hard_timeout")
-        self.heartbeat_timeout = _seconds(heartbeat_timeout, "heartbeat_timeout")
-        self.barrier_timeout = _seconds(barrier_timeout, "barrier_timeout")
-        self.completion_timeout = _seconds(completion_timeout, "completion_timeout")
-        self.termination_grace_time = _seconds(termination_grace_time, "termination_grace_time", allow_zero=True)
+        self.settings = RestartSettings(
+            store_factory=_store_factory(store_factory),
+            store_kwargs=_store_kwargs(store_kwargs),
+            initialize=_component(initialize, "initialize"),
+            abort=_component(AbortTorchDistributed() if abort is _DEFAULT else abort, "abort"),
+            finalize=_component(finalize, "finalize"),
+            health_check=_component(CudaHealthCheck() if health_check is _DEFAULT else health_check, "health_check"),
+            rank_assignment=_component(ShiftRanks() if rank_assignment is _DEFAULT else rank_assignment,
+                                       "rank_assignment"),
+            rank_filter=_component(rank_filter, "rank_filter"),
+            monitor_thread_interval=_interval(monitor_thread_interval, "monitor_thread_interval"),
+            monitor_process_interval=_interval(monitor_process_interval, "monitor_process_interval"),
+            progress_watchdog_interval=_interval(progress_watchdog_interval, "progress_watchdog_interval"),
+            monitor_process_logfile=_logfile(monitor_process_logfile),
+            last_call_wait=_seconds(last_call_wait, "last_call_wait", allow_zero=True, upper=MAX_INTERVAL),
+            soft_timeout=_seconds(soft_timeout, "soft_timeout"),
+            hard_timeout=_seconds(hard_timeout, "hard_timeout"),
+            heartbeat_timeout=_seconds(heartbeat_timeout, "heartbeat_timeout"),
+            barrier_timeout=_seconds(barrier_timeout, "barrier_timeout"),
+            completion_timeout=_seconds(completion_timeout, "completion_timeout"),
+            termination_grace_time=_seconds(termination_grace_time, "termination_grace_time", allow_zero=True),
+        )
         if not isinstance(enabled, bool):
             raise ValueError(f"Wrapper: enabled must be True or False, not {enabled!r}")
         self.enabled = enabled
         # Set by nvrx launch --inprocess on the Wrapper it runs the script in: a Wrapper the script applies
-        # itself then runs its own session inside this one (Session.defer) instead of only calling its function.
+        # itself then runs its own session inside this one (RestartSession.defer) instead of only calling its
+        # function.
         self._yields_to_script_wrapper = False
-        self._check_relations()
+        _check_relations(self.settings)
 
-    def _check_relations(self) -> None:
-        if self.hard_timeout < self.soft_timeout:
-            raise ValueError(f"Wrapper: hard_timeout ({self.hard_timeout:g} s) must not be shorter than soft_timeout "
-                             f"({self.soft_timeout:g} s): the hard timeout is the last resort after a soft one")
-        if self.soft_timeout <= self.progress_watchdog_interval:
-            raise ValueError(f"Wrapper: soft_timeout ({self.soft_timeout:g} s) must be longer than "
-                             f"progress_watchdog_interval ({self.progress_watchdog_interval:g} s), "
-                             "or every rank times out")
-        if self.heartbeat_timeout <= self.monitor_process_interval:
-            raise ValueError(f"Wrapper: heartbeat_timeout ({self.heartbeat_timeout:g} s) must be longer than "
-                             f"monitor_process_interval ({self.monitor_process_interval:g} s)")
+    def __getattr__(self, name: str) -> Any:
+        """``wrapper.soft_timeout`` and the like: the checked value of each argument (read-only)."""
+        settings = self.__dict__.get("settings")
+        if settings is None or name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(settings, name)
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(fn):
@@ -219,17 +218,31 @@ class Wrapper:
                 return fn(*args, **kwargs)
             outer = active_session()
             if outer is not None:
-                if outer.w._yields_to_script_wrapper:
+                if outer.yields_to_script_wrapper:
                     # nvrx launch --inprocess runs the script; the script's own Wrapper is the user's intent
-                    return outer.defer(Session(self, fn, param, args, kwargs, parent=outer).run)
+                    return outer.defer(RestartSession(self.settings, fn, param, args, kwargs, parent=outer).run)
                 _warn_nested(fn)
                 if param is not None and param not in kwargs:
                     kwargs = {**kwargs, param: outer.call_wrapper}
                 return fn(*args, **kwargs)
             setup_rank_logging()
-            return Session(self, fn, param, args, kwargs).run()
+            return RestartSession(self.settings, fn, param, args, kwargs,
+                                  yields_to_script_wrapper=self._yields_to_script_wrapper).run()
 
         return wrapped
+
+
+def _check_relations(s: RestartSettings) -> None:
+    """Settings that are each valid but contradict each other."""
+    if s.hard_timeout < s.soft_timeout:
+        raise ValueError(f"Wrapper: hard_timeout ({s.hard_timeout:g} s) must not be shorter than soft_timeout "
+                         f"({s.soft_timeout:g} s): the hard timeout is the last resort after a soft one")
+    if s.soft_timeout <= s.progress_watchdog_interval:
+        raise ValueError(f"Wrapper: soft_timeout ({s.soft_timeout:g} s) must be longer than "
+                         f"progress_watchdog_interval ({s.progress_watchdog_interval:g} s), or every rank times out")
+    if s.heartbeat_timeout <= s.monitor_process_interval:
+        raise ValueError(f"Wrapper: heartbeat_timeout ({s.heartbeat_timeout:g} s) must be longer than "
+                         f"monitor_process_interval ({s.monitor_process_interval:g} s)")
 
 
 def _unsupported_kind(fn: Callable[..., Any]) -> str | None:
