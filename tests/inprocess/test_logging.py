@@ -59,17 +59,30 @@ def test_rank_logs_to_its_own_stderr_handler_and_the_monitor_process_only_to_its
     assert sorted(p.name for p in tmp_path.iterdir()) == ["monitor0.log", "root.log", "train.py"]
 
 
-def test_setup_rank_logging_adds_one_handler_and_stops_propagation(caplog):
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_setup_rank_logging_adds_one_handler_and_stops_propagation():
     logger = logging.getLogger(LOGGER_NAME)
+    root = logging.getLogger()
     saved = (logger.handlers[:], logger.propagate, logger.level)
+    app = _Collect()  # what an application's root-logger configuration would receive
+    root.addHandler(app)
     try:
         setup_rank_logging()
         setup_rank_logging()
         ours = [h for h in logger.handlers if getattr(h, "_inprocess", False)]
         assert len(ours) == 1 and type(ours[0]) is logging.StreamHandler and not logger.propagate
-        with caplog.at_level(logging.INFO):  # caplog's handler sits on the root logger
-            logging.getLogger(LOGGER_NAME + ".session").warning("isolated record")
-        assert "isolated record" not in caplog.text
+        logging.getLogger(LOGGER_NAME + ".session").warning("isolated record")
+        logging.getLogger("someone.else").warning("application record")
+        assert app.messages == ["application record"]  # ours never reaches the root logger's handlers
     finally:
+        root.removeHandler(app)
         logger.handlers[:], logger.propagate = saved[0], saved[1]
         logger.setLevel(saved[2])

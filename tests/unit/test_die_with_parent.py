@@ -33,7 +33,9 @@ def child_after_fork(parent, case, hold_r, ready_w):
     if case == "parent_already_gone":
         gone_r = int(os.environ["GONE_R"])
         os.write(ready_w, b"%d\n" % os.getpid())
-        os.read(gone_r, 1)  # EOF: the parent, the only holder of the write end, is dead
+        os.read(gone_r, 1)  # EOF: the parent, the only holder of the write end, is exiting
+        while os.getppid() == parent:  # its files close before we are re-parented: wait for the re-parenting
+            os.sched_yield()
         die_with_parent(parent, SIG)
         os._exit(0)  # only if die_with_parent did not end us
     die_with_parent(parent, SIG)
