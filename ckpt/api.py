@@ -68,7 +68,7 @@ class AsyncCheckpointer:
         self.overlap_write = overlap_write
         self.stale_partial_seconds = stale_partial_seconds
         self.cache = CheckpointMetadataCache()
-        self.queue = AsyncCallsQueue(writer, retries=retries, skip_failed=skip_failed)
+        self.queue = AsyncCallsQueue(writer=writer, retries=retries, skip_failed=skip_failed)
         self._swept: set[Path] = set()  # checkpoint roots already cleared of crashed saves' partials
         if state_dict is not None:
             self.prepare(state_dict)

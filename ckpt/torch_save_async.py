@@ -15,13 +15,14 @@ from typing import Any
 
 from ckpt import manifest as manifest_mod
 from ckpt import publish
-from ckpt.async_ckpt.core import AsyncRequest
+from ckpt.async_ckpt.core import AsyncRequest, WriterJob
 from ckpt.async_ckpt.staging import default_file_pool
 from ckpt.errors import CheckpointError, CheckpointWriteError
 
 
-def torch_save_request(obj: Any, path: str | os.PathLike, *, update_latest: bool = False) -> AsyncRequest:
-    """Serialize OBJ now and return the request that writes and publishes it at PATH."""
+def torch_save_request(obj: Any, path: str | os.PathLike, *, update_latest: bool = False,
+                       save_kwargs: dict[str, Any] | None = None) -> AsyncRequest:
+    """Serialize OBJ now (``torch.save`` with SAVE_KWARGS) and return the request that writes and publishes it at PATH."""
     import torch
 
     final = Path(os.path.abspath(path))
@@ -30,7 +31,7 @@ def torch_save_request(obj: Any, path: str | os.PathLike, *, update_latest: bool
     pool = default_file_pool()
     staged = pool.acquire()
     try:
-        torch.save(obj, staged)
+        torch.save(obj, staged, **(save_kwargs or {}))
     except Exception as exc:
         pool.release(staged)
         raise CheckpointError(f"cannot save {final}: the object cannot be serialised ({type(exc).__name__}: {exc}); "
@@ -64,5 +65,6 @@ def torch_save_request(obj: Any, path: str | os.PathLike, *, update_latest: bool
             partial.unlink(missing_ok=True)
 
     job = {"op": "copy", "path": str(partial), "nbytes": staged.pos, "fsync": True}
-    return AsyncRequest(job=job, finalize_fns=[finalize], fd=staged.fd, on_result=record, on_discard=discard,
-                        description=str(final), destination=str(final))
+    save_fn = WriterJob(job=job, fd=staged.fd, on_result=record, on_discard=discard, description=str(final),
+                        destination=str(final))
+    return AsyncRequest(save_fn, (), [finalize])

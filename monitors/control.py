@@ -6,7 +6,10 @@ op's fields or ``error``. Ops (rank -> monitor):
 
   ``init``            {token, pid, sections?}  -> {rank, generation, sections: {name: id}, timeouts}
   ``sections``        {names}                  -> {sections}           register more section names
-  ``calculate_and_set_timeouts``               -> {updated, timeouts}  and persisted to the state dir
+  ``calculate_and_set_timeouts``               -> {updated, timeouts, calculated}  and persisted to the state dir
+  ``observed``                                 -> {observed, sections}  observed maxima (for the ranks to agree on)
+  ``set_calculated``  {values}                 -> {timeouts, calculated, sections}  learn from the agreed maxima;
+                                                  persisted
   ``state_dict``                               -> {state}
   ``load_state_dict`` {state}                  -> {timeouts}
   ``shutdown``                                 -> {}                   the rank's run ends (monitor stays)

@@ -183,6 +183,33 @@ class FtConfigInfo(Record):
     log_level: int | str | None = None       # a name, or a number without a standard name
     rank_section_timeouts: dict[str, float | None] | None = None
     rank_out_of_section_timeout: float | None = None
+    # NVRx's further settings (accepted; most are not acted on by nvrx, see monitors.ft_config.NOT_ACTIVE)
+    node_health_check_interval: float | None = None
+    restart_check_interval: float | None = None
+    enable_nic_monitor: bool | None = None
+    enable_nic_healthcheck: bool | None = None
+    enable_dist_storage_healthcheck: bool | None = None
+    storage_healthcheck_path: str | None = None
+    pci_topo_file: str | None = None
+    link_down_path_template: str | None = None
+    link_state_path_template: str | None = None
+    skip_section_response: bool | None = None
+    segment: int | None = None
+    numa_bind_strict: bool | None = None
+    gpu_memory_reclaim_timeout: float | None = None
+    gpu_memory_tolerance_mb: float | None = None
+    gpu_memory_poll_interval: float | None = None
+    check_remaining_processes: bool | None = None
+    max_no_progress_cycles: int | None = None
+    min_progress_iterations: int | None = None
+    checkpoint_iteration_file: str | None = None
+    install_exception_hook: bool | None = None
+    num_warmup_iterations: int | None = None
+    attribution_endpoint: str | None = None
+    attribution_stop_action: str | None = None
+    attribution_export_url: str | None = None
+    cycle_info_dir: str | None = None
+    segment_health_check_dir: str | None = None
     auto_heartbeat: bool | None = None
 
 
@@ -211,6 +238,18 @@ class HangInfo(_Hang):
 
 
 @nested
+class RankErrorInfo(Record):
+    """A failed rank's own error file (torchrun's ``TORCHELASTIC_ERROR_FILE``, written by ``@record``), read back."""
+
+    file: str | None = None
+    message: str | None = None           # "<ExceptionType>: <text>"
+    exc_type: str | None = None
+    traceback: str | None = None
+    timestamp: int | None = None         # when the rank recorded it (unix seconds)
+    error_code: int | None = None
+
+
+@nested
 class StopDetail(Record):
     """Why a round stopped (``rdzv_stop.detail``); which fields are set depends on the stop's kind."""
 
@@ -226,6 +265,7 @@ class StopDetail(Record):
     describe: str | None = None          # the agent's one-line description
     round: int | None = None
     hang: HangInfo | None = None         # the monitor killed it as hung
+    error: RankErrorInfo | None = None   # the exception the rank recorded in its error file
     steer: int | None = None             # a steering exit code: no restart in place
     no_restart: bool | None = None
     monitor_failed: bool | None = None   # a rank monitor kept dying

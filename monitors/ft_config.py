@@ -262,7 +262,48 @@ def _parse_bool(value: Any, where: str) -> bool:
 BOOL = ValueKind(label="true or false", parse=_parse_bool, dump=lambda v: v, show=lambda v: "on" if v else "off")
 
 
-class SectionTimeouts(Mapping[str, "float | None"]):
+def _int_kind(low: int, high: int, optional: bool = False) -> ValueKind:
+    """A whole number in [LOW, HIGH] (or None when OPTIONAL); "3" and 3.0 are accepted, 3.5 is not."""
+    hint = f"give a whole number from {low} to {high}" + (" (or null)" if optional else "")
+
+    def parse(value: Any, where: str) -> int | None:
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NULL_WORDS | {""}):
+            if optional:
+                return None
+            raise one_line_error(f"{where}: null is not allowed here; {hint}")
+        if isinstance(value, bool):
+            raise one_line_error(f"{where}: {value!r} is not a whole number; {hint}")
+        try:
+            num = float(value.strip() if isinstance(value, str) else value)
+        except (TypeError, ValueError, OverflowError):
+            raise one_line_error(f"{where}: {value!r} is not a whole number; {hint}") from None
+        if not math.isfinite(num) or not num.is_integer():
+            raise one_line_error(f"{where}: {value!r} is not a whole number; {hint}")
+        if not low <= num <= high:
+            raise one_line_error(f"{where}: {value!r} is out of range; {hint}")
+        return int(num)
+
+    return ValueKind(label=f"integer {low}..{high}" + (", or null" if optional else ""), parse=parse,
+                     dump=lambda v: v, show=lambda v: "unset" if v is None else str(v))
+
+
+def _parse_text(value: Any, where: str) -> str | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NULL_WORDS | {""}):
+        return None
+    if not isinstance(value, str) or "\n" in value or "\x00" in value:
+        raise one_line_error(f"{where}: {value!r} is not a one-line text or path; give a string (or null)")
+    return value
+
+
+OPTIONAL_TEXT = ValueKind(label="text or path, or null", parse=_parse_text, dump=lambda v: v,
+                          show=lambda v: "unset" if v is None else v)
+COUNT = _int_kind(0, 1_000_000)
+OPTIONAL_SEGMENT = _int_kind(1, 1_000_000, optional=True)
+MEBIBYTES = _float_kind(optional=False, unit="MiB", low=0.0, high=1e9, low_inclusive=True, example="512")
+SECONDS = _float_kind(optional=False, unit="seconds", example="50")
+
+
+class SectionTimeoutMap(Mapping[str, "float | None"]):
     """Read-only, hashable, picklable mapping of section name -> timeout (None = deduce)."""
 
     __slots__ = ("_items",)
@@ -283,7 +324,7 @@ class SectionTimeouts(Mapping[str, "float | None"]):
         return hash(tuple(sorted(self._items.items(), key=lambda kv: kv[0])))
 
     def __repr__(self) -> str:
-        return f"SectionTimeouts({self._items!r})"
+        return f"SectionTimeoutMap({self._items!r})"
 
     def __getstate__(self) -> dict:
         return self._items
@@ -292,12 +333,12 @@ class SectionTimeouts(Mapping[str, "float | None"]):
         self._items = dict(state)
 
 
-def _parse_section_map(value: Any, where: str) -> SectionTimeouts:
+def _parse_section_map(value: Any, where: str) -> SectionTimeoutMap:
     hint = "write it as step:30,checkpointing:600 or as a mapping like {\"step\": 30, \"checkpointing\": null}"
     if isinstance(value, str):
         text = value.strip()
         if text.lower() in _NULL_WORDS or text == "":
-            return SectionTimeouts()
+            return SectionTimeoutMap()
         if text.startswith("{"):
             try:
                 value = yaml.load(text, Loader=_StrictLoader)
@@ -318,7 +359,7 @@ def _parse_section_map(value: Any, where: str) -> SectionTimeouts:
                 pairs[key] = raw
             value = pairs
     if value is None:
-        return SectionTimeouts()
+        return SectionTimeoutMap()
     if not isinstance(value, Mapping):
         raise one_line_error(f"{where}: {value!r} is not a mapping of section names to seconds; {hint}")
     if len(value) > MAX_SECTIONS:
@@ -331,7 +372,7 @@ def _parse_section_map(value: Any, where: str) -> SectionTimeouts:
         except ValueError as exc:
             raise one_line_error(f"{where}: {exc}") from None
         out[key] = OPTIONAL_SECONDS.parse(raw, f"{where} section {key!r}")
-    return SectionTimeouts(out)
+    return SectionTimeoutMap(out)
 
 
 def _show_section_map(value: Mapping[str, float | None]) -> str:
@@ -378,12 +419,78 @@ class FaultToleranceConfig:
     log_level: int = _setting(LOG_LEVEL, "Log level of the fault tolerance components.", logging.INFO)
     rank_section_timeouts: Mapping[str, float | None] = _setting(
         SECTION_TIMEOUTS, "Sections API: timeout (seconds) per named section, e.g. setup, step, "
-        "checkpointing; null = deduce at run time.", factory=SectionTimeouts)
+        "checkpointing; null = deduce at run time.", factory=SectionTimeoutMap)
     rank_out_of_section_timeout: float | None = _setting(
         OPTIONAL_SECONDS, "Sections API: timeout (seconds) for time spent outside any section. "
         "null = deduce at run time.", None)
+    # ---- NVRx's further settings. nvrx accepts and validates all of them, so an NVRx config or call
+    # works unchanged; the ones nvrx does not act on are listed in NOT_ACTIVE and logged by the monitor.
+    node_health_check_interval: float = _setting(
+        CHECK_INTERVAL, "NVRx: how often (seconds) the GPUs of the node are health-checked. Not active in nvrx "
+        "(no GPU health check; the monitor logs this at start).", 5.0)
+    restart_check_interval: float = _setting(
+        CHECK_INTERVAL, "NVRx: how often (seconds) its launcher checks for a requested restart. Not active in "
+        "nvrx (the agent is woken at once by rank exits and stop records).", 60.0)
+    enable_nic_monitor: bool = _setting(
+        BOOL, "NVRx: watch the InfiniBand NIC link state. Not active in nvrx (GPU clusters only).", False)
+    enable_nic_healthcheck: bool = _setting(
+        BOOL, "NVRx: check NIC health before a rank starts. Not active in nvrx (GPU clusters only).", False)
+    enable_dist_storage_healthcheck: bool = _setting(
+        BOOL, "NVRx: check that shared storage is reachable before a restart. Not active in nvrx.", False)
+    storage_healthcheck_path: str | None = _setting(
+        OPTIONAL_TEXT, "NVRx: path probed by the storage health check. Not active in nvrx.", None)
+    pci_topo_file: str | None = _setting(
+        OPTIONAL_TEXT, "NVRx: PCI topology file used to pair GPUs with NICs. Not active in nvrx.", None)
+    link_down_path_template: str | None = _setting(
+        OPTIONAL_TEXT, "NVRx: sysfs path template of a NIC's link-down counter. Not active in nvrx.", None)
+    link_state_path_template: str | None = _setting(
+        OPTIONAL_TEXT, "NVRx: sysfs path template of a NIC's link state. Not active in nvrx.", None)
+    skip_section_response: bool = _setting(
+        BOOL, "NVRx: section calls do not wait for the monitor's reply. nvrx section calls never wait "
+        "(they write shared memory), and misuse raises at once either way.", True)
+    segment: int | None = _setting(
+        OPTIONAL_SEGMENT, "NVRx: nodes per segment for segment-aware rank placement. Not active in nvrx.", None)
+    numa_bind_strict: bool = _setting(
+        BOOL, "NVRx: bind each rank strictly to its GPU's NUMA node. Not active in nvrx (GPU clusters only).",
+        False)
+    gpu_memory_reclaim_timeout: float = _setting(
+        SECONDS, "NVRx: seconds to wait for GPU memory to be freed before a restart. Not active in nvrx "
+        "(GPU only).", 50.0)
+    gpu_memory_tolerance_mb: float = _setting(
+        MEBIBYTES, "NVRx: GPU memory (MiB) still in use that counts as freed. Not active in nvrx (GPU only).",
+        512.0)
+    gpu_memory_poll_interval: float = _setting(
+        CHECK_INTERVAL, "NVRx: seconds between GPU memory checks while waiting. Not active in nvrx (GPU only).",
+        2.0)
+    check_remaining_processes: bool = _setting(
+        BOOL, "NVRx: look for leftover processes of a stopped rank. Not active in nvrx (its agent stops "
+        "each rank's whole process group).", False)
+    max_no_progress_cycles: int = _setting(
+        COUNT, "NVRx: stop restarting after this many restarts without training progress (0 = off). Not active "
+        "in nvrx; nvrx resume stops a chain that makes no progress.", 3)
+    min_progress_iterations: int = _setting(
+        COUNT, "NVRx: iterations a restart must gain to count as progress. Not active in nvrx.", 1)
+    checkpoint_iteration_file: str | None = _setting(
+        OPTIONAL_TEXT, "NVRx: file holding the last checkpointed iteration, read for progress tracking. Not "
+        "active in nvrx (nvrx resume reads --progress-file).", None)
+    install_exception_hook: bool = _setting(
+        BOOL, "An uncaught exception in the rank is logged with the rank number and the rank's open sections "
+        "are closed before the process exits (set by RankMonitorClient.init_workload_monitoring).", False)
+    num_warmup_iterations: int = _setting(
+        COUNT, "NVRx: iterations after a restart that progress tracking ignores. Not active in nvrx.", 5)
+    attribution_endpoint: str | None = _setting(
+        OPTIONAL_TEXT, "NVRx: failure-attribution service address. Not active in nvrx.", None)
+    attribution_stop_action: str | None = _setting(
+        OPTIONAL_TEXT, "NVRx: what to do when the attribution service says stop. Not active in nvrx.", None)
+    attribution_export_url: str | None = _setting(
+        OPTIONAL_TEXT, "NVRx: where attribution results are exported. Not active in nvrx.", None)
+    cycle_info_dir: str | None = _setting(
+        OPTIONAL_TEXT, "NVRx: directory for per-restart cycle info files. Not active in nvrx (nvrx inspect "
+        "reads the event files instead).", None)
+    segment_health_check_dir: str | None = _setting(
+        OPTIONAL_TEXT, "NVRx: directory of segment health check results. Not active in nvrx.", None)
     auto_heartbeat: bool = _setting(
-        BOOL, "Heartbeat automatically while the rank's main thread keeps executing Python bytecode, so an "
+        BOOL, "nvrx: heartbeat automatically while the rank's main thread keeps executing Python bytecode, so an "
         "unmodified script gets hang detection (a call that blocks the interpreter stops the beats).", False)
 
     def __post_init__(self) -> None:
@@ -397,6 +504,63 @@ class FaultToleranceConfig:
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict: signal by name, log level by name (a number if it has no standard name)."""
         return {spec.name: spec.kind.dump(getattr(self, spec.name)) for spec in SCHEMA}
+
+    @property
+    def is_progress_tracking_enabled(self) -> bool:
+        """NVRx's test for progress tracking (max_no_progress_cycles > 0); nvrx does not track it here."""
+        return self.max_no_progress_cycles > 0
+
+    # ---- NVRx's constructors (ValueError on bad input: ConfigError is one)
+    @staticmethod
+    def from_kwargs(ignore_not_recognized: bool = True, **kwargs: Any) -> FaultToleranceConfig:
+        """A config from keyword arguments; unknown names are ignored unless IGNORE_NOT_RECOGNIZED is False."""
+        unknown = sorted(k for k in kwargs if k not in _BY_NAME)
+        if unknown and not ignore_not_recognized:
+            hints = "; ".join(f"{k!r}: {_did_you_mean(k, list(_BY_NAME))}" for k in unknown)
+            raise one_line_error(f"Not recognized args: {hints}")
+        if unknown:
+            log.warning("FaultToleranceConfig.from_kwargs: ignoring unknown settings %s", ", ".join(unknown))
+        return FaultToleranceConfig(**{k: v for k, v in kwargs.items() if k in _BY_NAME})
+
+    @staticmethod
+    def from_yaml_file(cfg_path: str, ignore_not_recognized: bool = True) -> FaultToleranceConfig:
+        """The first ``fault_tolerance:`` mapping found at any depth of the YAML file (NVRx's rule)."""
+        doc = _load_yaml_doc(str(cfg_path))
+        section = _find_section(doc)
+        if section is None:
+            raise one_line_error(f"FT config file {str(cfg_path)!r} has no '{YAML_SECTION}:' mapping; put the "
+                                 f"settings under '{YAML_SECTION}:'")
+        return FaultToleranceConfig.from_kwargs(ignore_not_recognized, **_parse_known(section, cfg_path))
+
+    @staticmethod
+    def from_args(args: Any) -> FaultToleranceConfig:
+        """A config from parsed launcher arguments, as NVRx's launcher builds it.
+
+        ``args.ft_cfg_path`` (if set) is read first; then every ``args.ft_<field>`` (or
+        ``args.ft_param_<field>``) that is not None overrides it. Values may be strings as typed on a
+        command line: ``rank_section_timeouts`` as ``step:30,ckpt:600``, a timeout as ``none``/``null``/``''``.
+        """
+        values: dict[str, Any] = {}
+        path = getattr(args, "ft_cfg_path", None) or getattr(args, "fault_tol_cfg_path", None)
+        if path:
+            doc = _load_yaml_doc(str(path))
+            section = _find_section(doc)
+            if section is None:
+                log.warning("FT config file %s has no '%s:' mapping; using defaults and flags", path, YAML_SECTION)
+            else:
+                values.update((k, v) for k, v in _parse_known(section, path).items() if k in _BY_NAME)
+        for spec in SCHEMA:
+            for dest in (f"ft_{spec.name}", f"ft_param_{spec.name}"):
+                raw = getattr(args, dest, None)
+                if raw is not None:
+                    raw = None if isinstance(raw, str) and not raw.strip() else raw  # NVRx: '' means None
+                    values[spec.name] = spec.kind.parse(raw, f"--ft-{spec.name.replace('_', '-')}")
+        return FaultToleranceConfig(**values)
+
+    def to_yaml_file(self, cfg_path: str) -> None:
+        """Write ``{fault_tolerance: {...}}``, readable by from_yaml_file and by nvrx launch --ft-cfg-path."""
+        with open(cfg_path, "w", encoding="utf-8") as fh:
+            yaml.safe_dump({YAML_SECTION: self.to_dict()}, fh, sort_keys=False)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> FaultToleranceConfig:
@@ -460,11 +624,68 @@ def _parse_mapping(data: Mapping[Any, Any], source: str) -> dict[str, Any]:
     return out
 
 
+def _parse_known(section: Any, path: Any) -> dict[str, Any]:
+    """SECTION's values, parsed (bad values raise); unknown keys are left for from_kwargs to judge."""
+    source = f"FT config file {str(path)!r}"
+    if not isinstance(section, Mapping):
+        raise one_line_error(f"{source}: '{YAML_SECTION}:' does not hold a mapping of settings")
+    known = {k: v for k, v in section.items() if isinstance(k, str) and k in _BY_NAME}
+    out = _parse_mapping(known, source)
+    out.update({str(k): v for k, v in section.items() if not (isinstance(k, str) and k in _BY_NAME)})
+    return out
+
+
+def _find_section(doc: Any) -> Any:
+    """The first value under a ``fault_tolerance`` key, searching mappings and lists depth first."""
+    if isinstance(doc, Mapping):
+        if YAML_SECTION in doc:
+            return doc[YAML_SECTION]
+        children = list(doc.values())
+    elif isinstance(doc, list):
+        children = doc
+    else:
+        return None
+    for child in children:
+        found = _find_section(child)
+        if found is not None:
+            return found
+    return None
+
+
+# ---------------------------------------------------------------- NVRx settings nvrx does not act on
+
+
+NOT_ACTIVE: tuple[str, ...] = tuple(
+    f.name for f in fields(FaultToleranceConfig) if "Not active in nvrx" in f.metadata["help"])
+
+
+def gpu_visible() -> bool:
+    """An NVIDIA GPU device node exists (a seam: tests of GPU-only messages replace it)."""
+    import glob
+
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def inactive_settings_line(cfg: FaultToleranceConfig) -> str:
+    """One log line naming what this config asks for that nvrx does not do (GPU health, NICs, progress...).
+
+    GPU health checks run in NVRx on every node, so they are always named; the other settings only when
+    they differ from their defaults.
+    """
+    gpu = "a GPU is visible" if gpu_visible() else "no GPU on this node"
+    parts = [f"GPU health checks every {cfg.node_health_check_interval:g}s ({gpu}; nvrx has no GPU health check)"]
+    changed = [name for name in NOT_ACTIVE if name != "node_health_check_interval"
+               and getattr(cfg, name) != _BY_NAME[name].default]
+    if changed:
+        parts.append("settings accepted but not acted on: " + ", ".join(changed))
+    return "not active in nvrx: " + "; ".join(parts)
+
+
 # ---------------------------------------------------------------- layers
 
 
-def read_yaml_layer(path: str) -> dict[str, Any]:
-    """The typed settings given in a YAML file (under ``fault_tolerance:`` or as bare fields)."""
+def _load_yaml_doc(path: str) -> Any:
+    """The parsed YAML document at PATH (duplicate keys refused); ConfigError with one line if unusable."""
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
@@ -477,9 +698,14 @@ def read_yaml_layer(path: str) -> dict[str, Any]:
     except OSError as exc:
         raise one_line_error(f"cannot read FT config file {path!r}: {exc.strerror or exc}; check the path and permissions") from None
     try:
-        doc = yaml.load(text, Loader=_StrictLoader)
+        return yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as exc:
         raise one_line_error(f"FT config file {path!r}: YAML syntax error at {_yaml_error_text(exc)}; fix the file") from None
+
+
+def read_yaml_layer(path: str) -> dict[str, Any]:
+    """The typed settings given in a YAML file (under ``fault_tolerance:`` or as bare fields)."""
+    doc = _load_yaml_doc(path)
     example = f"e.g. '{YAML_SECTION}:' followed by indented 'rank_heartbeat_timeout: 600'"
     if doc is None:
         raise one_line_error(f"FT config file {path!r} is empty; put the settings in it ({example})")

@@ -50,7 +50,7 @@ from monitors.events import (EventLog, FirstHeartbeat, HangDetected, MonitorAtta
                              TimeoutsSet, TimeoutsStateIgnored)
 from monitors.heartbeat import Slot, SlotSnapshot
 from monitors.sections import SectionRegistry, SectionStats
-from monitors.ft_config import FaultToleranceConfig
+from monitors.ft_config import FaultToleranceConfig, inactive_settings_line
 from monitors.timeouts import HeartbeatStats, TimeoutTracker, Timeouts, state_file
 from nvrx_common.files import load_json, save_json_atomic
 
@@ -562,7 +562,8 @@ class RankMonitor:
 
     def _session_reply(self) -> dict[str, Any]:
         return {"rank": self.rank, "generation": self.generation, "sections": self.registry.mapping(),
-                "timeouts": self.tracker.in_force().to_dict(), "monitor_pid": os.getpid()}
+                "timeouts": self.tracker.in_force().to_dict(), "calculated": self.tracker.calculated(),
+                "monitor_pid": os.getpid(), "config": self.settings.to_dict()}
 
     def _register_sections(self, msg: dict[str, Any]) -> None:
         for name in msg.get("sections") or []:
@@ -625,17 +626,37 @@ class RankMonitor:
         path = state_file(self.timeouts_dir, self._state_key)  # set: only a session's connection gets here
         save_json_atomic(path, self.tracker.state_dict())
         self.events.emit(TimeoutsSet(rank=self.rank, updated=updated, timeouts=TimeoutsInfo.of(timeouts), path=str(path)))
-        return {"updated": updated, "timeouts": timeouts}
+        return {"updated": updated, "timeouts": timeouts, "calculated": self.tracker.calculated()}
+
+    def _op_observed(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        """The observed maxima, for the ranks to agree on before ``set_calculated`` (NVRx's calculate_and_set_*)."""
+        self._refresh_observations()
+        return {"observed": self.tracker.observed_values(), "sections": self.registry.mapping()}
+
+    def _op_set_calculated(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        """Learn the timeouts of the given (agreed) observed maxima, persist, and enforce them at once."""
+        values = msg.get("values")
+        if not isinstance(values, dict):
+            raise ValueError("values must be a mapping of observed maxima")
+        for name in dict(values.get("sections") or {}):
+            self.registry.register(str(name))
+        self.tracker.set_calculated(values)
+        timeouts = self.tracker.in_force().to_dict()
+        path = state_file(self.timeouts_dir, self._state_key)
+        save_json_atomic(path, self.tracker.state_dict())
+        self.events.emit(TimeoutsSet(rank=self.rank, updated=True, timeouts=TimeoutsInfo.of(timeouts), path=str(path)))
+        return {"timeouts": timeouts, "calculated": self.tracker.calculated(), "sections": self.registry.mapping()}
 
     def _op_state_dict(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         self._refresh_observations()
-        return {"state": self.tracker.state_dict()}
+        return {"state": self.tracker.state_dict(), "timeouts": self.tracker.in_force().to_dict(),
+                "calculated": self.tracker.calculated()}
 
     def _op_load_state_dict(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         self.tracker.load_state_dict(msg.get("state"))
         timeouts = self.tracker.in_force().to_dict()
         self.events.emit(TimeoutsLoaded(rank=self.rank, source="rank", timeouts=TimeoutsInfo.of(timeouts)))
-        return {"timeouts": timeouts}
+        return {"timeouts": timeouts, "calculated": self.tracker.calculated()}
 
     def _op_shutdown(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         self._refresh_observations()
@@ -695,6 +716,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(token) < 16:
         print(f"rank_monitor: ${args.token_env} must hold the secret token (>= 16 characters)", file=sys.stderr)
         return 2
+    log.info("%s", inactive_settings_line(settings))  # NVRx settings (GPU, NIC, progress) nvrx does not act on
     events = EventLog(args.events, f"monitor-{args.rank}")
     monitor = RankMonitor(args.rank, settings, args.state_dir, args.socket, args.shm, token, events, parent_pid,
                           timeouts_dir=args.timeouts_dir, term_grace=args.term_grace)

@@ -133,12 +133,48 @@ class TimeoutTracker:
         return Timeouts(c.get("initial_heartbeat", base.initial_heartbeat), c.get("heartbeat", base.heartbeat),
                         sections, c.get("out_of_section", base.out_of_section))
 
+    def _scale(self, value: float) -> float:
+        return min(max(value * self.safety_factor, self.min_timeout), MAX_TIMEOUT_SECONDS)
+
+    def calculated(self) -> dict[str, Any]:
+        """Which timeouts in force were learned (the rest are configured): NVRx's ``were_calculated`` marks."""
+        c = self.computed
+        return {"initial_heartbeat": "initial_heartbeat" in c, "heartbeat": "heartbeat" in c,
+                "sections": sorted(c["sections"]), "out_of_section": "out_of_section" in c}
+
+    def observed_values(self) -> dict[str, Any]:
+        """The observed maxima (this run merged with earlier runs), JSON-safe, keyed like Timeouts.to_dict()."""
+        hb, sections = self.observed()
+        return {"initial_heartbeat": hb.first_delay_max, "heartbeat": hb.interval_max,
+                "sections": dict(sections.max_duration), "out_of_section": sections.out_of_section_max}
+
+    def set_calculated(self, values: Mapping[str, Any]) -> None:
+        """Learn the timeouts of the quantities in VALUES (observed maxima, e.g. agreed by all ranks).
+
+        Only the keys present are set (``calculate_and_set_hb_timeouts`` sets the heartbeat pair,
+        ``calculate_and_set_section_timeouts`` the sections it selects). The values also become the
+        earlier-run observations, so a later learning never goes below them.
+        """
+        hb = HeartbeatStats(_positive(values.get("initial_heartbeat"), "initial_heartbeat"),
+                            _positive(values.get("heartbeat"), "heartbeat"))
+        sections = SectionStats()
+        for name, value in dict(values.get("sections") or {}).items():
+            sections.observe_section(validate_section_name(name), float(_positive(value, f"section {name!r}") or 0))
+        if values.get("out_of_section") is not None:
+            sections.observe_out_of_section(float(_positive(values["out_of_section"], "out_of_section")))
+        for key, value in (("initial_heartbeat", hb.first_delay_max), ("heartbeat", hb.interval_max),
+                           ("out_of_section", sections.out_of_section_max)):
+            if value is not None:
+                self.computed[key] = self._scale(value)
+        for name, value in sections.max_duration.items():
+            self.computed["sections"][name] = self._scale(value)
+        self.previous_hb = self.previous_hb.merge(hb)
+        self.previous_sections = self.previous_sections.merge(sections)
+
     def calculate_and_set(self) -> bool:
         """Learn timeouts (max(observed max * safety_factor, min_timeout)); True if any was set."""
         hb, sections = self.observed()
-
-        def scale(value: float) -> float:
-            return min(max(value * self.safety_factor, self.min_timeout), MAX_TIMEOUT_SECONDS)
+        scale = self._scale
 
         learned: dict[str, Any] = {"sections": {n: scale(v) for n, v in sections.max_duration.items()}}
         if hb.first_delay_max is not None:
@@ -174,6 +210,29 @@ class TimeoutTracker:
         for name, value in dict(raw.get("sections") or {}).items():
             computed["sections"][validate_section_name(name)] = _positive(value, f"section {name!r}")
         self.previous_hb, self.previous_sections, self.computed = previous_hb, previous_sections, computed
+
+
+def tracker_state_from_nvrx(current: Mapping[str, Any]) -> dict[str, Any]:
+    """A tracker state from NVRx's ``state_dict()["current_timeouts"]`` (its calculated timeouts only).
+
+    NVRx keeps no observations, so none are carried; the calculated timeouts become learned ones.
+    """
+    if not isinstance(current, Mapping):
+        raise ValueError("current_timeouts must be a mapping")
+    computed: dict[str, Any] = {"sections": {}}
+    hb = current.get("heartbeat") or {}
+    if hb.get("were_calculated"):
+        for ours, theirs in (("initial_heartbeat", "initial"), ("heartbeat", "subsequent")):
+            if hb.get(theirs) is not None:
+                computed[ours] = hb[theirs]
+    sec = current.get("section") or {}
+    values = dict(sec.get("section") or {})
+    for name in sec.get("calculated_sections") or ():
+        if values.get(name) is not None:
+            computed["sections"][name] = values[name]
+    if sec.get("is_out_of_section_calculated") and sec.get("out_of_section") is not None:
+        computed["out_of_section"] = sec["out_of_section"]
+    return {"version": STATE_VERSION, "observed": {}, "computed": computed}
 
 
 def state_file(state_dir: Path, rank: int) -> Path:

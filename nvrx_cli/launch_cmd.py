@@ -36,6 +36,8 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--master-addr", "--master_addr"), dict(default=None, help="Process-group host (static style).")),
     (("--master-port", "--master_port"), dict(default=None, help="Fixed process-group port (default: a free port per round).")),
     (("--local-addr", "--local_addr"), dict(default=None, help="Address this node advertises to the others.")),
+    (("--virtual-local-rank", "--virtual_local_rank"), dict(is_flag=True, help="Each rank gets LOCAL_RANK=0 and "
+                                                            "only its own GPU in CUDA_VISIBLE_DEVICES (torchrun's).")),
     (("-m", "--module"), dict(is_flag=True, help="Run the script as a module, like python -m.")),
     (("--no-python", "--no_python"), dict(is_flag=True, help="Run the script as a program, not with python.")),
     (("--log-dir", "--log_dir"), dict(default=None, help="Directory for event logs and rank output files.")),

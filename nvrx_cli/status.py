@@ -12,6 +12,7 @@ from rich.markup import escape
 
 from monitors.events import (AgentKilledRank, AgentSignal, Event, InprocessRankLost, JobEnd, JobFailure,
                              MonitorGaveUp, RankExit, RankStuck, RdzvRound, RdzvStandby, RdzvStop, StopDetail)
+from launcher.agent.error_file import report_lines
 from nvrx_common import exit_codes
 
 
@@ -116,6 +117,9 @@ class StatusPrinter:
                 lines.append(f"  round {fail.get(jf.round)}: node {escape(str(fail.get(jf.node)))} left the job")
                 continue
             lines.append(f"  round {fail.get(jf.round)}: {escape(str(fail.get(jf.describe)))}")
+            if fail.get(jf.error):  # the rank recorded its exception: torchrun's failure fields, traceback
+                lines += [f"    {escape(x)}" for x in report_lines(fail)]
+                continue
             for tail in (fail.get(jf.tail) or [])[-10:]:
                 lines.append(f"    | {escape(tail)}")
         return "\n".join(lines)

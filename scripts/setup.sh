@@ -6,4 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-"$PY" -m pip install --quiet --disable-pip-version-check -e ".[test]"
+# The pin is repeated so that nothing in the test extras (lightning needs torch) can swap the CPU build.
+"$PY" -m pip install --quiet --disable-pip-version-check -e ".[test]" "torch==2.13.0"

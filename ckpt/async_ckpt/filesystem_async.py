@@ -32,7 +32,7 @@ from ckpt import manifest as manifest_mod
 from ckpt import publish
 from ckpt.async_ckpt import plan_codec
 from ckpt.async_ckpt.staging import StagingBuffer, StagingPool, align, default_pool
-from ckpt.errors import CheckpointError, CheckpointWriteError
+from ckpt.errors import CheckpointError
 
 log = logging.getLogger("nvrx.ckpt.writer")
 
@@ -67,36 +67,75 @@ def _split(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
     return [b for b in buckets if b]
 
 
+# torch FileSystemWriter's positional parameters after PATH, in its order (NVRx passes *args on to it)
+_TORCH_WRITER_PARAMS = ("single_file_per_rank", "sync_files", "thread_count", "per_thread_copy_ahead",
+                        "cache_staged_state_dict", "overwrite")
+
+
 class FileSystemWriterAsync(StorageWriter):
     """Write a DCP checkpoint directory through the writer process; publish it crash-safely.
 
     PATH is the checkpoint directory (its parent holds ``latest`` and older checkpoints).
+    FILES_PER_RANK: files each rank writes, in parallel (default 2; NVRx's THREAD_COUNT, default 1, sets it
+    when given). SYNC_FILES: fsync every file (the default). OVERWRITE=False refuses an existing PATH.
+    KEEP_LAST: after a successful publish, delete older complete checkpoints in the same parent beyond this
+    many (None keeps all). UPDATE_LATEST: point ``<parent>/latest`` at this one.
     WRITER_PROCESS (optional): submit the job before copying, so the writer starts on the first items
     while later ones are still being copied (the queue must use that same writer process).
-    KEEP_LAST: after a successful publish, delete older complete checkpoints in the same parent
-    beyond this many (None keeps all). UPDATE_LATEST: point ``<parent>/latest`` at this one.
+
+    NVRx's other options are accepted so its calls work: SINGLE_FILE_PER_RANK must stay True (as in NVRx);
+    USE_MSC (object storage) is refused with the reason; SEPARATION_HINT, IS_MULTIPROC_IO,
+    USE_CACHED_DATA_STRUCTURE, PER_THREAD_COPY_AHEAD, CACHE_STAGED_STATE_DICT and USE_CPU_SHM_FOR_GPU_TENSORS
+    tune NVRx's own worker and GPU staging; here the writer process, its threads and the memfd staging
+    always work one way (docs/porting.md lists the differences).
     """
 
-    def __init__(self, path: str | os.PathLike, *, files_per_rank: int = 2, sync_files: bool = True,
-                 keep_last: int | None = None, update_latest: bool = True,
-                 staging_pool: StagingPool | None = None, writer_process: Any = None) -> None:
+    can_run_decentralized_global_plan: bool = False  # plans are gathered as JSON by the coordinator
+
+    def __init__(self, path: str | os.PathLike, *args: Any, separation_hint: str | None = None, use_msc: bool = False,
+                 is_multiproc_io: bool = False, use_cached_data_structure: bool = False,
+                 use_cpu_shm_for_gpu_tensors: bool = False, files_per_rank: int | None = None,
+                 keep_last: int | None = None, update_latest: bool = True, staging_pool: StagingPool | None = None,
+                 writer_process: Any = None, **kwargs: Any) -> None:
         super().__init__()
+        torch_args = _torch_writer_args(args, kwargs)
+        if not torch_args.get("single_file_per_rank", True):
+            raise NotImplementedError("FileSystemWriterAsync writes per rank (single_file_per_rank=True); "
+                                      "for one file per tensor use torch.distributed.checkpoint.FileSystemWriter")
+        if use_msc:
+            raise CheckpointError("use_msc (multi-storage client, object storage) is not supported: save to a "
+                                  "mounted file system path")
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last={keep_last}: keep at least the checkpoint just written (1 or more), or None")
+        thread_count = torch_args.get("thread_count")
+        if files_per_rank is None:
+            files_per_rank = 2 if thread_count is None else int(thread_count)
+        if separation_hint is not None:
+            log.info("separation_hint=%r: items are spread over the %d file(s) per rank by size, not by key",
+                     separation_hint, files_per_rank)
+        if use_cpu_shm_for_gpu_tensors:
+            log.info("use_cpu_shm_for_gpu_tensors: staging is always in shared memory; the GPU part needs a GPU")
         self.path = Path(os.path.abspath(path))
         self.files_per_rank = max(1, int(files_per_rank))
-        self.sync_files = sync_files
+        self.thread_count = self.files_per_rank
+        self.sync_files = bool(torch_args.get("sync_files", True))
+        self.overwrite = bool(torch_args.get("overwrite", True))
+        self.separation_hint = separation_hint
+        self.is_multiproc_io = is_multiproc_io
+        self.use_cached_data_structure = use_cached_data_structure
         self.keep_last = keep_last
         self.update_latest = update_latest
         self.pool = staging_pool or default_pool()
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
+        self.dist_wrapper: Any = None  # set by save_state_dict_async_plan: the ranks that save together
         self._objects: dict[str, bytes] = {}
         self._buffer: StagingBuffer | None = None
         self._job: dict[str, Any] | None = None
         self._layout: list[list[tuple[WriteItem, str]]] = []
         self._reply: dict[str, Any] | None = None
+        self._failure: str | None = None
         self.write_seconds = 0.0  # how long the writer process took for this rank's files
         # Given a WriterProcess, the job is submitted before the copy and writing overlaps staging (the
         # AsyncCallsQueue using this writer then must use the same process); without one, at schedule time.
@@ -133,6 +172,8 @@ class FileSystemWriterAsync(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         publish.check_destination(self.path)
+        if not self.overwrite and self.path.exists():
+            raise CheckpointError(f"cannot save checkpoint {self.path}: it exists and overwrite=False")
         try:
             self.partial_path.mkdir(exist_ok=True)
         except OSError as exc:
@@ -273,19 +314,52 @@ class FileSystemWriterAsync(StorageWriter):
             raise CheckpointError("nothing staged: call save_state_dict_async_plan first")
         return self._job, self._buffer, self._job_id
 
+    def get_save_function_and_args(self) -> tuple[Any, Any, list[Any]]:
+        """``(save_fn, preload_fn, save_args)`` for ``AsyncRequest(save_fn, save_args, [finalize], preload_fn=...)``.
+
+        SAVE_FN is a ``WriterJob``: the queue runs it on the persistent writer process (calling it writes now
+        and waits). PRELOAD_FN returns the write plan (files, items, offsets) that takes the ``None`` in
+        SAVE_ARGS = ``[rank, None]``: the data itself was already copied into staging memory by
+        ``save_state_dict_async_plan``, so training may change the tensors as soon as that returns.
+        """
+        from ckpt.async_ckpt.core import WriterJob
+
+        job, buffer, job_id = self.write_job()
+        save_fn = WriterJob(job=job, buffer=buffer, job_id=job_id, submitted_to=self.writer_process if job_id else None,
+                            dist_wrapper=self.dist_wrapper, on_result=self.record_reply, on_failure=self.record_failure,
+                            on_discard=self._discard, description=str(self.path), destination=str(self.path))
+        return save_fn, self.preload_staged, [self.rank, None]
+
+    def preload_staged(self) -> dict[str, Any]:
+        """The staged write plan: the files this rank writes and where each item lies in the staging buffer."""
+        return self.write_job()[0]
+
+    def _discard(self, remove_files: bool) -> None:
+        """The save is dropped: free the staging; the coordinator removes the unpublished directory."""
+        self.release_staging()
+        if remove_files and self.is_coordinator:
+            self.discard_partial()
+
     def record_reply(self, reply: dict[str, Any]) -> None:
         """Keep the writer process's successful answer (file sizes, item offsets and checksums)."""
-        self._reply = reply
+        self._reply, self._failure = reply, None
         self.write_seconds = float(reply.get("seconds", 0.0))
+
+    def record_failure(self, error: str) -> None:
+        """Keep why this rank's write failed; finalize reports it on every rank."""
+        self._reply, self._failure = None, error
 
     def release_staging(self) -> None:
         """This save is over (published or dropped): free its staging buffer and forget its results."""
         if self._buffer is not None:
             self.pool.release(self._buffer)
         self._buffer, self._job, self._reply, self._layout, self._job_id = None, None, None, [], 0
+        self._failure = None
 
     def local_results(self) -> dict[str, Any]:
         """This rank's write results as JSON (sent to the coordinator at finalize)."""
+        if self._failure is not None:
+            raise CheckpointError(f"rank {self.rank}: writing failed: {self._failure}")
         if self._reply is None:
             raise CheckpointError(f"checkpoint {self.path}: the write stage has not completed on rank {self.rank}")
         files, results = [], []
@@ -297,8 +371,19 @@ class FileSystemWriterAsync(StorageWriter):
                 results.append(plan_codec.encode_write_result(wr, res["crc32"], kind))
         return {"files": files, "results": results}
 
-    def retrieve_write_results(self) -> list[WriteResult]:
-        return [plan_codec.decode_write_result(r) for r in self.local_results()["results"]]
+    def retrieve_write_results(self) -> list[WriteResult] | Any:
+        """This rank's ``WriteResult`` list; if the write failed or has not completed, the wrapped error instead.
+
+        Like NVRx's, it returns rather than raises (torch's ``(exception, traceback)`` pair), so a finalize
+        can gather every rank's outcome before one of them gives up.
+        """
+        from torch.distributed.checkpoint.utils import _wrap_exception
+
+        try:
+            results = self.local_results()["results"]
+        except CheckpointError as exc:
+            return _wrap_exception(exc)
+        return [plan_codec.decode_write_result(r) for r in results]
 
     # ------------------------------------------------------------ finalize (coordinator)
 
@@ -350,6 +435,20 @@ class FileSystemWriterAsync(StorageWriter):
             publish.discard(self.partial_path)
         except OSError as exc:
             log.debug("cannot remove %s: %s", self.partial_path, exc)
+
+
+def _torch_writer_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """torch FileSystemWriter's arguments (positional in its order, or by name) as a dict; others are refused."""
+    if len(args) > len(_TORCH_WRITER_PARAMS):
+        raise TypeError(f"FileSystemWriterAsync takes at most {len(_TORCH_WRITER_PARAMS) + 1} positional arguments")
+    named = dict(zip(_TORCH_WRITER_PARAMS, args))
+    for key, value in kwargs.items():
+        if key not in _TORCH_WRITER_PARAMS:
+            raise TypeError(f"FileSystemWriterAsync got an unexpected keyword argument {key!r}")
+        if key in named:
+            raise TypeError(f"FileSystemWriterAsync got multiple values for argument {key!r}")
+        named[key] = value
+    return named
 
 
 def _lookup(planner: SavePlanner, item: WriteItem) -> Any:

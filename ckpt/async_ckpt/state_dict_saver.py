@@ -13,6 +13,7 @@ decides), and a resumed job can reuse the plans recorded in the checkpoint it lo
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -28,6 +29,7 @@ from ckpt.async_ckpt import plan_codec
 from ckpt.async_ckpt.core import AsyncRequest
 from ckpt.async_ckpt.dist_wrapper import DistWrapper
 from ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync, describe_plans
+from ckpt.async_ckpt.write_errors import CheckpointWriteFailed
 from ckpt.errors import CheckpointCleanupError, CheckpointError, CheckpointWriteError
 
 log = logging.getLogger("nvrx.ckpt.saver")
@@ -211,6 +213,7 @@ def save_state_dict_async_plan(state_dict: dict[str, Any], storage_writer: FileS
         raise CheckpointError(f"state_dict must be a dict, not {type(state_dict).__name__}")
     started = time.perf_counter()
     dw = DistWrapper(process_group, coordinator_rank)
+    storage_writer.dist_wrapper = dw
     planner = planner or DefaultSavePlanner()
     cache = (metadata_cache or _global_cache()) if enable_cache else None
     local_plan: SavePlan | None = None
@@ -311,6 +314,7 @@ def save_state_dict_async_finalize(storage_writer: FileSystemWriterAsync, global
         problems = [m["error"] for m in per_rank if "error" in m]
         try:
             if problems:
+                status = {"published": False, "ranks": {str(r): m["error"] for r, m in enumerate(per_rank) if "error" in m}}
                 raise CheckpointWriteError("; ".join(problems))
             if global_metadata is None:
                 raise CheckpointWriteError("the coordinator has no global metadata for this save")
@@ -321,28 +325,27 @@ def save_state_dict_async_finalize(storage_writer: FileSystemWriterAsync, global
             status = {"published": True, "error": str(exc)}
         except Exception as exc:
             error = str(exc) if isinstance(exc, (CheckpointError, OSError)) else f"{type(exc).__name__}: {exc}"
-            status = {"published": False, "error": error}
+            ranks = (status or {}).get("ranks") or {str(dist_wrapper.rank): error}
+            status = {"published": False, "error": error, "ranks": ranks}
             storage_writer.discard_partial()
     status = dist_wrapper.broadcast_json(status)
     storage_writer.release_staging()
     if status and status["published"]:
         raise CheckpointCleanupError(status["error"])
     if status:
-        raise CheckpointWriteError(f"checkpoint {storage_writer.path} was not published: {status['error']}; "
-                                   "the previous checkpoint is intact")
+        raise CheckpointWriteFailed(f"checkpoint {storage_writer.path} was not published: {status['error']}; "
+                                    "the previous checkpoint is intact",
+                                    {int(r): e for r, e in status["ranks"].items()})
 
 
 def async_request(storage_writer: FileSystemWriterAsync, global_metadata: Metadata | None,
                   dist_wrapper: DistWrapper) -> AsyncRequest:
-    """The request that writes the staged data in the writer process and then finalizes this save."""
-    job, buffer, job_id = storage_writer.write_job()
+    """The request that writes the staged data in the writer process and then finalizes this save.
 
-    def discard(remove_files: bool) -> None:
-        storage_writer.release_staging()
-        if remove_files and dist_wrapper.is_coordinator:
-            storage_writer.discard_partial()
-
-    return AsyncRequest(job=job, buffer=buffer, job_id=job_id,
-                        finalize_fns=[lambda: save_state_dict_async_finalize(storage_writer, global_metadata, dist_wrapper)],
-                        dist_wrapper=dist_wrapper, on_result=storage_writer.record_reply, on_discard=discard,
-                        description=str(storage_writer.path), destination=str(storage_writer.path))
+    Built exactly as Megatron-Core builds its own from NVRx's pieces, so both paths are one.
+    """
+    storage_writer.dist_wrapper = dist_wrapper
+    save_fn, preload_fn, save_args = storage_writer.get_save_function_and_args()
+    return AsyncRequest(save_fn, save_args,
+                        [functools.partial(save_state_dict_async_finalize, storage_writer, global_metadata, dist_wrapper)],
+                        preload_fn=preload_fn)

@@ -1,4 +1,4 @@
-"""The persistent checkpoint writer process (``python -m ckpt.async_ckpt.writer_main FD PARENT_PID``).
+"""The persistent checkpoint writer process (``python -m ckpt.async_ckpt.writer_main FD PARENT_PID [NICE]``).
 
 Started once per training process and reused for every save. It maps the staging buffers it is
 given (memfds), writes the files each job describes, fsyncs them and answers with sizes, offsets
@@ -24,7 +24,7 @@ from typing import Any
 from ckpt.async_ckpt.control import Channel, ChannelClosed
 from nvrx_common.process import die_with_parent
 
-_NICE = 10
+_NICE = 10  # default niceness; the training process may ask for another (AsyncCallsQueue(cpu_priority=...))
 
 
 class Writer:
@@ -150,13 +150,15 @@ def _warm_up() -> None:
 
 def main(argv: list[str]) -> None:
     fd, parent_pid = int(argv[0]), int(argv[1])
+    nice = int(argv[2]) if len(argv) > 2 else _NICE
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(parent_pid)
     try:
-        os.nice(_NICE)  # training comes first: while a rank copies its state the writer yields the CPU
+        os.nice(max(0, nice - os.nice(0)))  # training comes first: while a rank copies its state the writer yields
     except OSError:
         pass
+
     channel = Channel(socket.socket(fileno=fd))
     threading.Thread(target=_warm_up, name="nvrx-ckpt-warmup", daemon=True).start()
     Writer(channel).serve()

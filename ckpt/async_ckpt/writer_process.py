@@ -35,8 +35,10 @@ _live: "weakref.WeakSet[WriterProcess]" = weakref.WeakSet()
 class WriterProcess:
     """Start, feed and watch one writer process. Not thread-safe: used from the training thread."""
 
-    def __init__(self, python: str = sys.executable) -> None:
+    def __init__(self, python: str = sys.executable, nice: int = 10, io_class: int | None = None) -> None:
         self.python = python
+        self.nice = nice  # the writer's niceness: training comes first
+        self.io_class = io_class  # ionice class 0-3 (None: unchanged)
         self.proc: subprocess.Popen | None = None
         self.channel: Channel | None = None
         self.pid: int | None = None
@@ -59,7 +61,7 @@ class WriterProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("OMP_NUM_THREADS", "1")
-        cmd = [self.python, "-m", "ckpt.async_ckpt.writer_main", str(theirs.fileno()), str(os.getpid())]
+        cmd = [self.python, "-m", "ckpt.async_ckpt.writer_main", str(theirs.fileno()), str(os.getpid()), str(self.nice)]
         try:
             self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
                                          close_fds=True)
@@ -67,11 +69,35 @@ class WriterProcess:
             theirs.close()
         self.channel = Channel(ours)
         self.pid = self.proc.pid
+        self._apply_priority()
         self.starts += 1
         self._attached.clear()
         self._death = None
         _live.add(self)
         log.debug("checkpoint writer started, pid %d", self.pid)
+
+    def set_priority(self, nice: int, io_class: int | None) -> None:
+        """Change the writer's CPU niceness and I/O class, now if it runs and at every later start.
+
+        Raising the niceness needs no privilege; lowering it does (a failure is logged, the writer keeps running).
+        """
+        self.nice, self.io_class = nice, io_class
+        if self.running():
+            self._apply_priority()
+
+    def _apply_priority(self) -> None:
+        """Set the running writer's niceness and I/O class from here, so they hold when ``start`` returns."""
+        nice, io_class = self.nice, self.io_class
+        try:
+            current = os.getpriority(os.PRIO_PROCESS, self.pid)  # type: ignore[arg-type]
+            if nice > current:  # only ever lower the writer's priority (raising it needs privilege)
+                os.setpriority(os.PRIO_PROCESS, self.pid, nice)  # type: ignore[arg-type]
+            elif nice < current:
+                log.debug("checkpoint writer keeps nice %d (asked for %d: raising priority needs privilege)", current, nice)
+        except OSError as exc:
+            log.warning("cannot set the checkpoint writer's nice value to %d: %s", nice, exc)
+        if io_class is not None:
+            set_io_class(self.pid, io_class)  # type: ignore[arg-type]
 
     def running(self) -> bool:
         return self.proc is not None and self._death is None and self.proc.poll() is None
@@ -241,6 +267,14 @@ class WriterProcess:
     def _fail_pending(self, reason: str) -> None:
         for job_id in list(self._pending):
             self._results.setdefault(job_id, {"op": "done", "id": job_id, "ok": False, "error": reason})
+
+
+def set_io_class(pid: int, io_class: int) -> None:
+    """``ionice -c IO_CLASS -p PID`` (3 = idle: the writer's I/O waits for everyone else's); failures are logged."""
+    try:
+        subprocess.run(["ionice", "-c", str(io_class), "-p", str(pid)], check=True, capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("cannot set the I/O class of checkpoint writer pid %d to %d: %s", pid, io_class, exc)
 
 
 # ---------------------------------------------------------------- the process-wide writer

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
 
 from nvrx_common import exit_codes
 from nvrx_common.errors import NvrxError
-from launcher.agent.config import LaunchConfig
+from launcher.agent.config import LaunchConfig, visible_device
+from launcher.agent.error_file import ErrorFiles, read_error_file
 from launcher.agent.rank_monitors import RankMonitorGroup
 from launcher.agent.rdzv_errors import RendezvousError
 from launcher.agent.rdzv_records import FAULT_KINDS, RoundResult, StopKind, StopRecord
@@ -83,8 +84,14 @@ class _StopWatch:
 
 
 def build_rank_env(cfg: LaunchConfig, result: RoundResult, local_rank: int,
-                   extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The torchrun environment for one rank of this round (plus e.g. where its monitor listens)."""
+                   extra: dict[str, str] | None = None, error_file: str = "") -> dict[str, str]:
+    """The torchrun environment for one rank of this round (plus e.g. where its monitor listens).
+
+    Every variable torch 2.13's LocalElasticAgent gives a worker, with its values (README: "The rank
+    environment" lists them and the few values that differ on purpose). ERROR_FILE is the rank's
+    ``TORCHELASTIC_ERROR_FILE`` ("" like torchrun with no log directory: ``record`` then only logs).
+    OMP_NUM_THREADS is in ``base_env`` already (torchrun's rule, ``config.build_launch_config``).
+    """
     w = cfg.workers
     rank = result.rank_offset + local_rank
     env = dict(w.base_env)
@@ -105,11 +112,18 @@ def build_rank_env(cfg: LaunchConfig, result: RoundResult, local_rank: int,
         TORCHELASTIC_MAX_RESTARTS=str(cfg.max_restarts),
         TORCHELASTIC_RUN_ID=cfg.rdzv.run_id,
         TORCHELASTIC_USE_AGENT_STORE=str(bool(result.agent_hosts_pg_store)),
+        # torchrun passes the agent's value on and defaults it to 1 (NCCL aborts a failed collective)
+        TORCH_NCCL_ASYNC_ERROR_HANDLING=w.base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        TORCHELASTIC_ERROR_FILE=error_file,
+        # torchrun sets it in its own environment, which its workers inherit: the signals the agent handles
+        TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(s.name for s in cfg.signals_to_handle),
         NVRX_RUN_LOG_DIR=str(cfg.run_log_dir),
         NVRX_ROUND=str(result.round),
         NVRX_GRACEFUL_SIGNALS=",".join(s.name for s in cfg.signals_to_handle if s in GRACEFUL_SIGNALS),
     )
-    env.setdefault("OMP_NUM_THREADS", "1")
+    if w.virtual_local_rank:  # torchrun's --virtual-local-rank: the rank's one GPU is its device 0
+        env.update(LOCAL_RANK="0", CUDA_VISIBLE_DEVICES=visible_device(w.base_env.get("CUDA_VISIBLE_DEVICES"),
+                                                                        local_rank))
     if w.inprocess:  # read by the bootstrap: run the script inside an in-process restart Wrapper
         env.update(NVRX_INPROCESS="1", NVRX_INPROCESS_SPARES=str(w.inprocess_spares))
     if not w.fast_exit:
@@ -130,6 +144,8 @@ class Agent:
                                           term_grace=cfg.workers.term_timeout)
                          if cfg.ft is not None else None)
         self.failures: list[dict[str, Any]] = []  # one entry per fault stop, for the final report
+        self.error_files = ErrorFiles(cfg.run_log_dir, cfg.node_name)
+        self._round_error_files: dict[int, str] = {}  # local rank -> its TORCHELASTIC_ERROR_FILE this round
         self._sig_r, self._sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._pending_signal: int | None = None
         self._raise_on_signal = False  # only while blocked in rendezvous; elsewhere signals wake the loop
@@ -195,8 +211,11 @@ class Agent:
 
     def _run_round(self, result: RoundResult) -> int | None:
         """Start and supervise the ranks of one round. None means: go to the next round."""
-        specs = [RankSpec(lr, result.rank_offset + lr, build_rank_env(self.cfg, result, lr, self._monitor_env(lr)))
-                 for lr in range(self.cfg.workers.nproc_per_node)]
+        nproc = self.cfg.workers.nproc_per_node
+        self._round_error_files = {lr: self.error_files.path_for(result.restart_count, lr) for lr in range(nproc)}
+        specs = [RankSpec(lr, result.rank_offset + lr,
+                          build_rank_env(self.cfg, result, lr, self._monitor_env(lr), self._round_error_files[lr]))
+                 for lr in range(nproc)]
         self.workers.start(specs, attempt=result.restart_count)
         self._absorbed: list[RankExit] = []  # --inprocess: failed ranks the Wrapper of the others continues without
         self._rank_succeeded = False
@@ -318,6 +337,10 @@ class Agent:
     def _failure_detail(self, result: RoundResult, ex: RankExit) -> dict[str, Any]:
         hang = self.monitors.hang_reason(ex.local_rank, ex.pid) if self.monitors is not None else None
         describe = ex.describe()
+        error = read_error_file(self._round_error_files.get(ex.local_rank))
+        if error is not None:  # the rank's own words first line only: describe is one line
+            first = (error.message.strip().splitlines() or [""])[0]
+            describe += f": {first[:200]}" if first else ""
         if hang:
             where = f" in section {hang['section']!r}" if hang.get("section") else ""
             describe += (f" by its monitor: {str(hang.get('reason')).replace('_', ' ')}{where} after "
@@ -329,7 +352,8 @@ class Agent:
                              f"{first[1]:.2f} s earlier")
         detail = {"rank": ex.global_rank, "local_rank": ex.local_rank, "group_rank": result.group_rank,
                   "pid": ex.pid, "exitcode": ex.exitcode, "signal": ex.signal, "abandoned": ex.abandoned,
-                  "tail": list(ex.tail), "describe": describe, "round": result.round, "hang": hang}
+                  "tail": list(ex.tail), "describe": describe, "round": result.round, "hang": hang,
+                  "error": error.to_fields() if error is not None else None}
         if ex.exitcode in exit_codes.STEERING_CODES:
             # The rank asks the resume logic for something a restart in place cannot give: end the job with its code.
             detail.update(no_restart=True, steer=ex.exitcode)
@@ -467,6 +491,7 @@ class Agent:
             self.workers.close()
             if self.monitors is not None:
                 self.monitors.close()
+            self.error_files.remove()
         finally:
             self._close_stores()
             for fd in (self._sig_r, self._sig_w):

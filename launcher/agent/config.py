@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+import logging
 import os
 import re
 import signal
@@ -22,6 +23,8 @@ from monitors.ft_config import FaultToleranceConfig
 from nvrx_common.errors import ConfigError
 from nvrx_common.signals import DEFAULT_SIGNALS, parse_signals
 from slurm.environment import SlurmEnvError, SlurmTopology, slurm_topology
+
+log = logging.getLogger(__name__)
 
 DEFAULT_RDZV_PORT = 29400
 STATE_DIR_ENV = "NVRX_STATE_DIR"  # state kept across the jobs of an auto-resume chain (--state-dir)
@@ -90,6 +93,8 @@ class WorkerSettings:
     fast_exit: bool = True  # ranks skip the interpreter teardown after atexit handlers and flushes
     inprocess: bool = False  # --inprocess: ranks run the script in an in-process restart Wrapper
     inprocess_spares: int = 0  # --inprocess-spares: ranks kept idle until active ranks are lost
+    # --virtual-local-rank: every rank sees LOCAL_RANK=0 and only its own GPU (CUDA_VISIBLE_DEVICES)
+    virtual_local_rank: bool = False
     base_env: Mapping[str, str] = field(default_factory=dict)  # environment ranks inherit
 
 
@@ -284,6 +289,24 @@ def parse_inprocess(raw: Mapping[str, Any], min_world_size: int) -> dict[str, An
     return {"inprocess": inprocess, "inprocess_spares": n}
 
 
+def visible_device(parent: str | None, local_rank: int) -> str:
+    """torchrun's --virtual-local-rank: the one GPU of LOCAL_RANK, from the agent's CUDA_VISIBLE_DEVICES if set."""
+    if parent is None:
+        return str(local_rank)
+    return parent.split(",")[local_rank].strip()
+
+
+def check_virtual_local_rank(raw: Mapping[str, Any], env: Mapping[str, str], nproc: int) -> bool:
+    """--virtual-local-rank needs one visible GPU per rank when CUDA_VISIBLE_DEVICES limits them."""
+    if not raw.get("virtual_local_rank"):
+        return False
+    parent = env.get("CUDA_VISIBLE_DEVICES")
+    if parent is not None and nproc > len(parent.split(",")):
+        raise ConfigError(f"--virtual-local-rank gives each of the {nproc} ranks one GPU, but "
+                          f"CUDA_VISIBLE_DEVICES={parent} lists {len(parent.split(','))}")
+    return True
+
+
 # ---------------------------------------------------------------- the builder
 
 
@@ -386,7 +409,10 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str],
     redirects = parse_std_map(raw.get("redirects"), nproc, "--redirects")
     tee = parse_std_map(raw.get("tee"), nproc, "--tee")
     base_env = dict(env)
-    base_env.setdefault("OMP_NUM_THREADS", "1")
+    if "OMP_NUM_THREADS" not in base_env and nproc > 1:
+        # torchrun's rule: several ranks on a node would each start one OpenMP thread per core
+        log.info("setting OMP_NUM_THREADS=1 for each rank (%d ranks on this node); set it to tune", nproc)
+        base_env["OMP_NUM_THREADS"] = "1"
     if raw.get("async_ckpt"):
         base_env["NVRX_ASYNC_CKPT"] = "1"  # read by the rank bootstrap (ckpt.async_ckpt.writer_process)
     workers = WorkerSettings(
@@ -404,6 +430,7 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str],
         fork_server=bool(raw.get("fork_server", True)) and not no_python,
         fast_exit=bool(raw.get("fast_exit", True)),
         base_env=base_env,
+        virtual_local_rank=check_virtual_local_rank(raw, env, nproc),
         **parse_inprocess(raw, nproc * min_nodes),
     )
 

@@ -39,6 +39,7 @@ from launcher.agent.store import (
     RendezvousMismatch,
     RendezvousStore,
     advertised_address,
+    master_addr_for_ranks,
 )
 from monitors.events import EventLog, RdzvJoin, RdzvRound, RdzvStandby, RdzvStop, StopDetail
 from nvrx_common.net import start_store_server
@@ -173,6 +174,7 @@ class Rendezvous:
         self.info = NodeInfo(node_id or make_node_id(), addr, settings.nproc_per_node)
         self._result: RoundResult | None = None
         self._pg_store: TCPStore | None = None
+        self._master_name: str | None = None  # MASTER_ADDR when this node hosts the process-group store
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._clients: dict[str, TCPStore] = {}
@@ -343,8 +345,10 @@ class Rendezvous:
                 )
                 store.set(key, json.dumps({"error": msg}))
                 raise RendezvousError(msg) from None
-            store.set(key, json.dumps({"addr": self.info.addr, "port": port}))
-            return self.info.addr, port, True
+            if self._master_name is None:  # resolved once: torchrun's getfqdn() can be slow
+                self._master_name = master_addr_for_ranks(self.info.addr, s.local_addr)
+            store.set(key, json.dumps({"addr": self._master_name, "port": port}))
+            return self._master_name, port, True
         store.wait([key])  # group rank 0 publishes it right after the round closed
         pg = self._get_json(store, key)
         if "error" in pg:

@@ -70,6 +70,22 @@ def advertised_address(settings: RdzvSettings, store_host: str, store_port: int)
         return socket.gethostname()
 
 
+def master_addr_for_ranks(bound_addr: str, local_addr: str | None) -> str:
+    """MASTER_ADDR as torchrun sets it (``--local-addr``, else this host's fully qualified name), when it reaches us.
+
+    The process-group store listens on BOUND_ADDR only (never the wildcard), so the host name is used only
+    if it resolves to that address; otherwise the address itself, with one log line saying why.
+    """
+    if local_addr:
+        return local_addr
+    name = socket.getfqdn()
+    if name and bound_addr in resolve(name):
+        return name
+    log.info("MASTER_ADDR=%s: this host's name %r does not resolve to %s, where the process-group store listens",
+             bound_addr, name, bound_addr)
+    return bound_addr
+
+
 def _write_meta(store: TCPStore, settings: RdzvSettings) -> None:
     store.set(RUN_ID_KEY, settings.run_id)
     store.set(NPROC_KEY, str(settings.nproc_per_node))

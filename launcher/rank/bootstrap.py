@@ -42,7 +42,7 @@ INPROCESS_ENV = "NVRX_INPROCESS"  # "1": run the script inside an in-process res
 # rank-side modules whose state the bootstrap sets up for user code.
 _OWN_PACKAGES = ("launcher", "monitors", "ckpt", "slurm")  # nvrx_common stays: its error classes must keep one identity
 _KEEP_MODULES = frozenset({"launcher.rank.job_control", "monitors.client", "monitors.control", "monitors.heartbeat",
-                           "monitors.sections", "monitors.progress_watchdog",
+                           "monitors.sections", "monitors.progress_watchdog", "monitors.data", "monitors.timeouts",
                            # the checkpoint writer started for --async-ckpt, found again by `import ckpt`
                            "ckpt.async_ckpt.writer_process", "ckpt.async_ckpt.staging", "ckpt.async_ckpt.control"})
 _KEEP_PREFIX = "launcher.rank.inprocess"  # the Wrapper running the script, and the API the script may import

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from monitors.events import AgentStart, HangInfo, JobEnd, RdzvStop, StopDetail
+from monitors.events import AgentStart, HangInfo, JobEnd, RankErrorInfo, RdzvStop, StopDetail
 from monitors.inspection.event_files import NotARun, discover, iso
 from monitors.inspection.timeline import (STEP_SECTIONS, Entry, Filters, JobState, MonitorFile, RankSession,
                                           RoundState, SectionTally, Timeline, rounded)
@@ -302,9 +302,13 @@ class _ReportBuilder:
             if hang and isinstance(hang.get(HangInfo.F.t), (int, float)):
                 fault_t = float(hang[HangInfo.F.t]) - float(hang.get(HangInfo.F.elapsed) or 0.0)
             node = self._node_of_group_rank(rd, d.get(D.group_rank))
+            error = d.get(D.error) if isinstance(d.get(D.error), dict) else {}
+            traceback = error.get(RankErrorInfo.F.traceback)
+            # the rank's own traceback (its TORCHELASTIC_ERROR_FILE) says more than its last output lines
+            tail = str(traceback).splitlines() if traceback else [str(x) for x in (d.get(D.tail) or [])]
             f.update(rank=d.get(D.rank), local_rank=d.get(D.local_rank), group_rank=d.get(D.group_rank), pid=pid,
                      exitcode=d.get(D.exitcode), signal=d.get(D.signal), hang=hang, node=node,
-                     tail=[str(x) for x in (d.get(D.tail) or [])][-TAIL_SHOWN:])
+                     tail=tail[-TAIL_SHOWN:])
             if node and len(rd.nodes) > 1:
                 cause += f" on node {node}"
         elif kind == "node_left":
@@ -357,7 +361,9 @@ class _ReportBuilder:
         if code == 127 and d.get(D.pid) == -1:
             return f"{who} could not be started"
         meaning = _EXIT_MEANINGS.get(code) if code in exit_codes.STEERING_CODES else None
-        return f"{who} exited with code {code}" + (f" ({meaning})" if meaning else "")
+        error = d.get(D.error) if isinstance(d.get(D.error), dict) else {}
+        said = (str(error.get(RankErrorInfo.F.message) or "").strip().splitlines() or [""])[0][:200]
+        return f"{who} exited with code {code}" + (f" ({meaning})" if meaning else "") + (f": {said}" if said else "")
 
     def _node_of_group_rank(self, rd: RoundState, g: Any) -> str | None:
         return rd.nodes[g] if isinstance(g, int) and 0 <= g < len(rd.nodes) else None

@@ -18,7 +18,7 @@ from launcher.rank.inprocess.state import State
 
 
 def ctx(rank: int, world: int, gone=(), hosts=None) -> ra.RankAssignmentCtx:
-    return ra.RankAssignmentCtx(State.initial(rank, world), frozenset(gone), hosts or {})
+    return ra.RankAssignmentCtx(State.initial(rank, world), None, set(gone), hosts or {})
 
 
 # ---------------------------------------------------------------- rank assignment
@@ -26,8 +26,9 @@ def ctx(rank: int, world: int, gone=(), hosts=None) -> ra.RankAssignmentCtx:
 
 def test_shift_ranks_closes_gaps_in_order():
     out = ra.ShiftRanks()(ctx(5, 6, gone={1, 4}))
-    assert (out.state.rank, out.state.world_size, out.terminated_ranks) == (3, 4, frozenset())
-    assert ra.ShiftRanks()(ctx(1, 6, gone={1, 4})).state.rank is None
+    assert (out.state.rank, out.state.world_size, out.terminated_ranks) == (3, 4, set())
+    with pytest.raises(ra.RankDiscarded, match="excluded by rank assignment"):
+        ra.ShiftRanks()(ctx(1, 6, gone={1, 4}))
 
 
 def test_spec_example_groups_of_eight_drop_together_then_shift():
@@ -35,17 +36,12 @@ def test_spec_example_groups_of_eight_drop_together_then_shift():
         inprocess.rank_assignment.ShiftRanks(),
         inprocess.rank_assignment.FilterGroupedByKey(key_or_fn=lambda rank, _: rank // 8, condition=lambda count: count == 8),
     )
-    new = {r: assignment(ctx(r, 16, gone={9})).state for r in range(16) if r != 9}
+    new = {r: assignment(ctx(r, 16, gone={9})).state for r in range(8)}
     assert all(s.world_size == 8 for s in new.values())
     assert [new[r].rank for r in range(8)] == list(range(8))
-    assert all(new[r].rank is None for r in range(10, 16))
-
-
-def test_tree_keeps_node_groups_whole_and_contiguous():
-    hosts = {0: "a", 1: "b", 2: "a", 3: "b", 4: "c", 5: "c"}  # ranks of one host are interleaved
-    tree = ra.Tree(ra.Layer("hostname", min_ranks=2))
-    new = {r: tree(ctx(r, 6, gone={3}, hosts=hosts)).state.rank for r in (0, 1, 2, 4, 5)}
-    assert new == {0: 0, 2: 1, 4: 2, 5: 3, 1: None}
+    for r in range(10, 16):
+        with pytest.raises(ra.RankDiscarded):
+            assignment(ctx(r, 16, gone={9}))
 
 
 def test_rank_assignment_arguments_are_checked():
@@ -54,9 +50,9 @@ def test_rank_assignment_arguments_are_checked():
     with pytest.raises(ValueError, match="condition"):
         ra.FilterGroupedByKey(key_or_fn=lambda r, w: r, condition=None)
     with pytest.raises(ValueError, match="min_ranks"):
-        ra.Layer("hostname", min_ranks=0)
+        ra.Layer(min_ranks=-1, key_or_fn="hostname")
     with pytest.raises(ValueError, match="Layer"):
-        ra.Tree()
+        ra.Tree([])
 
 
 # ---------------------------------------------------------------- rank filters and initializers

@@ -32,7 +32,8 @@ def test_a_rank_whose_health_check_fails_before_the_run_leaves_and_the_rest_fini
     assert res.codes[0] == 0 and res.codes[2] == 0, res.stderr
     assert res.of(1, "unhealthy", iteration=1)
     err = res.of(1, "wrapper_error")
-    assert err and err[0]["kind"] == "RuntimeError" and "unhealthy" in err[0]["message"]
+    # as in NVRx, the user's exception is wrapped in a HealthCheckError (its message names the cause)
+    assert err and err[0]["kind"] == "HealthCheckError" and "RuntimeError: user health check" in err[0]["message"]
     assert 1 not in res.starts(1), "the unhealthy rank ran the wrapped function"
     assert not [e for e in res.of(1, "health_check") if e["iteration"] > 1], "the unhealthy rank rejoined"
     last = max(res.starts(0))

@@ -176,7 +176,7 @@ def test_shift_ranks_with_filter_grouped_by_key_drops_the_whole_group(groups):
     res = groups
     assert res.codes[1] == 3 and res.codes[2] == 0 and res.codes[3] == 0, res.stderr
     assert res.codes[0] != 0
-    assert res.of(0, "wrapper_error", kind="RankTerminated")
+    assert res.of(0, "wrapper_error", kind="RankDiscarded")  # NVRx's name; a RankTerminated
     assert "excluded by rank assignment" in res.of(0, "wrapper_error")[0]["message"]
     assert res.starts(2)[1]["rank"] == 0 and res.starts(3)[1]["rank"] == 1
     assert res.starts(2)[1]["world"] == 2

@@ -59,6 +59,8 @@ def components() -> dict[str, object]:
     if PLAN.get("unhealthy"):
         out["health_check"] = inprocess.Compose(inprocess.health_check.CudaHealthCheck(),
                                                 FailOnce(**PLAN["unhealthy"]))
+    if PLAN.get("store_timeout"):  # NVRx's examples pass the store timeout as a timedelta
+        out["store_kwargs"] = {"timeout": datetime.timedelta(seconds=PLAN["store_timeout"])}
     if PLAN.get("max_iterations"):
         out["initialize"] = inprocess.initialize.RetryController(max_iterations=PLAN["max_iterations"])
     return out
@@ -142,12 +144,17 @@ def main() -> int:
     if PLAN.get("debug"):
         import logging
         logging.getLogger("launcher.rank.inprocess").setLevel(logging.DEBUG)
-    try:
-        result = wrapper(train)()
-    except BaseException as exc:
-        record("wrapper_error", kind=type(exc).__name__, message=str(exc))
-        raise
-    record("returned", result=result)
+    if PLAN.get("no_gc"):  # nothing the Wrapper holds may wait for the garbage collector to be released
+        import gc
+        gc.disable()
+    wrapped = wrapper(train)
+    for call in range(PLAN.get("calls", 1)):
+        try:
+            result = wrapped()
+        except BaseException as exc:
+            record("wrapper_error", kind=type(exc).__name__, message=str(exc), call=call)
+            raise
+        record("returned", result=result, call=call)
     return 0
 
 

@@ -211,6 +211,8 @@ def _assert_killed(h: Harness, proc: subprocess.Popen, reason: str, timeout: flo
     assert hang["pid"] == proc.pid
     detected = h.events("hang_detected")
     assert detected and detected[-1]["reason"] == reason
+    # rank_terminated is written just after the signal: the rank may be gone (and reaped) before it is
+    h.wait_for(lambda: h.events("rank_terminated"), 10, "the rank_terminated event")
     assert h.events("rank_terminated")[-1]["pid"] == proc.pid
     return hang
 
@@ -273,7 +275,8 @@ def test_computed_timeouts_persist_into_next_monitor(h: Harness) -> None:
     assert 1.5 <= learned["sections"]["step"] < 3.0  # observed ~0.3 s * safety_factor 5
     assert learned["initial_heartbeat"] >= 1.0 and learned["heartbeat"] >= 1.0  # floor: MIN_LEARNED_TIMEOUT
     state = next(r["value"] for r in results if r["kind"] == "state")
-    assert state["computed"]["sections"]["step"] == learned["sections"]["step"]
+    assert state["nvrx_monitor_state"]["computed"]["sections"]["step"] == learned["sections"]["step"]
+    assert state["current_timeouts"]["section"]["section"]["step"] == learned["sections"]["step"]  # NVRx's shape
     assert h.stop_monitor() == 0
     assert (h.state_dir / "rank0.timeouts.json").exists()
 

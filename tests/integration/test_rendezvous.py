@@ -34,8 +34,10 @@ from launcher.agent.store import (
     RendezvousMismatch,
     RendezvousStore,
     connect_client,
+    master_addr_for_ranks,
     open_rendezvous_store,
 )
+from nvrx_common.net import resolve
 from monitors.events import EventLog
 from nvrx_common.net import start_store_server
 from tests.conftest import wait_for
@@ -182,7 +184,10 @@ def test_two_nodes_form_one_round(cluster: Cluster) -> None:
     assert ra.nodes == rb.nodes == (NodeInfo("node-a", "127.0.0.1", 2), NodeInfo("node-b", "127.0.0.1", 2))
     assert ra.world_size == 4 and (ra.rank_offset, rb.rank_offset) == (0, 2)
     assert ra.restart_count == 0 and ra.agent_hosts_pg_store
-    assert (ra.master_addr, ra.master_port) == (rb.master_addr, rb.master_port) == ("127.0.0.1", ra.master_port)
+    assert (ra.master_addr, ra.master_port) == (rb.master_addr, rb.master_port)
+    # torchrun's MASTER_ADDR is the host's name; ours is that name only where it reaches the store's address
+    assert ra.master_addr == master_addr_for_ranks("127.0.0.1", None)
+    assert "127.0.0.1" in resolve(ra.master_addr)
     assert listen_addrs(ra.master_port) == {"127.0.0.1"}  # the ranks' store, hosted by group rank 0
     assert [e["round"] for e in a.evs("rdzv_join")] == [0]
     assert a.evs("rdzv_round")[0]["world_size"] == 4

@@ -212,6 +212,9 @@ VARIANTS: dict[type[Event], list[dict[str, Any]]] = {
                {"kind": "failed", "detail.hang": None, "detail.monitor_failed": None, "detail.abandoned": True},
                {"kind": "failed", "detail.hang": None, "detail.monitor_failed": None, "detail.abandoned": None,
                 "detail.steer": 16},
+               {"kind": "failed", "detail.hang": None, "detail.monitor_failed": None, "detail.abandoned": None,
+                "detail.signal": None, "detail.steer": None},                     # the rank's recorded error
+               {"kind": "failed", "detail.error": None},                         # no error file: output tail
                {"kind": "node_left"}, {"kind": "interrupted"}, {"kind": "scale_up"}],
     JobEnd: [{"status": "failed"}],
     RECORDS["agent_signal"]: [{"phase": "rendezvous"}],
@@ -234,6 +237,10 @@ FIELDS_NOT_SHOWN: dict[str, str] = {
     "rdzv_stop.detail.round": "the stop's round is the event's",
     "rdzv_stop.detail.describe": "the agent's own sentence; inspect words the cause from the fields",
     "rdzv_stop.detail.signum": "the signal's number: its name is shown",
+    "rdzv_stop.detail.error.file": "a path on the failed rank's node: the terminal's failure report shows it",
+    "rdzv_stop.detail.error.exc_type": "the start of the error's message, which is shown",
+    "rdzv_stop.detail.error.timestamp": "when the rank recorded its error: the fault's time is shown",
+    "rdzv_stop.detail.error.error_code": "a @record parent's copy of its child's exit code: the exit code is shown",
     "rdzv_stop.detail.no_restart": "implied by steer / give_up, which are shown",
     "rdzv_stop.detail.nodes": "succeeded stops are not faults",
     "rdzv_stop.detail.hang.rank": "the monitor's local rank: the stop names the global rank",

@@ -446,3 +446,25 @@ def test_learned_timeouts_stay_within_the_configurable_range():
     tracker.calculate_and_set()
     assert tracker.in_force().heartbeat == MAX_TIMEOUT_SECONDS
     FaultToleranceConfig(rank_heartbeat_timeout=tracker.in_force().heartbeat)  # still a valid setting
+
+
+def test_nvrx_only_settings_have_flags_env_and_yaml_like_the_others(tmp_path):
+    path = write(tmp_path, "fault_tolerance:\n  enable_nic_monitor: true\n  segment: 2\n")
+    cfg = load_ft_config(path, {"NVRX_FT_NUM_WARMUP_ITERATIONS": "9"}, {"max_no_progress_cycles": "0"})
+    assert (cfg.enable_nic_monitor, cfg.segment, cfg.num_warmup_iterations, cfg.max_no_progress_cycles) == \
+        (True, 2, 9, 0)
+    assert not cfg.is_progress_tracking_enabled
+    assert "--ft-param-gpu-memory-tolerance-mb" in ft_cli_flag_names()["gpu_memory_tolerance_mb"]
+    assert FaultToleranceConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_the_monitor_start_line_names_what_nvrx_does_not_do(monkeypatch):
+    from monitors import ft_config
+
+    monkeypatch.setattr(ft_config, "gpu_visible", lambda: False)
+    line = ft_config.inactive_settings_line(FaultToleranceConfig())
+    assert "GPU health checks every 5s (no GPU on this node" in line and "not acted on" not in line
+    monkeypatch.setattr(ft_config, "gpu_visible", lambda: True)  # the GPU path behind the seam
+    line = ft_config.inactive_settings_line(FaultToleranceConfig(enable_nic_monitor=True, numa_bind_strict=True))
+    assert "a GPU is visible" in line and line.endswith("not acted on: enable_nic_monitor, numa_bind_strict")
+    assert "\n" not in line

@@ -30,8 +30,18 @@ class AbortTorchDistributed(Abort):
     ``init_process_group`` again.
     """
 
+    def __init__(self, torch_fr_trace_path: str | None = None) -> None:
+        # NCCL's Flight Recorder dumps its traces on abort; gloo (the only backend without a GPU) has none
+        self.torch_fr_trace_path = torch_fr_trace_path
+        self._trace_note_logged = False
+
     def __call__(self, state: State) -> State:
         import torch.distributed as dist
+
+        if self.torch_fr_trace_path and not self._trace_note_logged:
+            self._trace_note_logged = True
+            log.info("AbortTorchDistributed: torch_fr_trace_path is for NCCL Flight Recorder traces (GPU only); "
+                     "gloo process groups have none to write")
 
         closed = gloo_unblock.shutdown_gloo_connections()
         if not (dist.is_available() and dist.is_initialized()):
@@ -53,3 +63,28 @@ class AbortTorchDistributed(Abort):
 
     def __repr__(self) -> str:
         return "AbortTorchDistributed()"
+
+
+class AbortTransformerEngine(Abort):
+    """Reset Transformer Engine's global state (userbuffers, FP8 state) so the next iteration starts clean.
+
+    Without Transformer Engine installed (always the case without a GPU) it does nothing, and says so once.
+    """
+
+    _missing_logged = False
+
+    def __call__(self, state: State) -> State:
+        try:
+            from transformer_engine.pytorch.fp8 import FP8GlobalStateManager  # type: ignore[import-not-found]
+            from transformer_engine.pytorch.module.base import destroy_ub  # type: ignore[import-not-found]
+        except Exception:
+            if not AbortTransformerEngine._missing_logged:
+                AbortTransformerEngine._missing_logged = True
+                log.info("AbortTransformerEngine skipped: transformer_engine is not installed (GPU only)")
+            return state
+        destroy_ub()
+        FP8GlobalStateManager.reset()
+        return state
+
+    def __repr__(self) -> str:
+        return "AbortTransformerEngine()"

@@ -21,11 +21,13 @@ _current: "CallWrapper | None" = None
 
 
 class CallWrapper:
-    """Handle on the running Wrapper: ``iteration``, ``state``, ``ping()``, ``atomic()``."""
+    """Handle on the running Wrapper: ``iteration``, ``state``, ``ping()``, ``atomic()``,
+    ``disable_hang_protection()``."""
 
     def __init__(self, gate: InterruptGate, recorder: ProgressRecorder) -> None:
-        self._gate = gate
-        self._recorder = recorder
+        self._gate: InterruptGate | None = gate
+        self._recorder: ProgressRecorder | None = recorder
+        self._unprotected = 0  # depth of nested disable_hang_protection() blocks
         self.state: State | None = None
         # The restart that led to this iteration: seconds per phase (abort, finalize_health_check,
         # termination_barrier, rank_assignment, iteration_barrier) and "began", its wall-clock start.
@@ -38,7 +40,8 @@ class CallWrapper:
 
     def ping(self) -> None:
         """Manual heartbeat: once used, the soft/hard timeouts also apply to the time between pings."""
-        self._recorder.ping()
+        if self._recorder is not None:  # after the call returned there is nothing to ping
+            self._recorder.ping()
 
     @contextlib.contextmanager
     def atomic(self) -> Iterator[None]:
@@ -47,8 +50,40 @@ class CallWrapper:
         The termination procedure waits until the block ends; a block does not start once the
         termination procedure has begun (``RestartInterrupt`` is raised instead).
         """
+        if self._gate is None:
+            raise RuntimeError("CallWrapper.atomic(): the Wrapper call this CallWrapper belongs to has returned")
         with self._gate.atomic():
             yield
+
+    @contextlib.contextmanager
+    def disable_hang_protection(self) -> Iterator[None]:
+        """A block exempt from the soft and hard timeouts (a long compile, a slow first checkpoint load).
+
+        Faults elsewhere still restart it. When it ends, the progress clock starts afresh, so the block's
+        duration never counts as a stall.
+        """
+        recorder = self._recorder
+        if recorder is None:
+            raise RuntimeError("CallWrapper.disable_hang_protection(): the Wrapper call has returned")
+        self._unprotected += 1
+        if self._unprotected == 1:
+            recorder.end_iteration()  # the timeouts apply only while the run section is open
+        try:
+            yield
+        finally:
+            self._unprotected -= 1
+            if self._unprotected == 0:
+                recorder.start_iteration()  # reopened: the stall clock starts now
+
+    @property
+    def hang_protection_enabled(self) -> bool:
+        """False inside ``disable_hang_protection()``."""
+        return self._unprotected == 0
+
+    def release(self) -> None:
+        """Forget the Wrapper call's resources once it returned (a user may keep this object)."""
+        self._gate = None
+        self._recorder = None
 
 
 def current() -> CallWrapper | None:

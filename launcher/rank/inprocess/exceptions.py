@@ -7,6 +7,7 @@ here is raised by the Wrapper itself and ends the Wrapper on the rank that raise
 
 from __future__ import annotations
 
+import builtins
 import sys
 import types
 
@@ -49,12 +50,30 @@ class ConfigurationError(InprocessError, ValueError):
     """A Wrapper argument or the environment it reads is invalid."""
 
 
+class ArgumentTypeError(ConfigurationError, TypeError):
+    """A Wrapper or component argument of the wrong type: a ``TypeError`` as in NVRx, and a ``ValueError``
+    (``ConfigurationError``) as every other bad argument of ours."""
+
+
 class StoreUnavailable(InprocessError):
     """The Wrapper's distributed store cannot be reached (its host, rank 0 by default, is gone)."""
 
 
-class HealthCheckError(InprocessError):
-    """This rank is not healthy enough to take part in another iteration."""
+class RestartError(InprocessError):
+    """Base of the errors raised by the Wrapper's components (NVRx's ``exception.RestartError``)."""
+
+
+class HealthCheckError(RestartError):
+    """This rank is not healthy enough to take part in another iteration (a health check's own exception is
+    its ``__cause__``)."""
+
+
+class InternalError(RestartError):
+    """The Wrapper itself went wrong (a bug, not a fault of the job)."""
+
+
+class TimeoutError(RestartError, builtins.TimeoutError):  # noqa: A001 - NVRx's name; still a builtin TimeoutError
+    """A component did not finish in time (``ThreadedFinalize``, ``CudaHealthCheck``)."""
 
 
 class RankTerminated(InprocessError):
@@ -65,3 +84,8 @@ class RankTerminated(InprocessError):
 # be taken for a fault of the iteration (the loop restarts on ``Exception``s) but end the Wrapper.
 class RetriesExhausted(BaseException):
     """Raised by ``RetryController``: stop restarting. A BaseException so that it ends the Wrapper."""
+
+
+# NVRx's name for the terminal "stop restarting" exception: the same class, so ``except RestartAbort`` catches
+# what RetryController raises and a user's own ``raise RestartAbort(...)`` ends the Wrapper the same way.
+RestartAbort = RetriesExhausted

@@ -8,10 +8,11 @@ with one log line: on a CPU-only machine they never turn a restartable fault int
 from __future__ import annotations
 
 import abc
+import datetime
 import logging
 import threading
 
-from launcher.rank.inprocess.exceptions import HealthCheckError, RestartInterrupt
+from launcher.rank.inprocess.exceptions import HealthCheckError, RestartInterrupt, TimeoutError
 from launcher.rank.inprocess.state import State
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,9 @@ class CudaHealthCheck(HealthCheck):
 
     _skip_logged = False
 
-    def __init__(self, timeout: float = 30.0) -> None:
+    def __init__(self, timeout: float | datetime.timedelta = datetime.timedelta(seconds=30)) -> None:
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds()
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"CudaHealthCheck: timeout must be a number of seconds > 0, not {timeout!r}")
         self.timeout = float(timeout)
@@ -51,7 +54,7 @@ class CudaHealthCheck(HealthCheck):
         if not self._cuda_usable():
             if not CudaHealthCheck._skip_logged:
                 CudaHealthCheck._skip_logged = True
-                log.info("CudaHealthCheck skipped: no CUDA device on this machine")
+                log.info("CudaHealthCheck skipped: no CUDA device on this machine (GPU-only check)")
             return state
         import torch
 
@@ -67,13 +70,17 @@ class CudaHealthCheck(HealthCheck):
         thread.start()
         thread.join(self.timeout)
         if thread.is_alive():
-            raise HealthCheckError(f"CUDA did not finish its pending work within {self.timeout:g} s")
+            raise TimeoutError(f"CUDA did not finish its pending work within {self.timeout:g} s")
         if box:
             raise HealthCheckError(f"CUDA reports an error: {box[0]}") from box[0]
         return state
 
     def __repr__(self) -> str:
         return f"CudaHealthCheck(timeout={self.timeout:g})"
+
+
+class FaultCounterExceeded(HealthCheckError):
+    """Raised by ``FaultCounter``: this rank failed more often than allowed (NVRx's name; a HealthCheckError)."""
 
 
 class FaultCounter(HealthCheck):
@@ -98,7 +105,7 @@ class FaultCounter(HealthCheck):
             self.faults += 1
             log.info("fault %d on this rank: %s", self.faults, type(exc).__name__)
         if self.max_rank_faults is not None and self.faults > self.max_rank_faults:
-            raise HealthCheckError(f"this rank failed {self.faults} times (FaultCounter max_rank_faults="
+            raise FaultCounterExceeded(f"this rank failed {self.faults} times (FaultCounter max_rank_faults="
                                    f"{self.max_rank_faults})")
         return state
 

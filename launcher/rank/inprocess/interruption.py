@@ -111,8 +111,12 @@ class InterruptGate:
 
     # ------------------------------------------------------------ monitor thread
 
-    def interrupt(self, abort: Callable[[], None]) -> bool:
-        """Abort and interrupt the main thread, if the gate is open and no interrupt was raised yet."""
+    def interrupt(self, abort: Callable[[], None], nudge: bool = True) -> bool:
+        """Abort and interrupt the main thread, if the gate is open and no interrupt was raised yet.
+
+        NUDGE=False raises the exception without the signal: it arrives when the main thread next runs
+        bytecode, so a thread stuck in a blocking call stays stuck (and the hard timeout ends the rank).
+        """
         with self.lock:
             if not self.is_open or self.raised:
                 return False
@@ -122,7 +126,7 @@ class InterruptGate:
                     abort()
                 except Exception:
                     log.exception("abort failed; interrupting the wrapped function anyway")
-            self._raise()
+            self._raise(nudge)
             return True
 
     def reraise(self) -> bool:
@@ -133,10 +137,10 @@ class InterruptGate:
             self._raise()
             return True
 
-    def _raise(self) -> None:
+    def _raise(self, nudge: bool = True) -> None:
         self.raised = True
         _raise_in(self.thread_id, RestartInterrupt)
-        if self._nudge:
+        if self._nudge and nudge:
             try:
                 signal.pthread_kill(self.thread_id, NUDGE_SIGNAL)
             except (OSError, ValueError):

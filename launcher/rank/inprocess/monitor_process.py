@@ -175,6 +175,8 @@ class _Monitor:
         self.world_size = int(cfg["world_size"])
         self.pid = int(cfg["pid"])
         self.interval = float(cfg["interval"])
+        self.heartbeat_interval = float(cfg.get("heartbeat_interval", self.interval))
+        self._next_beat = 0.0
         self.heartbeat_timeout = float(cfg["heartbeat_timeout"])
         self.hard_timeout = float(cfg["hard_timeout"])
         self.grace = float(cfg["termination_grace_time"])
@@ -204,7 +206,7 @@ class _Monitor:
                     if self._command(msg):
                         return 0
             if time.monotonic() >= next_tick:
-                next_tick = time.monotonic() + self.interval
+                next_tick = time.monotonic() + min(self.interval, self.heartbeat_interval)
                 if self._tick():
                     return 0
 
@@ -223,7 +225,10 @@ class _Monitor:
     def _tick(self) -> bool:
         """One round of beating and watching; True when this process should end."""
         try:
-            self.store.heartbeat(self.rank)
+            now = time.monotonic()
+            if now >= self._next_beat:  # heartbeat_interval and monitor_process_interval may differ
+                self._next_beat = now + self.heartbeat_interval
+                self.store.heartbeat(self.rank)
             if self._hard_timeout_expired():
                 return True
             if self.watching:

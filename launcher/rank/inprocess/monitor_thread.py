@@ -23,6 +23,7 @@ from launcher.rank.inprocess.store import StoreMixin, first_line
 
 log = logging.getLogger(__name__)
 
+SOFT_TIMEOUT_REASON = "soft timeout"
 STORE_FAILURES_TOLERATED = 3  # consecutive failed polls before the store counts as lost
 
 
@@ -45,6 +46,7 @@ class InprocessMonitorThread:
         self._iteration = 0
         self._fault_base = 0
         self._soft_reported = False
+        self._stalled_restart: int | None = None  # the last iteration restarted while this rank was stalled
         self._stop = False
         self._seen: RestartInterrupt | None = None  # the last interrupt instance known not to be swallowed
         self._delivered_at: float | None = None
@@ -75,6 +77,12 @@ class InprocessMonitorThread:
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout=5.0)
+        if not self._thread.is_alive():
+            # The abort callback is a bound method of the session that owns this thread: dropping it (and the
+            # store connection) breaks the cycle, so the session's store closes when its call returns, not
+            # whenever the garbage collector runs.
+            self.abort = _no_abort
+            self.store = None  # type: ignore[assignment]
 
     # ------------------------------------------------------------ the loop
 
@@ -116,9 +124,20 @@ class InprocessMonitorThread:
             faults = self.store.faults()[base:]
             summary = "; ".join(f"rank {f['rank']}: {f['reason']}" for f in faults)
             log.info("restarting: %s", summary or "fault recorded")
-            self._interrupt()
+            # A stalled rank's first restart interrupts even a blocking call (a restart attempt); stalled again
+            # in the very next iteration it gets only the exception, as in NVRx, and the hard timeout ends it
+            # if it is stuck for good (instead of being restarted into the same hang forever).
+            stalled = self._stalled()
+            self._interrupt(nudge=not (stalled and self._stalled_restart == iteration - 1))
+            self._stalled_restart = iteration if stalled else None
             return
         self._check_soft_timeout(iteration)
+
+    def _stalled(self) -> bool:
+        """This rank's main thread made no progress for at least half the soft timeout (peers stuck waiting on
+        the same hang reach the soft timeout within moments of each other, in either order)."""
+        progress = self.recorder.progress()
+        return progress.running and progress.stalled_for(time.monotonic()) >= self.soft_timeout / 2
 
     def _check_soft_timeout(self, iteration: int) -> None:
         progress = self.recorder.progress()
@@ -127,13 +146,13 @@ class InprocessMonitorThread:
         stalled = progress.stalled_for(time.monotonic())
         if stalled > self.soft_timeout:
             self._soft_reported = True
-            reason = f"soft timeout: no progress for {stalled:.1f} s (soft_timeout={self.soft_timeout:g} s)"
+            reason = f"{SOFT_TIMEOUT_REASON}: no progress for {stalled:.1f} s (soft_timeout={self.soft_timeout:g} s)"
             log.warning("%s", reason)
             self.store.record_fault(self.rank, iteration, reason)
 
-    def _interrupt(self) -> None:
+    def _interrupt(self, nudge: bool = True) -> None:
         before = RestartInterrupt.last
-        if self.gate.interrupt(self.abort):
+        if self.gate.interrupt(self.abort, nudge):
             self._seen = before
             self._delivered_at = None
 
@@ -158,3 +177,11 @@ class InprocessMonitorThread:
         self._seen = last
         self._delivered_at = None
         self.gate.reraise()
+
+
+def _no_abort() -> None:
+    """The abort callback of a stopped monitor thread (which never calls it)."""
+
+
+# NVRx's name for the exception the monitor thread raises in the main thread.
+RankShouldRestart = RestartInterrupt

@@ -30,16 +30,16 @@ from typing import Any, Callable
 from launcher.rank.inprocess import gloo_unblock
 from launcher.rank.inprocess.barrier import StoreBarrier, empty_decision
 from launcher.rank.inprocess.call_wrapper import CallWrapper, set_current
-from launcher.rank.inprocess.exceptions import (ConfigurationError, InprocessError, RankTerminated, RestartInterrupt,
-                                           StoreUnavailable, swallow_location)
+from launcher.rank.inprocess.exceptions import (ConfigurationError, HealthCheckError, InprocessError, RankTerminated,
+                                                RestartInterrupt, StoreUnavailable, swallow_location)
 from launcher.rank.inprocess.interruption import InterruptGate
 from launcher.rank.inprocess.log_setup import set_context
 from launcher.rank.inprocess.monitor_process import InprocessMonitorProcess
 from launcher.rank.inprocess.monitor_thread import InprocessMonitorThread
 from launcher.rank.inprocess.progress import ProgressRecorder
-from launcher.rank.inprocess.rank_assignment import RankAssignmentCtx
+from launcher.rank.inprocess.rank_assignment import RankAssignmentCtx, RankDiscarded
 from launcher.rank.inprocess.settings import RestartSettings
-from launcher.rank.inprocess.state import State
+from launcher.rank.inprocess.state import Mode, State, as_state
 from launcher.rank.inprocess.store import StoreMixin, TCPStore, first_line
 from nvrx_common.errors import NvrxError
 
@@ -101,6 +101,8 @@ class RestartSession:
         # An exception that ends this rank rather than the iteration (a failed health check before the run, the
         # end of a script's own Wrapper: see defer()), and the reason the others are given; see _why_rank_ends().
         self.ending: tuple[BaseException, str] | None = None
+        self._assignments = 0  # rank assignments run (names their store exchanges)
+        self._gathers = 0
         self._children = 0  # script Wrappers run inside the current iteration (names their store sessions)
 
     # ------------------------------------------------------------ set-up and tear-down
@@ -109,13 +111,34 @@ class RestartSession:
         set_context(initial_rank=self.rank, iteration=0)
         try:
             self._open()
-            return self._loop()
+            result = self._loop()
+            self._call_completion()
+            return result
         except BaseException as exc:
             if self.store is not None and not self.finished:  # let the others go on without waiting for us
                 self._leave_job(f"the Wrapper ended on this rank ({type(exc).__name__})")
+            self._call_terminate(exc)
             raise
         finally:
             self._close()
+
+    def _call_completion(self) -> None:
+        """The ``completion`` component, on a rank whose call succeeded; its exceptions are only logged."""
+        if self.settings.completion is None:
+            return
+        try:
+            self.settings.completion(self.state.freeze())
+        except Exception:
+            log.exception("completion %r failed (the call itself succeeded)", self.settings.completion)
+
+    def _call_terminate(self, exc: BaseException) -> None:
+        """The ``terminate`` component, on a rank the Wrapper ends with EXC; its own exception is chained to EXC."""
+        if self.settings.terminate is None:
+            return
+        try:
+            self.settings.terminate(self.state.freeze())
+        except BaseException as failed:
+            raise failed from exc
 
     def _open(self) -> None:
         settings = self.settings
@@ -126,6 +149,7 @@ class RestartSession:
         # Forked before the Wrapper's own threads start (see monitor_process).
         logfile = _logfile(settings.monitor_process_logfile, self.rank)
         self.monitor_process = InprocessMonitorProcess(self._monitor_config(), logfile).start()
+        self._write_pidfile()
         self.recorder.start()
         try:
             client = self.store.new_client()
@@ -173,6 +197,7 @@ class RestartSession:
         assert self.store is not None and self.recorder is not None
         return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "store": self.store.client_spec(),
                 "slot": str(self.recorder.path), "interval": settings.monitor_process_interval,
+                "heartbeat_interval": settings.heartbeat_interval,
                 "heartbeat_timeout": settings.heartbeat_timeout, "hard_timeout": settings.hard_timeout,
                 "termination_grace_time": settings.termination_grace_time}
 
@@ -183,8 +208,8 @@ class RestartSession:
     def _close(self) -> None:
         _active.session = None
         set_current(None)
-        for step in (self._stop_monitor_thread, self._stop_monitor_process, self._stop_pg_server,
-                     self._linger_if_hosting, self._close_recorder):
+        for step in (self._stop_monitor_thread, self._stop_monitor_process, self._remove_pidfile, self._stop_pg_server,
+                     self._linger_if_hosting, self._close_recorder, self._release):
             try:
                 step()
             except Exception:
@@ -196,6 +221,40 @@ class RestartSession:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+    def _release(self) -> None:
+        """Drop every resource this call owns, so that each is freed when the call returns.
+
+        torch's TCPStore has no close(): its server stops (and its port is free for the next call of the
+        wrapped function) only when the last reference goes. References held here, by the monitor thread or
+        by the CallWrapper would otherwise wait for the garbage collector.
+        """
+        self.store = None
+        self.monitor_thread = None
+        self.monitor_process = None
+        self.recorder = None
+        if self.call_wrapper is not None:
+            self.call_wrapper.release()
+        self.call_wrapper = None
+        self.pg_server = None
+
+    def _pidfile(self) -> Path | None:
+        template = self.settings.monitor_process_pidfile
+        return Path(template.format(rank=self.rank)) if template else None
+
+    def _write_pidfile(self) -> None:
+        """``monitor_process_pidfile``: the monitor process's pid, written atomically, removed at the end."""
+        path = self._pidfile()
+        if path is None or self.monitor_process is None:
+            return
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(f"{self.monitor_process.pid}\n")
+        os.replace(tmp, path)  # a reader never sees a half-written pid
+
+    def _remove_pidfile(self) -> None:
+        path = self._pidfile()
+        if path is not None:
+            path.unlink(missing_ok=True)
 
     def _stop_monitor_thread(self) -> None:
         if self.monitor_thread is not None:
@@ -210,13 +269,24 @@ class RestartSession:
             self.recorder.close()
 
     def _linger_if_hosting(self) -> None:
-        """A rank hosting the store waits until the others have read the final decision."""
+        """A rank hosting the store outlives the others' use of it.
+
+        After a success it waits (bounded) until the others have read the final decision. A host that leaves
+        the job while the others go on (excluded by the rank assignment, a failed health check) serves the
+        store until every other rank has finished or been recorded as terminated: without it they could not
+        continue.
+        """
         store = self.store
-        if store is None or not self.finished or not getattr(store, "_hosting", False):
+        if store is None or not getattr(store, "_hosting", False):
             return
-        deadline = time.monotonic() + LINGER_TIMEOUT
-        while store.counter("left") < len(self.members) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        if self.finished:
+            deadline = time.monotonic() + LINGER_TIMEOUT
+            while store.counter("left") < len(self.members) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        elif self.left:
+            log.info("rank %s left the job but hosts the store: serving it until the other ranks end", self.rank)
+            while store.counter("left") + len(store.terminated()) < self.world_size:
+                time.sleep(0.05)
 
     # ------------------------------------------------------------ the loop
 
@@ -370,12 +440,13 @@ class RestartSession:
     def _initialize_and_check(self) -> None:
         settings = self.settings
         if settings.initialize is not None:
-            self.state = settings.initialize(self.state) or self.state
+            out = settings.initialize(self.state.freeze())
+            self.state = as_state(out) if out is not None else self.state
             assert self.call_wrapper is not None
             self.call_wrapper.state = self.state
         if settings.health_check is not None:
             try:
-                settings.health_check(self.state)
+                self._health_check()
             except RestartInterrupt:
                 raise  # a fault elsewhere reached us during the check: a restart, not a verdict on this rank
             except BaseException as exc:  # this rank leaves for good; the others restart without it
@@ -489,10 +560,10 @@ class RestartSession:
         step = "finalize"
         try:
             if settings.finalize is not None:
-                self.state = settings.finalize(self.state) or self.state
+                out = settings.finalize(self.state.freeze())
+                self.state = as_state(out) if out is not None else self.state
             step = "health check"
-            if settings.health_check is not None:
-                settings.health_check(self.state)
+            self._health_check()
         except BaseException as exc:
             self._leave_job(f"{step} failed: {type(exc).__name__}: {exc}")
             raise
@@ -512,6 +583,20 @@ class RestartSession:
         self.timings = {"began": began, "abort": t1 - t0, "finalize_health_check": t2 - t1,
                         "termination_barrier": t3 - t2, "rank_assignment": time.monotonic() - t3}
 
+    def _health_check(self) -> None:
+        """The health check; an ``Exception`` it raises becomes a ``HealthCheckError`` (its cause), as in NVRx."""
+        check = self.settings.health_check
+        if check is None:
+            return
+        try:
+            out = check(self.state.freeze())
+        except HealthCheckError:
+            raise
+        except Exception as exc:
+            raise HealthCheckError(f"health check {check!r} failed: {type(exc).__name__}: {exc}") from exc
+        if out is not None:
+            self.state = as_state(out)
+
     def _abort(self, state: State) -> None:
         """The configured abort, then stop this iteration's process-group store if this rank hosts it.
 
@@ -522,7 +607,7 @@ class RestartSession:
         """
         try:
             if self.settings.abort is not None:
-                self.settings.abort(state)
+                self.settings.abort(state.freeze())
         finally:
             self._stop_pg_server()
 
@@ -530,24 +615,36 @@ class RestartSession:
         self._abort(self.state)
 
     def _assign(self, gone: frozenset[int]) -> None:
-        """Rank assignment and rank filter; a rank left without a rank leaves the job."""
+        """Rank assignment and rank filter; a rank left without a rank leaves the job.
+
+        The assignment sees the state with ``mode=INITIALIZED``: when nothing in it chooses the active ranks
+        (``ActivateAllRanks``, ``MaxActiveWorldSize``, ``Tree``, ...; e.g. a bare ``ShiftRanks()``), every rank
+        is active, and the deprecated ``rank_filter`` may then choose.
+        """
         settings = self.settings
         state = self.state
-        ctx = RankAssignmentCtx(state, gone, dict(self.hostnames))
-        out = settings.rank_assignment(ctx)
+        self._assignments += 1
+        ctx = RankAssignmentCtx(state.replace(mode=Mode.INITIALIZED), self.store, set(gone), dict(self.hostnames),
+                                gather=self._gather, initial=self._assignments == 1)
+        try:
+            out = settings.rank_assignment(ctx)
+        except RankDiscarded as exc:
+            self._leave_job(f"excluded by rank assignment ({exc})")
+            raise
         if not isinstance(out, RankAssignmentCtx):
             raise ConfigurationError(f"rank_assignment returned {type(out).__name__}, not a RankAssignmentCtx")
         if out.terminated_ranks:
             raise ConfigurationError("rank_assignment left gaps in the rank numbering; compose it with ShiftRanks(), "
-                                     "e.g. Compose(ShiftRanks(), FilterGroupedByKey(...))")
-        new = out.state
+                                     "e.g. Compose(ShiftRanks(), FilterCountGroupedByKey(...))")
+        new = as_state(out.state)
         if new.rank is None:
             self._leave_job("excluded by rank assignment")
             raise RankTerminated(f"rank {self.rank} was excluded by rank assignment ({settings.rank_assignment!r}); "
                                  "it does not rejoin")
-        new = new.replace(active_rank=new.rank, active_world_size=new.world_size)
+        if new.mode is Mode.INITIALIZED:
+            new = new.replace(active_rank=new.rank, active_world_size=new.world_size, mode=Mode.ACTIVE)
         if settings.rank_filter is not None:
-            new = settings.rank_filter(new)
+            new = as_state(settings.rank_filter(new))
         if not 0 <= new.rank < new.world_size or not 0 < new.active_world_size <= new.world_size:
             raise ConfigurationError(f"rank assignment/filter produced rank {new.rank} of {new.world_size} with "
                                      f"{new.active_world_size} active ranks; there must be at least one active rank")
@@ -558,6 +655,15 @@ class RestartSession:
                 else f"spare ({new.active_world_size} active)")
         level = logging.INFO if changed or state.iteration == 0 else logging.DEBUG
         log.log(level, "rank %s of %s, %s", new.rank, new.world_size, role)
+
+    def _gather(self, name: str, fn: Callable[[State], Any]) -> dict[int, Any]:
+        """For rank assignments: ``fn(state)`` of every live rank, by current rank, through a store barrier."""
+        self._gathers += 1
+        payload = fn(self.state)
+        decision = self._barrier(f"assign/{self._assignments}/{self._gathers}/{name}", self.members, payload,
+                                 self.settings.barrier_timeout)
+        self._require_member(decision, f"the {name} exchange")
+        return {self.current_rank.get(r, r): value for r, value in decision["payloads"]}
 
     def _leave_job(self, reason: str) -> None:
         """Record (once) that this rank leaves, so the others continue without waiting for it."""

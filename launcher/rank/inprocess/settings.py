@@ -28,8 +28,10 @@ class RestartSettings:
     rank_filter: Callable[..., Any] | None
     monitor_thread_interval: float
     monitor_process_interval: float
+    heartbeat_interval: float
     progress_watchdog_interval: float
     monitor_process_logfile: str | None
+    monitor_process_pidfile: str | None
     last_call_wait: float
     soft_timeout: float
     hard_timeout: float
@@ -37,3 +39,5 @@ class RestartSettings:
     barrier_timeout: float
     completion_timeout: float
     termination_grace_time: float
+    completion: Callable[..., Any] | None = None
+    terminate: Callable[..., Any] | None = None

@@ -45,8 +45,23 @@ def load_factory(path: str) -> Any:
     return obj
 
 
+_TIMEDELTA = "__timedelta_seconds__"
+
+
+def encode_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Store factory KWARGS as JSON-able values: ``timedelta``s (NVRx's examples pass them) become tagged
+    seconds, so the monitor process can rebuild exactly what the rank's factory received."""
+    return {k: {_TIMEDELTA: v.total_seconds()} if isinstance(v, datetime.timedelta) else v for k, v in kwargs.items()}
+
+
+def decode_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of ``encode_kwargs``."""
+    return {k: datetime.timedelta(seconds=v[_TIMEDELTA]) if isinstance(v, dict) and set(v) == {_TIMEDELTA} else v
+            for k, v in kwargs.items()}
+
+
 def store_from_spec(spec: dict[str, Any]) -> "StoreMixin":
-    store = load_factory(spec["factory"])(**spec.get("kwargs", {}))
+    store = load_factory(spec["factory"])(**decode_kwargs(spec.get("kwargs", {})))
     store.use_session(spec.get("session", "0"))
     return store
 
@@ -74,7 +89,8 @@ class StoreMixin:
 
     def client_spec(self) -> dict[str, Any]:
         """How another thread or process opens its own connection to this store (JSON-able)."""
-        return {"factory": factory_path(type(self)), "kwargs": dict(self._factory_kwargs), "session": self._session}
+        return {"factory": factory_path(type(self)), "kwargs": encode_kwargs(self._factory_kwargs),
+                "session": self._session}
 
     def new_client(self) -> "StoreMixin":
         return store_from_spec(self.client_spec())
@@ -220,8 +236,17 @@ class TCPStore(StoreMixin, dist.TCPStore):
     for every iteration.
     """
 
-    def __init__(self, host_name: str | None = None, port: int | None = None, *, is_master: bool | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, use_agent_store: bool | None = None) -> None:
+    def __init__(self, host_name: str | None = None, port: int | None = None, world_size: int | None = None,
+                 timeout: float | datetime.timedelta = DEFAULT_TIMEOUT, wait_for_workers: bool = True,
+                 multi_tenant: bool = False, use_libuv: bool = True, tcp_store_host_rank: int | None = None, *,
+                 is_master: bool | None = None, use_agent_store: bool | None = None) -> None:
+        """NVRx's arguments are accepted: ``timeout`` as seconds or a ``timedelta``; ``tcp_store_host_rank``
+        (default 0) is the RANK that hosts the store. The host never waits for ``world_size`` clients
+        (``wait_for_workers``): the Wrapper's initial barrier does that, with its own timeout;
+        ``multi_tenant``/``use_libuv`` are torch's defaults here and need no choice."""
+        del world_size, wait_for_workers, multi_tenant, use_libuv  # see the docstring
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds()
         env = os.environ
         host = host_name or env.get("MASTER_ADDR") or ""
         if not host:
@@ -231,8 +256,9 @@ class TCPStore(StoreMixin, dist.TCPStore):
         if use_agent_store is None:
             use_agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         if is_master is None:
-            is_master = not use_agent_store and _env_int(env, "RANK") == 0
-        self._factory_kwargs = {"host_name": host, "port": port, "timeout": timeout}
+            host_rank = 0 if tcp_store_host_rank is None else int(tcp_store_host_rank)
+            is_master = not use_agent_store and _env_int(env, "RANK") == host_rank
+        self._factory_kwargs = {"host_name": host, "port": port, "timeout": float(timeout)}
         self.host_name = host
         td = datetime.timedelta(seconds=timeout)
         if is_master:

@@ -12,10 +12,12 @@ at most an hour. Defaults (seconds):
 
 =========================== ======= ================================================================
 monitor_thread_interval       0.1   how often the monitor thread reads the store for faults
-monitor_process_interval      0.5   how often the monitor process beats and watches the other ranks
+monitor_process_interval      0.5   how often the monitor process watches the other ranks
+heartbeat_interval            =     how often the monitor process beats (default: monitor_process_interval)
 progress_watchdog_interval    0.5   how often the automatic heartbeat is requested
 last_call_wait                0.1   after the first fault, wait this long for concurrent ones
-soft_timeout                 60     no progress this long: restart (needs the GIL to be free)
+soft_timeout                 60     no progress this long: restart (a rank stuck again right after is left
+                                    to the hard timeout)
 hard_timeout                 90     no progress this long: the monitor process terminates the rank
 heartbeat_timeout            30     a rank whose monitor process is silent this long is terminated
 barrier_timeout             120     initial/iteration/termination barriers
@@ -27,7 +29,9 @@ Components are instances (``ShiftRanks()``, not ``ShiftRanks``; ``None`` disable
 of components means their ``Compose``):
 ``initialize`` (none), ``abort`` (``AbortTorchDistributed()``),
 ``finalize`` (none), ``health_check`` (``CudaHealthCheck()``, skipped without CUDA),
-``rank_assignment`` (``ShiftRanks()``), ``rank_filter`` (none: all ranks active).
+``rank_assignment`` (``Compose(ActivateAllRanks(), ShiftRanks())``), ``rank_filter`` (deprecated; none),
+``completion`` (none), ``terminate`` (none). The monitoring intervals are shorter than NVRx's 1 s (faster
+detection at a negligible cost); every other default is NVRx's.
 """
 
 from __future__ import annotations
@@ -38,18 +42,22 @@ import inspect
 import json
 import logging
 import math
+import os
 import threading
 from typing import Any, Callable, Union
+
+import warnings
 
 from launcher.rank.inprocess.abort import AbortTorchDistributed
 from launcher.rank.inprocess.call_wrapper import wants_call_wrapper
 from launcher.rank.inprocess.compose import Compose
 from launcher.rank.inprocess.health_check import CudaHealthCheck
 from launcher.rank.inprocess.log_setup import setup_rank_logging
-from launcher.rank.inprocess.rank_assignment import ShiftRanks
+from launcher.rank.inprocess.exceptions import ArgumentTypeError
+from launcher.rank.inprocess.rank_assignment import ActivateAllRanks, ShiftRanks
 from launcher.rank.inprocess.session import RestartSession, active_session
 from launcher.rank.inprocess.settings import RestartSettings
-from launcher.rank.inprocess.store import StoreMixin, TCPStore
+from launcher.rank.inprocess.store import StoreMixin, TCPStore, encode_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +75,9 @@ def _seconds(value: Any, name: str, allow_zero: bool = False, upper: float = MAX
     positive (or zero when ALLOW_ZERO) and at most UPPER, else a ValueError naming NAME."""
     if isinstance(value, datetime.timedelta):
         value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentTypeError(f"Wrapper: {name} must be a number of seconds or a datetime.timedelta, not {value!r}")
+    if not math.isfinite(value):
         raise ValueError(f"Wrapper: {name} must be a number of seconds or a datetime.timedelta, not {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"Wrapper: {name} must be {'>= 0' if allow_zero else '> 0'} seconds, not {value!r}")
@@ -95,7 +105,7 @@ def _component(value: Any, name: str) -> Any:
         raise ValueError(f"Wrapper: {name} must be a component instance, not the class {value.__name__}; "
                          f"pass an instance: {value.__name__}()")
     if value is not None and not callable(value):
-        raise ValueError(f"Wrapper: {name} must be callable (an instance such as {name}=Compose(...)) or None, "
+        raise ArgumentTypeError(f"Wrapper: {name} must be callable (an instance such as {name}=Compose(...)) or None, "
                          f"not {value!r}")
     return value
 
@@ -113,25 +123,26 @@ def _store_kwargs(kwargs: Any) -> dict[str, Any]:
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise ValueError(f"Wrapper: store_kwargs must be a dict of keyword arguments, not {kwargs!r}")
+        raise ArgumentTypeError(f"Wrapper: store_kwargs must be a dict of keyword arguments, not {kwargs!r}")
     try:
-        json.dumps(kwargs)
+        json.dumps(encode_kwargs(kwargs))
     except (TypeError, ValueError):
-        raise ValueError("Wrapper: store_kwargs must be JSON-serialisable (the monitor process opens its own "
+        raise ValueError("Wrapper: store_kwargs must be JSON-serialisable or timedeltas (the monitor process opens its own "
                          f"connection from them), got {kwargs!r}") from None
     return dict(kwargs)
 
 
-def _logfile(template: Any) -> str | None:
+def _logfile(template: Any, name: str = "monitor_process_logfile") -> str | None:
     if template is None:
         return None
     if not isinstance(template, str) or not template:
-        raise ValueError("Wrapper: monitor_process_logfile must be a path string (may contain {rank}), "
-                         f"not {template!r}")
+        raise ArgumentTypeError(f"Wrapper: {name} must be a path string (may contain {{rank}}), not {template!r}")
+    if name == "monitor_process_pidfile" and not os.path.isabs(template):
+        raise ValueError(f"Wrapper: {name} must be an absolute path, not {template!r}")
     try:
         template.format(rank=0)
     except (KeyError, IndexError, ValueError) as exc:
-        raise ValueError(f"Wrapper: monitor_process_logfile {template!r}: only the {{rank}} placeholder is allowed "
+        raise ValueError(f"Wrapper: {name} {template!r}: only the {{rank}} placeholder is allowed "
                          f"({exc})") from None
     return template
 
@@ -152,19 +163,34 @@ class Wrapper:
         rank_filter: Callable[..., Any] | None = None,
         monitor_thread_interval: Seconds = 0.1,
         monitor_process_interval: Seconds = 0.5,
+        heartbeat_interval: Seconds | None = None,
         progress_watchdog_interval: Seconds = 0.5,
-        monitor_process_logfile: str | None = None,
-        last_call_wait: Seconds = 0.1,
         soft_timeout: Seconds = 60.0,
         hard_timeout: Seconds = 90.0,
         heartbeat_timeout: Seconds = 30.0,
         barrier_timeout: Seconds = 120.0,
         completion_timeout: Seconds = 120.0,
+        last_call_wait: Seconds = 0.1,
         termination_grace_time: Seconds = 5.0,
+        monitor_process_logfile: str | None = None,
+        monitor_process_pidfile: str | None = None,
         enabled: bool = True,
+        completion: Callable[..., Any] | None = None,
+        terminate: Callable[..., Any] | None = None,
     ) -> None:
+        """NVRx's arguments, keyword-only, in NVRx's order (see the module docstring for the defaults).
+
+        ``heartbeat_interval`` (default: ``monitor_process_interval``) is how often the monitor process
+        beats in the store; ``monitor_process_pidfile`` (absolute, may contain ``{rank}``) receives the
+        monitor process's pid while it runs; ``completion`` runs on a rank whose call succeeded (its
+        exceptions are logged), ``terminate`` on a rank the Wrapper ends with an exception.
+        """
         if rank_assignment is None:
-            raise ValueError("Wrapper: rank_assignment cannot be None; the default is ShiftRanks()")
+            raise ValueError("Wrapper: rank_assignment cannot be None; the default is "
+                             "Compose(ActivateAllRanks(), ShiftRanks())")
+        if rank_filter is not None:
+            warnings.warn("Wrapper(rank_filter=...) is deprecated (as in NVRx): use rank_assignment, e.g. "
+                          "Compose(MaxActiveWorldSize(n), ShiftRanks())", DeprecationWarning, stacklevel=2)
         self.settings = RestartSettings(
             store_factory=_store_factory(store_factory),
             store_kwargs=_store_kwargs(store_kwargs),
@@ -172,13 +198,16 @@ class Wrapper:
             abort=_component(AbortTorchDistributed() if abort is _DEFAULT else abort, "abort"),
             finalize=_component(finalize, "finalize"),
             health_check=_component(CudaHealthCheck() if health_check is _DEFAULT else health_check, "health_check"),
-            rank_assignment=_component(ShiftRanks() if rank_assignment is _DEFAULT else rank_assignment,
-                                       "rank_assignment"),
+            rank_assignment=_component(Compose(ActivateAllRanks(), ShiftRanks()) if rank_assignment is _DEFAULT
+                                       else rank_assignment, "rank_assignment"),
             rank_filter=_component(rank_filter, "rank_filter"),
             monitor_thread_interval=_interval(monitor_thread_interval, "monitor_thread_interval"),
             monitor_process_interval=_interval(monitor_process_interval, "monitor_process_interval"),
+            heartbeat_interval=_interval(monitor_process_interval if heartbeat_interval is None
+                                         else heartbeat_interval, "heartbeat_interval"),
             progress_watchdog_interval=_interval(progress_watchdog_interval, "progress_watchdog_interval"),
             monitor_process_logfile=_logfile(monitor_process_logfile),
+            monitor_process_pidfile=_logfile(monitor_process_pidfile, "monitor_process_pidfile"),
             last_call_wait=_seconds(last_call_wait, "last_call_wait", allow_zero=True, upper=MAX_INTERVAL),
             soft_timeout=_seconds(soft_timeout, "soft_timeout"),
             hard_timeout=_seconds(hard_timeout, "hard_timeout"),
@@ -186,9 +215,11 @@ class Wrapper:
             barrier_timeout=_seconds(barrier_timeout, "barrier_timeout"),
             completion_timeout=_seconds(completion_timeout, "completion_timeout"),
             termination_grace_time=_seconds(termination_grace_time, "termination_grace_time", allow_zero=True),
+            completion=_component(completion, "completion"),
+            terminate=_component(terminate, "terminate"),
         )
         if not isinstance(enabled, bool):
-            raise ValueError(f"Wrapper: enabled must be True or False, not {enabled!r}")
+            raise ArgumentTypeError(f"Wrapper: enabled must be True or False, not {enabled!r}")
         self.enabled = enabled
         # Set by nvrx launch --inprocess on the Wrapper it runs the script in: a Wrapper the script applies
         # itself then runs its own session inside this one (RestartSession.defer) instead of only calling its
@@ -210,6 +241,8 @@ class Wrapper:
         if kind:
             raise ValueError(f"Wrapper: cannot wrap {getattr(fn, '__qualname__', fn)!r}, it is {kind}; the Wrapper "
                              "restarts a plain function, so wrap a function that runs the loop to completion")
+        if not self.enabled:
+            return fn  # as NVRx: a disabled Wrapper is no decorator at all
         param = wants_call_wrapper(fn)
 
         @functools.wraps(fn)
@@ -240,6 +273,9 @@ def _check_relations(s: RestartSettings) -> None:
     if s.soft_timeout <= s.progress_watchdog_interval:
         raise ValueError(f"Wrapper: soft_timeout ({s.soft_timeout:g} s) must be longer than "
                          f"progress_watchdog_interval ({s.progress_watchdog_interval:g} s), or every rank times out")
+    if s.heartbeat_timeout <= s.heartbeat_interval:
+        raise ValueError(f"Wrapper: heartbeat_timeout ({s.heartbeat_timeout:g} s) must be longer than "
+                         f"heartbeat_interval ({s.heartbeat_interval:g} s)")
     if s.heartbeat_timeout <= s.monitor_process_interval:
         raise ValueError(f"Wrapper: heartbeat_timeout ({s.heartbeat_timeout:g} s) must be longer than "
                          f"monitor_process_interval ({s.monitor_process_interval:g} s)")
