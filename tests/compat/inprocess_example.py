@@ -7,8 +7,8 @@ and a timeout, the Tree/Layer rank assignment with a spare, ``ThreadedFinalize(t
 ``CallWrapper`` (``iteration``, ``ping()``, ``atomic()``), a long-lived base TCPStore wrapped in a
 ``PrefixStore`` per iteration, and the model/optimizer built once outside the wrapped function.
 
-Plan (env NVRX_EXAMPLE_PLAN, JSON): {"exit_rank": R, "exit_step": S, "steps": N}; each rank appends
-what it saw to $NVRX_EXAMPLE_OUT/rank<initial rank>.jsonl.
+Plan (env NVRX_TEST_PLAN, JSON): {"exit_rank": R, "exit_step": S, "steps": N}; each rank appends what it
+saw to $NVRX_TEST_OUT/rank<initial rank>.jsonl (the format of tests/inprocess/harness.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 
 import launcher.rank.inprocess as inprocess  # NVRx: import nvidia_resiliency_ext.inprocess as inprocess
 
-PLAN = json.loads(os.environ["NVRX_EXAMPLE_PLAN"])
-OUT = Path(os.environ["NVRX_EXAMPLE_OUT"])
+PLAN = json.loads(os.environ["NVRX_TEST_PLAN"])
+OUT = Path(os.environ["NVRX_TEST_OUT"])
 INITIAL_RANK = int(os.environ["RANK"])
 
 

@@ -10,72 +10,38 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import inspect
-import json
-import os
-import subprocess
-import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
 import launcher.rank.inprocess as inprocess
-from tests.conftest import REPO, free_port, tagged_processes, wait_for
+from tests.inprocess.harness import run_job
 
 EXAMPLE = Path(__file__).with_name("inprocess_example.py")
 
 
-def _run_example(tmp_path: Path, world: int, plan: dict) -> tuple[dict[int, int], dict[int, list[dict]], str]:
-    out = tmp_path / "out"
-    out.mkdir()
-    token = uuid.uuid4().hex
-    port = free_port()
-    procs = {}
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   NVRX_EXAMPLE_PLAN=json.dumps(plan), NVRX_EXAMPLE_OUT=str(out), NVRX_TEST_TOKEN=token,
-                   OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        procs[rank] = subprocess.Popen([sys.executable, str(EXAMPLE)], env=env, cwd=tmp_path,
-                                       stdout=subprocess.DEVNULL, stderr=open(out / f"stderr{rank}", "w"))
-    try:
-        codes = {rank: proc.wait(timeout=120) for rank, proc in procs.items()}
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    leftovers = not wait_for(lambda: not tagged_processes(token), timeout=10)
-    stderr = "\n".join(f"--- rank {r}\n" + (out / f"stderr{r}").read_text()[-2500:] for r in procs)
-    assert not leftovers, f"processes of the job outlived it: {tagged_processes(token)}\n{stderr}"
-    events = {r: [json.loads(line) for line in (out / f"rank{r}.jsonl").read_text().splitlines()]
-              if (out / f"rank{r}.jsonl").exists() else [] for r in procs}
-    return codes, events, stderr
-
-
-def _of(events: list[dict], name: str) -> list[dict]:
-    return [e for e in events if e["event"] == name]
-
-
 @pytest.mark.slow
 def test_nvrx_style_script_with_a_spare_survives_a_dead_rank(tmp_path: Path) -> None:
-    codes, events, stderr = _run_example(tmp_path, 3, {"exit_rank": 1, "exit_step": 2, "steps": 6})
-    assert codes == {0: 0, 1: 17, 2: 0}, stderr
-    # Tree(Layer(max_ranks=2, RESERVE)): ranks 0 and 1 active, rank 2 the spare that waits
-    assert [(e["iteration"], e["rank"], e["world_size"]) for e in _of(events[0], "start")] == [(0, 0, 2), (1, 0, 2)]
-    assert [(e["iteration"], e["rank"], e["world_size"]) for e in _of(events[2], "start")] == [(1, 1, 2)], stderr
-    assert [e["iteration"] for e in _of(events[1], "start")] == [0]
+    res = run_job(tmp_path, 3, {"exit_rank": 1, "exit_step": 2, "steps": 6}, timeout=120, script=EXAMPLE)
+    assert res.codes == {0: 0, 1: 17, 2: 0}, res.stderr
+    assert res.leftovers == []
+
+    def starts(rank: int) -> list[tuple[int, int, int]]:
+        return [(e["iteration"], e["rank"], e["world_size"]) for e in res.of(rank, "start")]
+
+    # Tree(Layer(max_ranks=2, RESERVE)): ranks 0 and 1 active, rank 2 the spare that waits, then takes 1's place
+    assert starts(0) == [(0, 0, 2), (1, 0, 2)] and starts(2) == [(1, 1, 2)], res.stderr
+    assert [e["iteration"] for e in res.of(1, "start")] == [0]
     # the same process went on (in-process restart), with ThreadedFinalize run after the fault
-    assert len({e["pid"] for e in _of(events[0], "start")}) == 1
-    assert _of(events[0], "finalize") and _of(events[2], "finalize")
+    assert len({e["pid"] for e in res.of(0, "start")}) == 1
+    assert res.of(0, "finalize") and res.of(2, "finalize")
     # both survivors trained the same model (DDP) and got the wrapped function's return value back
-    done = {r: _of(events[r], "done")[0] for r in (0, 2)}
+    done = {r: res.of(r, "done")[0] for r in (0, 2)}
     assert done[0]["weights"] == pytest.approx(done[2]["weights"]) and done[0]["iteration"] == 1
-    assert _of(events[0], "returned")[0]["value"] == pytest.approx(done[0]["weights"])
+    assert res.of(0, "returned")[0]["value"] == pytest.approx(done[0]["weights"])
     # completion ran on the ranks whose call succeeded; terminate on none of them
-    assert [e["mode"] for r in (0, 2) for e in _of(events[r], "completion")] == ["ACTIVE", "ACTIVE"]
-    assert not any(_of(events[r], "terminate") for r in (0, 2))
+    assert [e["mode"] for r in (0, 2) for e in res.of(r, "completion")] == ["ACTIVE", "ACTIVE"]
+    assert not res.of(0, "terminate") and not res.of(2, "terminate")
 
 
 def _params(fn) -> list[tuple[str, object]]:

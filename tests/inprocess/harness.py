@@ -38,8 +38,12 @@ class JobResult:
         return {e["pid"] for e in self.events.get(rank, [])}
 
 
-def run_job(tmp_path: Path, world: int, plan: dict[str, Any], timeout: float = 90.0) -> JobResult:
-    """Start WORLD ranks, wait for all of them (killing everything after TIMEOUT), check for leftovers."""
+def run_job(tmp_path: Path, world: int, plan: dict[str, Any], timeout: float = 90.0,
+            script: Path = WORKLOAD) -> JobResult:
+    """Start WORLD ranks of SCRIPT, wait for all of them (killing everything after TIMEOUT), check for leftovers.
+
+    SCRIPT reads its plan from $NVRX_TEST_PLAN and appends JSON lines with an "event" key to
+    $NVRX_TEST_OUT/rank<RANK>.jsonl."""
     out = tmp_path / "out"
     out.mkdir()
     token = uuid.uuid4().hex
@@ -51,7 +55,7 @@ def run_job(tmp_path: Path, world: int, plan: dict[str, Any], timeout: float = 9
                    NVRX_TEST_OUT=str(out), NVRX_TEST_TOKEN=token, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        procs[rank] = subprocess.Popen([sys.executable, str(WORKLOAD)], env=env, stdout=subprocess.DEVNULL,
+        procs[rank] = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL,
                                        stderr=open(out / f"stderr{rank}", "w"), cwd=tmp_path)
     deadline = time.monotonic() + timeout
     try:
