@@ -10,6 +10,10 @@ User API (module-level functions act on one process-wide ``AsyncCheckpointer``):
     ckpt.prepare(state_dict)                        # (resume does it) reserve staging: the first save is warm
     ckpt.finalize_before_exit()                     # graceful stop: publish pending saves, stop the writer
 
+    saver = ckpt.PeriodicCheckpointer("ckpts", model=model, optimizer=opt, every_steps=10)
+    start = saver.resume()                          # the newest complete checkpoint (0: fresh start)
+    saver.step(step)                                # once per step: saves when due, publishes in the background
+
 The spec's layers are in ``ckpt.async_ckpt`` (``state_dict_saver``, ``filesystem_async``, ``core``).
 Names are imported lazily: importing ``ckpt`` (as the rank bootstrap does) does not import torch.
 """
@@ -22,7 +26,7 @@ from typing import Any
 _EXPORTS = {
     "AsyncCheckpointer": "ckpt.api", "configure": "ckpt.api", "checkpointer": "ckpt.api", "async_save": "ckpt.api",
     "async_torch_save": "ckpt.api", "maybe_finalize": "ckpt.api", "wait": "ckpt.api", "resume": "ckpt.api",
-    "finalize_before_exit": "ckpt.api", "prepare": "ckpt.api",
+    "finalize_before_exit": "ckpt.api", "prepare": "ckpt.api", "PeriodicCheckpointer": "ckpt.periodic",
     "CheckpointInfo": "ckpt.loader", "list_checkpoints": "ckpt.loader", "find_latest_checkpoint": "ckpt.loader",
     "verify_checkpoint": "ckpt.loader", "load_latest": "ckpt.loader", "load_metadata": "ckpt.loader",
     "CheckpointError": "ckpt.errors", "CheckpointWriteError": "ckpt.errors", "CheckpointCleanupError": "ckpt.errors",

@@ -1,0 +1,180 @@
+"""Checkpoint every N steps or T seconds with one call per training step, and resume from the newest on start.
+
+Frequent checkpoints are what makes a restart cheap (little to recompute), but wiring asynchronous saves by
+hand (when to save, when to publish, what to load on start, never two saves piling up) is where users stop.
+This is the whole loop::
+
+    import ckpt
+    saver = ckpt.PeriodicCheckpointer("ckpts", model=model, optimizer=opt, every_steps=10)
+    start = saver.resume()                       # steps already done (0 on a fresh start); model and optimizer loaded
+    for step in range(start, total):
+        train_step(step)
+        saver.step(step)                         # saves when due (blocks only for the copy), publishes in the background
+    saver.close()                                # every pending save published, writer stopped
+
+Every rank runs the same calls. Saves go through ``AsyncCheckpointer`` (DCP format; the writer process is the
+one ``nvrx launch --async-ckpt`` started with the rank). A checkpoint is named ``step_<steps done>``; the newest
+complete one is what ``resume`` loads, and ``keep_last`` older ones are kept next to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ckpt.api import AsyncCheckpointer
+from ckpt.errors import CheckpointError
+from ckpt.loader import find_latest_checkpoint
+
+log = logging.getLogger("nvrx.ckpt.periodic")
+
+STEP_KEY = "nvrx_steps_done"  # saved with every checkpoint: how many steps the state holds
+
+
+class PeriodicCheckpointer:
+    """Asynchronous checkpoints of MODEL / OPTIMIZER (and an optional STATE dict) at a fixed pace.
+
+    EVERY_STEPS: save after every N steps. EVERY_SECONDS: save once T seconds passed since the last save (the
+    ranks agree through one small all-reduce per step, so their clocks need not match). Either or both.
+    At most one save is in flight: a save that falls due while the previous one is still being written waits
+    for the first step after it was published (training is never blocked for the write).
+    STATE: more values to save and restore (tensors are loaded in place, other values replaced in the dict).
+    KEEP_LAST, PROCESS_GROUP, FILES_PER_RANK: as ``AsyncCheckpointer``; CHECKPOINTER: use this one instead.
+    VERIFY: how ``resume`` checks a checkpoint before loading it ("full": checksums, "sizes", None).
+    """
+
+    def __init__(self, root: str | os.PathLike, *, model: Any = None, optimizer: Any = None,
+                 state: dict[str, Any] | None = None, every_steps: int | None = None,
+                 every_seconds: float | None = None, keep_last: int | None = 2, process_group: Any = None,
+                 files_per_rank: int = 1, checkpointer: AsyncCheckpointer | None = None,
+                 verify: str | None = "full") -> None:
+        if every_steps is None and every_seconds is None:
+            raise ValueError("give every_steps, every_seconds or both")
+        if every_steps is not None and every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1, not {every_steps}")
+        if every_seconds is not None and not every_seconds > 0:
+            raise ValueError(f"every_seconds must be > 0, not {every_seconds}")
+        if model is None and optimizer is not None:
+            raise ValueError("an optimizer is saved with its model: give model= too")
+        if model is None and state is None:
+            raise ValueError("nothing to save: give model= (and optimizer=) and/or state=")
+        self.root = Path(os.path.abspath(root))
+        self.model, self.optimizer, self.state = model, optimizer, state
+        self.every_steps, self.every_seconds, self.verify = every_steps, every_seconds, verify
+        self.checkpointer = checkpointer or AsyncCheckpointer(process_group=process_group, keep_last=keep_last,
+                                                              files_per_rank=files_per_rank)
+        self.last_saved: int | None = None  # steps done in the newest save started (or resumed from)
+        self._last_save_time = time.monotonic()
+        self._due = False  # a save fell due and waits for the previous one to be published
+        self._done = 0  # steps done at the last step() call
+        self._prepared = False
+
+    # ------------------------------------------------------------------ resume
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint under ROOT; returns the steps it holds (0: none, nothing touched).
+
+        Collective. Unfinished checkpoints of crashed saves are removed (see ``AsyncCheckpointer.sweep``).
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        if find_latest_checkpoint(self.root, verify=None) is None:
+            # Building the optimizer's state dict would initialise its state (a zero step): not on a fresh start.
+            self.checkpointer.sweep(self.root)
+            return 0
+        state = self._state_dict()
+        info = self.checkpointer.resume(self.root, state, verify=self.verify)
+        self._prepared = True  # resume reserved the staging memory
+        if info is None:  # every complete checkpoint failed verification (each was logged)
+            raise CheckpointError(f"no checkpoint under {self.root} could be verified")
+        self._restore(state)
+        steps = state.get(STEP_KEY)
+        if not isinstance(steps, int):
+            raise CheckpointError(f"{info.path} was not written by PeriodicCheckpointer (no {STEP_KEY})")
+        self.last_saved = steps
+        self._last_save_time = time.monotonic()
+        log.info("resumed from %s (%d steps done)", info.path, steps)
+        return steps
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        if self.model is None:
+            return
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer or (), model_state_dict=state["model"],
+                       optim_state_dict=state.get("optim", {}))
+
+    # ------------------------------------------------------------------ saving
+
+    def step(self, step: int) -> bool:
+        """Call once per step, after step STEP (counting from 0) is done; True if a save was started.
+
+        Collective: every rank calls it for every step.
+        """
+        self.checkpointer.maybe_finalize()
+        if not self._prepared and self._optimizer_ready():  # reserve staging now: the first save is warm
+            self.checkpointer.prepare(self._state_dict())
+            self._prepared = True
+        done = self._done = step + 1
+        if self._falls_due(done):
+            self._due = True
+        if not self._due or self.checkpointer.pending:
+            return False
+        self.save(done)
+        return True
+
+    def _optimizer_ready(self) -> bool:
+        """The optimizer holds state (it has stepped): its state dict can be built without initialising it."""
+        return self.optimizer is None or bool(self.optimizer.state)
+
+    def _falls_due(self, done: int) -> bool:
+        if self.every_steps is not None and done % self.every_steps == 0:
+            return True
+        if self.every_seconds is None:
+            return False
+        late = time.monotonic() - self._last_save_time >= self.every_seconds
+        return self._any_rank(late)
+
+    def _any_rank(self, flag: bool) -> bool:
+        """FLAG or-ed over the ranks: the same answer everywhere (one tiny all-reduce)."""
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.checkpointer.process_group)
+        return bool(value.item())
+
+    def save(self, done: int) -> None:
+        """Start a save of the current state as ``step_<DONE>`` now (collective; returns after the copy)."""
+        state = self._state_dict()
+        state[STEP_KEY] = done
+        self.checkpointer.async_save(state, self.root / f"step_{done:09d}")
+        self.last_saved, self._due = done, False
+        self._last_save_time = time.monotonic()
+
+    def _state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {STEP_KEY: -1}
+        if self.model is not None:
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer or ())
+            state["model"] = model_sd
+            if self.optimizer is not None:
+                state["optim"] = optim_sd
+        if self.state is not None:
+            state["app"] = self.state
+        return state
+
+    def close(self) -> None:
+        """Take a save that fell due but waited, publish every pending save, stop the writer process (collective).
+
+        Call it before the rank exits.
+        """
+        if self._due:
+            self.checkpointer.wait()
+            self.save(self._done)
+        self.checkpointer.finalize_before_exit()
