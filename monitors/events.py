@@ -701,6 +701,69 @@ class ResumeReset(Event):
     pass
 
 
+# ---------------------------------------------------------------- re-run state machine events
+# Written by rank 0 of a job using launcher.rank.rerun.RerunStateMachine, to
+# ``<run log dir>/rerun-<node>-<rank>.jsonl``: one event per decision, with every suspect rank in it.
+
+
+@nested
+class RerunSuspect(Record):
+    """One rank whose result was rejected: where it ran, what was rejected, and what the re-runs gave."""
+
+    rank: int
+    node: str
+    device: int | None = None             # the CUDA device (None on a CPU-only rank)
+    message: str                          # the validate_result message ("loss is NaN")
+    call: int | None = None               # which call with that message in the step (1, 2, ...)
+    result: str                           # the rejected result (repr of the float: JSON has no NaN)
+    rerun_result: str | None = None       # what the latest re-run gave at the same call
+    rerun_node: str | None = None         # where that re-run ran
+
+
+@event("rerun_suspected", "rerun")
+class RerunSuspected(Event):
+    """A step's result was rejected on some rank(s): the step is re-run in place."""
+
+    step: int
+    suspects: list[RerunSuspect]
+
+
+@event("rerun_attempt", "rerun")
+class RerunAttempt(Event):
+    """A re-run of the suspected step ended: in place or from the checkpoint, reproduced or not, and what next."""
+
+    step: int
+    where: str                            # in_place | from_checkpoint
+    reproduced: bool
+    same_hardware: bool | None = None     # from_checkpoint: it landed on the suspected node again
+    next: str                             # verdict | checkpoint_and_exit | exit_again
+    suspects: list[RerunSuspect]
+
+
+@event("rerun_verdict", "rerun")
+class RerunVerdict(Event):
+    """The diagnosis of a rejected result and what the job does about it."""
+
+    step: int
+    diagnosis: str                        # correct_result | transient_error | persistent_error
+    action: str                           # continue | exit
+    exit_code: int | None = None          # 17 when a correct (deterministic) result was fatal
+    fatal: bool
+    suspects: list[RerunSuspect]
+
+
+@event("rerun_stats", "rerun")
+class RerunStats(Event):
+    """Determinism statistics (mode report_determinism_stats): each step ran twice; the relative differences."""
+
+    step: int                             # the last step counted
+    message: str                          # the validate_result message the numbers are for
+    count: int                            # comparisons over all ranks
+    nonzero: int                          # how many differed at all
+    max_diff: float
+    mean_diff: float
+
+
 # ================================================================ writer
 
 

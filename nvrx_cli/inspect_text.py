@@ -15,6 +15,7 @@ from monitors.events import (
     Event, JobEnd, ResumeAttemptEnd, ResumeAttemptStart, ResumeDecision, ResumeEnd, ResumeReset, ResumeSignal,
     ResumeStart, ResumeStateRecovered, ResumeSubmit,
 )
+from monitors.events import RerunAttempt, RerunStats, RerunSuspected, RerunSuspect, RerunVerdict
 from monitors.inspection.run_report import Report
 from monitors.inspection.timeline import Entry
 
@@ -129,6 +130,67 @@ RESUME_TEXT: dict[type[Event], Callable[[_Fields], str]] = {
 }
 
 
+def _suspects(items: Any) -> str:
+    """The suspect ranks of a re-run event: where each ran, what it checked, what it gave (and gives now)."""
+    f, out = RerunSuspect.F, []
+    for s in items if isinstance(items, list) else []:
+        s = _Fields(s if isinstance(s, dict) else {})
+        device = f", device {s[f.device]}" if f.device in s else ""
+        call = f" (call {s[f.call]})" if f.call in s else ""
+        rerun = f", re-run on {s[f.rerun_node]}: {s[f.rerun_result]}" if f.rerun_result in s else ""
+        out.append(f"rank {s[f.rank]} on node {s[f.node]}{device}: {s[f.message]}{call} = {s[f.result]}{rerun}")
+    return "; ".join(out) or "no rank named"
+
+
+def _rerun_suspected(e: _Fields) -> str:
+    f = RerunSuspected.F
+    return f"re-run: step {e[f.step]}: unexpected result ({_suspects(e.get(f.suspects))}); re-running it in place"
+
+
+_RERUN_WHERE = {"in_place": "in place", "from_checkpoint": "from the checkpoint"}
+_RERUN_NEXT = {"verdict": "", "checkpoint_and_exit": ": saving a checkpoint and exiting 16 to re-run it on other hardware",
+               "exit_again": ": it ran on the suspected hardware again, exiting 16 again"}
+
+
+def _rerun_attempt(e: _Fields) -> str:
+    f = RerunAttempt.F
+    where = _RERUN_WHERE.get(e[f.where], e[f.where])
+    how = "reproduced" if e.get(f.reproduced) else "did not reproduce"
+    if e.get(f.same_hardware):
+        how = "gave no answer"
+    nxt = _RERUN_NEXT.get(e[f.next], f": next {e[f.next]}")
+    return f"re-run: step {e[f.step]} re-run {where} {how} the result ({_suspects(e.get(f.suspects))}){nxt}"
+
+
+_RERUN_DIAGNOSIS = {"transient_error": "transient error (not reproduced in place; training goes on)",
+                    "persistent_error": "persistent error of the suspected node (not reproduced on other hardware)",
+                    "correct_result": "correct result (reproduced on other hardware: the model or data, not the "
+                                      "hardware)"}
+
+
+def _rerun_verdict(e: _Fields) -> str:
+    f = RerunVerdict.F
+    diagnosis = _RERUN_DIAGNOSIS.get(e[f.diagnosis], e[f.diagnosis])
+    action = str(e[f.action]) + (f" with code {e[f.exit_code]}" if f.exit_code in e else "")
+    return f"re-run verdict for step {e[f.step]}: {diagnosis}; {action} ({_suspects(e.get(f.suspects))})"
+
+
+def _rerun_stats(e: _Fields) -> str:
+    f = RerunStats.F
+    num = lambda v: f"{v:g}" if isinstance(v, (int, float)) else str(v)  # noqa: E731
+    return (f"re-run determinism up to step {e[f.step]}: {e[f.message]!r}: {e[f.count]} comparisons, {e[f.nonzero]} "
+            f"differed, max relative difference {num(e.get(f.max_diff))}, mean {num(e.get(f.mean_diff))}")
+
+
+# The sentence of each re-run state machine record (the backend's levels: timeline.RERUN_LEVEL).
+RERUN_TEXT: dict[type[Event], Callable[[_Fields], str]] = {
+    RerunSuspected: _rerun_suspected,
+    RerunAttempt: _rerun_attempt,
+    RerunVerdict: _rerun_verdict,
+    RerunStats: _rerun_stats,
+}
+
+
 def _job_end(e: _Fields) -> str:
     """A job's end (run_report): run_id, status, exit_code, exit_meaning, seconds, errors ([node, detail], ...)."""
     meaning = f": {e['exit_meaning']}" if "exit_meaning" in e else ""
@@ -158,6 +220,7 @@ def _event(e: _Fields) -> str:
 # Entry.form -> its sentence.
 FORMS: dict[str, Callable[[_Fields], str]] = {
     **{cls.EV: fmt for cls, fmt in RESUME_TEXT.items()},
+    **{cls.EV: fmt for cls, fmt in RERUN_TEXT.items()},
     JobEnd.EV: _job_end,
     "event": _event,
 }

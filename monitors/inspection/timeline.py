@@ -68,6 +68,7 @@ from monitors.events import (
     ResumeSignal, ResumeStart, ResumeStateRecovered, ResumeSubmit, SectionClose, SectionOpen, StopDetail,
     TimeoutsLoaded, TimeoutsSet, TimeoutsStateIgnored, decode_event, field_problem,
 )
+from monitors.events import RerunAttempt, RerunStats, RerunSuspected, RerunVerdict
 from monitors.inspection.event_files import (Damage, EventFile, event_name, first_event_time, iso, raw_string,
                                              read_chunk)
 
@@ -820,7 +821,29 @@ RESUME_LEVEL: dict[type[Event], Callable[[dict[str, Any]], str]] = {
     ResumeStateRecovered: _warn,
     ResumeReset: _warn,
 }
-_RESUME_LEVEL_BY_NAME = {cls.EV: level for cls, level in RESUME_LEVEL.items()}
+
+
+def _rerun_attempt_level(e: dict[str, Any]) -> str:
+    return "warn" if e.get(RerunAttempt.F.reproduced) or e.get(RerunAttempt.F.same_hardware) else "info"
+
+
+def _rerun_verdict_level(e: dict[str, Any]) -> str:
+    f = RerunVerdict.F
+    diagnosis = e.get(f.diagnosis)
+    if diagnosis == "transient_error" or (diagnosis == "correct_result" and e.get(f.exit_code) is None):
+        return "warn"
+    return "error"
+
+
+# The re-run state machine's records (rank 0's rerun-*.jsonl, read like the resume driver's: structured
+# entries); nvrx_cli.inspect_text.RERUN_TEXT words them.
+RERUN_LEVEL: dict[type[Event], Callable[[dict[str, Any]], str]] = {
+    RerunSuspected: _warn,
+    RerunAttempt: _rerun_attempt_level,
+    RerunVerdict: _rerun_verdict_level,
+    RerunStats: _info,
+}
+_RESUME_LEVEL_BY_NAME = {cls.EV: level for cls, level in {**RESUME_LEVEL, **RERUN_LEVEL}.items()}
 _ENVELOPE = ("v", "t", "src", "ev")  # the fields every event has; not the record's own
 
 _SESSION_BOUNDARIES = frozenset(c.EV for c in (MonitorStart, MonitorExit, MonitorAttach, MonitorConnect,

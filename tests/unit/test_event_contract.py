@@ -31,9 +31,9 @@ from monitors.events import (
     TimeoutsInfo, field_problem, read_events, spec_of,
 )
 from monitors.inspection.run_report import build_report
-from monitors.inspection.timeline import AGENT_HANDLERS, MONITOR_HANDLERS, NOT_SHOWN, RESUME_LEVEL
+from monitors.inspection.timeline import AGENT_HANDLERS, MONITOR_HANDLERS, NOT_SHOWN, RERUN_LEVEL, RESUME_LEVEL
 from nvrx_cli.inspect_cmd import render_text
-from nvrx_cli.inspect_text import RESUME_TEXT, report_dict
+from nvrx_cli.inspect_text import RERUN_TEXT, RESUME_TEXT, report_dict
 from nvrx_cli.status import StatusPrinter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,10 +126,11 @@ def test_event_log_refuses_anything_but_a_record(tmp_path):
 
 
 def test_every_record_has_a_reader_or_is_not_shown_on_purpose():
-    by_source = {"agent": AGENT_HANDLERS, "monitor": MONITOR_HANDLERS, "resume": RESUME_LEVEL}
+    by_source = {"agent": AGENT_HANDLERS, "monitor": MONITOR_HANDLERS, "resume": RESUME_LEVEL, "rerun": RERUN_LEVEL}
     missing = [cls.__name__ for cls in RECORDS.values() if cls not in by_source[cls.SOURCE] and cls not in NOT_SHOWN]
     assert missing == []
     assert set(RESUME_TEXT) == set(RESUME_LEVEL)  # the backend reads them, the renderer words them
+    assert set(RERUN_TEXT) == set(RERUN_LEVEL)
     for source, table in by_source.items():  # a reader registered for another writer's file is never called
         assert [c.__name__ for c in table if c.SOURCE != source] == []
     assert not set(NOT_SHOWN) & {c for t in by_source.values() for c in t}  # shown or not: one of them
@@ -404,7 +405,8 @@ def base_scenario(run: Path) -> list[tuple[str, Event, float]]:
 
 
 def _file(root: Path, key: str) -> Path:
-    return {"agent": root / "rt" / f"agent-{HOST}.jsonl", "resume": root / "state" / "resume.jsonl"}.get(
+    return {"agent": root / "rt" / f"agent-{HOST}.jsonl", "resume": root / "state" / "resume.jsonl",
+            "rerun": root / "rt" / f"rerun-{HOST}-0.jsonl"}.get(
         key, root / "rt" / f"monitor-{HOST}-{key[3:]}.jsonl")
 
 
@@ -413,7 +415,7 @@ def write_run(root: Path, sample: Event | None) -> None:
     added 5 s into the round (a resume record: into the driver's file)."""
     entries = base_scenario(root)
     if sample is not None:
-        key = {"agent": "agent", "resume": "resume", "monitor": "mon1"}[sample.SOURCE]
+        key = {"agent": "agent", "resume": "resume", "monitor": "mon1", "rerun": "rerun"}[sample.SOURCE]
         same = [i for i, (k, rec, _) in enumerate(entries) if k == key and type(rec) is type(sample)
                 and getattr(rec, "local_rank", 1) == 1]
         if same:
@@ -425,7 +427,7 @@ def write_run(root: Path, sample: Event | None) -> None:
     logs: dict[str, EventLog] = {}
     for key, rec, t in sorted(entries, key=lambda x: x[2]):  # each file in time order, as writers write
         if key not in logs:
-            logs[key] = EventLog(_file(root, key), "agent" if key == "agent" else "resume" if key == "resume"
+            logs[key] = EventLog(_file(root, key), key if key in ("agent", "resume", "rerun")
                                  else f"monitor-{key[3:]}")
         logs[key].emit(rec, t=t)
     for log in logs.values():
