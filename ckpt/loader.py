@@ -3,11 +3,18 @@
 Complete means published (not a dot-name) with a manifest; ``verify`` compares sizes and
 checksums recorded at save time. A damaged newest checkpoint is skipped with a warning and
 the next older one is used, so a resume never starts from half-written data.
+
+Loading a DCP checkpoint unpickles its ``.metadata`` (torch's format): whoever can write the checkpoint
+directory can run code in every rank that loads it. So the loader refuses a checkpoint root, checkpoint
+directory or ``.metadata`` that is group- or world-writable, unless the caller opts in
+(``allow_shared_writable=True`` or ``NVRX_CKPT_ALLOW_SHARED_WRITABLE=1``); nvrx creates checkpoint roots 0700.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +25,37 @@ from ckpt.errors import CheckpointError
 from ckpt.publish import is_hidden, read_latest
 
 log = logging.getLogger("nvrx.ckpt.loader")
+
+ALLOW_SHARED_WRITABLE_ENV = "NVRX_CKPT_ALLOW_SHARED_WRITABLE"
+DCP_METADATA = ".metadata"
+
+
+def shared_writable_allowed(allow: bool | None) -> bool:
+    """The caller's choice, else the environment's (``NVRX_CKPT_ALLOW_SHARED_WRITABLE=1``); default no."""
+    if allow is not None:
+        return allow
+    return os.environ.get(ALLOW_SHARED_WRITABLE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def check_private(path: str | Path, allow: bool | None = None) -> None:
+    """Raise CheckpointError if PATH, or any entry a load of it unpickles from (``.metadata``), can be
+    written by other users (group- or world-writable), unless ALLOW (or the environment) says so."""
+    if shared_writable_allowed(allow):
+        return
+    path = Path(path)
+    for p in (path.parent, path, path / DCP_METADATA):
+        try:
+            mode = p.stat().st_mode
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise CheckpointError(f"cannot check checkpoint {path}: {p} ({exc.strerror})") from None
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            who = "everyone" if mode & stat.S_IWOTH else "its group"
+            raise CheckpointError(
+                f"refusing to load checkpoint {path}: {p} is writable by {who} (mode {stat.S_IMODE(mode):o}), and "
+                f"loading unpickles its metadata; run `chmod go-w {p}`, or set {ALLOW_SHARED_WRITABLE_ENV}=1 "
+                "(allow_shared_writable=True) if you trust every writer")
 
 
 @dataclass(frozen=True)
@@ -75,10 +113,11 @@ def find_latest_checkpoint(root: str | Path, verify: str | None = "full") -> Che
 
 
 def load_latest(root: str | Path, state_dict: dict[str, Any], *, process_group: Any = None,
-                verify: str | None = "full") -> CheckpointInfo | None:
+                verify: str | None = "full", allow_shared_writable: bool | None = None) -> CheckpointInfo | None:
     """Load the newest complete DCP checkpoint under ROOT into STATE_DICT (in place); None if there is none.
 
     Every rank must call it (``torch.distributed.checkpoint.load`` is collective) and sees the same files.
+    CheckpointError if that checkpoint can be written by other users (``check_private``).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -91,6 +130,7 @@ def load_latest(root: str | Path, state_dict: dict[str, Any], *, process_group: 
             except CheckpointError as exc:
                 log.warning("skipping %s", exc)
                 continue
+        check_private(info.path, allow_shared_writable)
         with warnings.catch_warnings():  # torch warns that one process loads alone; that is the intent here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state_dict, checkpoint_id=str(info.path), process_group=process_group)
@@ -98,8 +138,9 @@ def load_latest(root: str | Path, state_dict: dict[str, Any], *, process_group: 
     return None
 
 
-def load_metadata(path: str | Path) -> Any:
-    """The DCP metadata of checkpoint PATH (for ``init_checkpoint_metadata_cache``)."""
+def load_metadata(path: str | Path, allow_shared_writable: bool | None = None) -> Any:
+    """The DCP metadata of checkpoint PATH (for ``init_checkpoint_metadata_cache``); refused like load_latest."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    check_private(path, allow_shared_writable)
     return FileSystemReader(str(path)).read_metadata()

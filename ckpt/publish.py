@@ -266,7 +266,8 @@ def check_destination(final: Path) -> None:
     if not root.is_dir():
         _refuse_missing_parent(final, root)
         try:
-            root.mkdir()
+            root.mkdir(mode=0o700)  # private: loading unpickles what is in here (ckpt.loader.check_private)
+            os.chmod(root, 0o700)  # mkdir's mode is filtered by the umask
         except FileExistsError:
             if not root.is_dir():
                 raise CheckpointError(f"cannot save checkpoint {final}: {root} is a file, not a directory; "

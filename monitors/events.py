@@ -384,6 +384,15 @@ class RdzvStop(Event):
     give_up: bool
 
 
+@event("rdzv_bad_record", "agent")
+class RdzvBadRecord(Event):
+    """A value in the rendezvous store that nvrx did not write (garbage, or forged by another program)."""
+
+    key: str
+    problem: str                          # what is wrong with it, in a few words
+    action: str                           # "ignored" | "job ends"
+
+
 @event("rank_start", "agent")
 class RankStart(Event):
     local_rank: int
@@ -767,6 +776,23 @@ class RerunStats(Event):
 # ================================================================ writer
 
 
+def _open_private(path: Path) -> int:
+    """Open PATH for appending as a 0600 file in 0700 directories (those this creates), whatever the umask:
+    events name hosts, paths and failures other users must not read. (This module imports nothing of
+    ours, so it does not use nvrx_common.files.private_dir, which does the same for the other run files.)"""
+    missing = [d for d in (path.parent, *path.parent.parents) if not os.path.lexists(d)]
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue
+        os.chmod(d, 0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    if os.fstat(fd).st_mode & 0o777 != 0o600:
+        os.fchmod(fd, 0o600)
+    return fd
+
+
 class EventLog:
     """Append-only JSON-lines writer of event records; also fans each event out to listeners (the terminal)."""
 
@@ -777,8 +803,7 @@ class EventLog:
         self._lock = threading.Lock()
         self._fd: int | None = None
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            self._fd = _open_private(path)
 
     def subscribe(self, listener: Listener) -> None:
         """LISTENER gets every event as its decoded line (a dict) after it is written."""

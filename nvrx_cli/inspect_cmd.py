@@ -272,7 +272,7 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _fault_rows(report: Report, with_date: bool) -> list[list[str]]:
-    return [[str(f["job"]), str(f["round"]), _clock(f.get("t"), with_date), f["kind"], str(f.get("rank", "-")),
+    return [[str(f["job"]), str(f["round"]), _clock(f.get("t"), with_date), f["kind"], str(f["rank"] if f.get("rank") is not None else "-"),
              f["cause"], _secs(f.get("lost_s")) if f.get("lost_s") is not None else "not recovered"]
             for f in report.faults]
 

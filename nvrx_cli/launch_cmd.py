@@ -13,6 +13,7 @@ import click
 from launcher.agent.config import build_launch_config
 from nvrx_cli.ft_args import extract_ft_args
 from nvrx_common.errors import ConfigError
+from nvrx_common.files import private_dir
 from nvrx_common.signals import DEFAULT_SIGNALS
 
 # (option names, click kwargs). Underscore spellings are accepted as torchrun accepts them.
@@ -109,9 +110,26 @@ def launch(ctx: click.Context, **raw: Any) -> int:
     except ConfigError as err:
         raise click.UsageError(str(err)) from None
     _setup_logging(raw["log_level"])
+    _make_run_dirs(cfg, raw)
     events = EventLog(cfg.run_log_dir / f"agent-{cfg.node_name}-{os.getpid()}.jsonl", source="agent")
     events.subscribe(StatusPrinter(quiet=raw["quiet"]))
     return _run_agent(cfg, events)
+
+
+def _make_run_dirs(cfg: Any, raw: dict[str, Any]) -> None:
+    """Create the run's log directory (and the state dir) before anything starts, private (0700); a path that
+    cannot be made is a usage error, one line, instead of a traceback from the first file written there."""
+    dirs = [("--log-dir", cfg.run_log_dir)]
+    if cfg.ft is not None and cfg.state_dir is not None:
+        dirs.append(("--state-dir", cfg.state_dir))
+    for flag, path in dirs:
+        try:
+            private_dir(path)
+        except OSError as exc:
+            given = raw.get(flag[2:].replace("-", "_"))
+            what = f"{flag} {given}" if given else f"the default {flag[2:].replace('-', ' ')} ({path.parent})"
+            raise click.UsageError(f"{what}: cannot create {path} ({exc.strerror or exc}); "
+                                   f"pass a {flag} you can write") from None
 
 
 def _run_agent(cfg: Any, events: Any) -> int:

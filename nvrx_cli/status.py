@@ -81,7 +81,7 @@ class StatusPrinter:
             return None
         detail = e.get(f.detail) or {}
         if kind == "failed":
-            cause = detail.get(d.describe) or f"rank {detail.get(d.rank)} failed"
+            cause = detail.get(d.describe) or unnamed_failure(detail.get(d.rank), e.get(f.by_node))
         elif kind == "node_left":
             cause = f"node {detail.get(d.node)} left"
         elif kind == "interrupted":
@@ -116,13 +116,21 @@ class StatusPrinter:
             if fail.get(jf.kind) == "node_left":
                 lines.append(f"  round {fail.get(jf.round)}: node {escape(str(fail.get(jf.node)))} left the job")
                 continue
-            lines.append(f"  round {fail.get(jf.round)}: {escape(str(fail.get(jf.describe)))}")
+            said = fail.get(jf.describe) or unnamed_failure(fail.get(jf.rank), fail.get(jf.node))
+            lines.append(f"  round {fail.get(jf.round)}: {escape(str(said))}")
             if fail.get(jf.error):  # the rank recorded its exception: torchrun's failure fields, traceback
                 lines += [f"    {escape(x)}" for x in report_lines(fail)]
                 continue
             for tail in (fail.get(jf.tail) or [])[-10:]:
                 lines.append(f"    | {escape(tail)}")
         return "\n".join(lines)
+
+
+def unnamed_failure(rank: Any, by_node: Any) -> str:
+    """A failed stop without the agent's description (a record nvrx did not write): who reported it, and the
+    rank if it names one, instead of "rank None failed"."""
+    who = f"node {by_node}" if by_node else "an unnamed node"
+    return f"rank {rank} failed (reported by {who})" if rank is not None else f"{who} reported a failure naming no rank"
 
 
 # The agent events shown on the terminal, and their renderers (others are only logged).

@@ -1,4 +1,8 @@
-"""Small durable-file helpers: a reader that sees a JSON file either whole-old or whole-new."""
+"""Small file helpers: durable JSON (a reader sees a file whole-old or whole-new), and private run files.
+
+A run's files (events, rank output, monitor logs) may hold data and paths other users must not read, so
+they are created 0600 in 0700 directories whatever the umask (``private_dir``, ``open_private``).
+"""
 
 from __future__ import annotations
 
@@ -18,13 +22,54 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
+PRIVATE_DIR = 0o700
+PRIVATE_FILE = 0o600
+
+
+def private_dir(path: str | Path) -> Path:
+    """``mkdir -p PATH`` where every directory this creates is 0700, whatever the umask.
+
+    Directories that exist are left alone (a home directory, a shared scratch space, a directory the user
+    made for the run on purpose). OSError (e.g. NotADirectoryError, PermissionError) if it cannot be made.
+    """
+    path = Path(path)
+    missing = []
+    probe = path
+    while not os.path.lexists(probe) and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, PRIVATE_DIR)
+        except FileExistsError:  # another agent of the job made it meanwhile
+            continue
+        os.chmod(d, PRIVATE_DIR)  # mkdir's mode is filtered by the umask; chmod's is not
+    if not path.is_dir():
+        raise NotADirectoryError(20, "Not a directory", str(path))
+    return path
+
+
+def open_private(path: str | Path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_APPEND) -> int:
+    """Open (creating) PATH as a 0600 file whatever the umask; its directory is made with ``private_dir``."""
+    path = Path(path)
+    private_dir(path.parent)
+    fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE)
+    try:
+        if os.fstat(fd).st_mode & 0o777 != PRIVATE_FILE:
+            os.fchmod(fd, PRIVATE_FILE)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 def save_json_atomic(path: Path, data: Mapping[str, Any], mode: int = 0o600) -> None:
     """Write DATA as JSON to PATH atomically: temp file in the same dir, fsync, rename, fsync dir.
 
     The file is created with MODE (private by default: these files steer our processes).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         os.fchmod(fd, mode)

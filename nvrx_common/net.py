@@ -7,6 +7,7 @@ a socket we bound ourselves, so the store cannot fall back to listening on every
 from __future__ import annotations
 
 import datetime
+import errno
 import ipaddress
 import logging
 import socket
@@ -98,6 +99,28 @@ def bind_listen(addr: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def port_in_use(port: int) -> str | None:
+    """Why PORT cannot be listened on by a server binding every address (as torch's own TCPStore does for
+    rank 0 with a fixed MASTER_PORT), or None if it can. SO_REUSEADDR as that server: a port whose last
+    user is gone (TIME_WAIT) counts as free; one another listener holds does not."""
+    for family, wildcard in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this machine
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind((wildcard, port))
+                sock.listen(1)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return exc.strerror or "address already in use"
+    return None
 
 
 def serve_store(sock: socket.socket, host: str, timeout: float = DEFAULT_OP_TIMEOUT) -> TCPStore:

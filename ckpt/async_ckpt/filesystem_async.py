@@ -175,7 +175,7 @@ class FileSystemWriterAsync(StorageWriter):
         if not self.overwrite and self.path.exists():
             raise CheckpointError(f"cannot save checkpoint {self.path}: it exists and overwrite=False")
         try:
-            self.partial_path.mkdir(exist_ok=True)
+            self.partial_path.mkdir(mode=0o700, exist_ok=True)  # private: loads unpickle from it
         except OSError as exc:
             raise CheckpointError(f"cannot save checkpoint {self.path}: cannot create {self.partial_path} "
                                   f"({exc.strerror})") from None

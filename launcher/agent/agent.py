@@ -241,7 +241,9 @@ class Agent:
             except BaseException as exc:  # store lost: the main loop reports it
                 watch.error = exc
             watch.done.set()
-            os.write(wake_w, b"x")
+            # The main loop may have seen `done` on another wake-up and closed its end already (EPIPE).
+            with contextlib.suppress(OSError):
+                os.write(wake_w, b"x")
             os.close(wake_w)
 
         threading.Thread(target=run, name=f"stop-watch-{round_no}", daemon=True).start()
@@ -393,7 +395,8 @@ class Agent:
             return exit_codes.interrupted(signum)
         self.workers.stop()
         if record.kind in FAULT_KINDS:
-            self.failures.append({"round": record.round, "kind": record.kind, **record.detail})
+            named = {} if record.detail.get("rank") is not None else {"node": record.by_node}  # who said so
+            self.failures.append({**named, **record.detail, "round": record.round, "kind": record.kind})
         if record.give_up:
             steer = record.detail.get("steer")
             return steer if steer in exit_codes.STEERING_CODES else exit_codes.FAILED

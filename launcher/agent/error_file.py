@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nvrx_common.files import private_dir
+
 log = logging.getLogger(__name__)
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
@@ -72,7 +74,7 @@ class ErrorFiles:
         """
         self._make_root()
         rank_dir = self.root / f"attempt_{attempt}" / str(local_rank)
-        rank_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dir(rank_dir)
         path = rank_dir / "error.json"
         try:
             path.unlink()
@@ -86,7 +88,7 @@ class ErrorFiles:
             shutil.rmtree(self.root, ignore_errors=True)
 
     def _make_root(self) -> None:
-        self.root.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.root.parent)
         self.root.mkdir(mode=0o700, exist_ok=True)
         os.chmod(self.root, 0o700)  # mkdir's mode is filtered by the umask; this one is not
 

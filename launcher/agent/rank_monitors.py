@@ -34,6 +34,7 @@ from monitors.events import (EventLog, HangDetected, MonitorAttach, MonitorConne
                              MonitorSpawned, MonitorStuck, last_event)
 from monitors.heartbeat import Slot, SlotError
 from monitors.progress_watchdog import watchdog_interval
+from nvrx_common.files import open_private, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,8 @@ class RankMonitorGroup:
 
     def start(self) -> None:
         self.started = True
-        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.events_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.state_dir)
+        private_dir(self.events_dir)
         for lr in range(self.nproc):
             self._start_one(lr)
 
@@ -92,7 +93,8 @@ class RankMonitorGroup:
                "--socket", str(sock), "--shm", str(shm), "--token-env", TOKEN_ENV,
                "--config-json", json.dumps(self.ft.to_dict()), "--parent-pid", str(os.getpid()),
                "--events", str(self.events_file(lr))]
-        with open(self.log_file(lr), "ab") as err:  # the monitor's own log, off the terminal
+        # the monitor's own log, off the terminal; private (0600) like every file of the run
+        with open(open_private(self.log_file(lr), os.O_WRONLY | os.O_APPEND), "ab") as err:
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
                                     start_new_session=True)
         self.procs[lr] = proc

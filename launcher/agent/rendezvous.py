@@ -27,28 +27,47 @@ import socket
 import threading
 import time
 from dataclasses import asdict
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from launcher.agent.config import RdzvSettings
-from launcher.agent.rdzv_records import FAULT_KINDS, NodeInfo, RoundResult, StopKind, StopRecord
+from launcher.agent.rdzv_records import (FAULT_KINDS, BadRecord, NodeInfo, RoundResult, StopKind, StopRecord,
+                                         parse_closed, parse_join, parse_node, parse_pg)
 from launcher.agent.store import (
+    PortInUse,
     RendezvousError,
     RendezvousMismatch,
     RendezvousStore,
     advertised_address,
     master_addr_for_ranks,
 )
-from monitors.events import EventLog, RdzvJoin, RdzvRound, RdzvStandby, RdzvStop, StopDetail
-from nvrx_common.net import start_store_server
+from monitors.events import (EventLog, RdzvBadRecord, RdzvJoin, RdzvRound, RdzvStandby, RdzvStop, StopDetail,
+                             field_problem, spec_of)
+from nvrx_common.net import port_in_use, start_store_server
 from nvrx_common.errors import NvrxError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_POLL = 0.02  # seconds; the longest sleep between two polls
 LINGER_MAX = 10.0  # how long the store host waits for peers to read the final stop record
+BAD_STOP_GRACE = 15.0  # how long a malformed stop record may stand before the claimer overwrites it
+_DETAIL_SPEC = spec_of(StopDetail)
+
+
+class BadStoreRecord(RendezvousError):
+    """A record in the rendezvous store that this agent cannot ignore is malformed: the job ends (one line)."""
+
+
+def parse_stop(raw: bytes) -> StopRecord:
+    """A stop record from the store with its detail checked against the event schema (it is logged as is)."""
+    rec = StopRecord.from_json(raw)
+    problem = field_problem(rec.detail, _DETAIL_SPEC, "detail.")
+    if problem is not None:
+        raise BadRecord(problem)
+    return rec
 
 
 class RendezvousTimeout(RendezvousError):
@@ -179,6 +198,7 @@ class Rendezvous:
         self._lock = threading.Lock()
         self._clients: dict[str, TCPStore] = {}
         self._stops_seen: set[int] = set()
+        self._bad_seen: set[tuple[str, bytes]] = set()  # malformed store values already reported
         self._succeeded: set[int] = set()
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()
@@ -212,12 +232,36 @@ class Rendezvous:
                 "the agent hosting it has probably exited"
             ) from None
 
-    def _get_json(self, store: TCPStore, key: str) -> Any:
-        return json.loads(store.get(key))
+    def _read(self, store: TCPStore, key: str, parse: Callable[[bytes], T], fatal: bool) -> T | None:
+        """KEY's value, checked by PARSE. A malformed one (garbage, or forged by a program that can reach the
+        store) is logged once as an event; then None (ignored), or with FATAL one BadStoreRecord line."""
+        raw = store.get(key)
+        try:
+            return parse(raw)
+        except BadRecord as exc:
+            self._bad_record(key, raw, str(exc), fatal)
+            return None
+
+    def _bad_record(self, key: str, raw: bytes, problem: str, fatal: bool) -> None:
+        """Report a malformed store value once per key and value; raise BadStoreRecord if it cannot be ignored."""
+        action = "job ends" if fatal else "ignored"
+        with self._lock:
+            fresh = (key, raw) not in self._bad_seen
+            self._bad_seen.add((key, raw))
+        if fresh:
+            log.warning("malformed record %s in the rendezvous store (%s); %s", key, problem, action)
+            self.events.emit(RdzvBadRecord(key=key, problem=problem, action=action))
+        if fatal:
+            raise BadStoreRecord(
+                f"the rendezvous store at {self.rs.host}:{self.rs.port} holds a malformed record {key} ({problem}); "
+                "another program wrote to it: keep the endpoint's port private to the job's nodes and relaunch"
+            )
 
     def _raise_if_finished(self, store: TCPStore) -> None:
         if store.check([self.keys.finished]):
-            rec = StopRecord.from_json(store.get(self.keys.finished))
+            rec = self._read(store, self.keys.finished, parse_stop, fatal=False)
+            if rec is None:
+                return
             how = "succeeded" if rec.kind is StopKind.SUCCEEDED else f"gave up after {rec.restart_count} restarts"
             raise JobFinished(f"job {self.settings.run_id} already {how} (round {rec.round})")
 
@@ -275,7 +319,7 @@ class Rendezvous:
         backoff = _Backoff(self._closing)
         while True:
             if store.check([closed_key]):
-                return self._get_json(store, closed_key)
+                return self._read(store, closed_key, parse_closed, fatal=True)
             self._raise_if_finished(store)
             count = store.add(self.keys.r(r, "count"), 0)
             now = time.monotonic()
@@ -295,14 +339,20 @@ class Rendezvous:
         key = self.keys.r(r - 1, "closed")
         if r == 0 or not store.check([key]):
             return []
-        return [n["node_id"] for n in self._get_json(store, key)["nodes"]]
+        record = self._read(store, key, parse_closed, fatal=False)
+        return [n["node_id"] for n in record["nodes"]] if record else []
 
     def _close(self, store: TCPStore, r: int, count: int) -> None:
         """Write round R's membership; if another node closed it first, theirs stands."""
         k = min(count, self.settings.max_nodes)
         keys = [self.keys.join(r, j) for j in range(k)]
         store.wait(keys)  # each joiner writes its record right after taking its index
-        joined = [json.loads(v) for v in store.multi_get(keys)]
+        joined = []
+        for key, raw in zip(keys, store.multi_get(keys)):
+            try:
+                joined.append(parse_join(raw))
+            except BadRecord as exc:  # a joiner nobody can reach: leave it out of the round
+                self._bad_record(key, raw, str(exc), fatal=False)
         record: dict[str, Any] = {"round": r, "restart_count": int(store.add(self.keys.restarts, 0))}
         try:
             members = order_members(joined, self._previous_order(store, r), self.settings.node_rank is not None)
@@ -312,10 +362,10 @@ class Rendezvous:
         store.compare_set(self.keys.r(r, "closed"), "", json.dumps(record))
 
     def _enter_round(self, store: TCPStore, r: int, record: dict, started: float) -> RoundResult:
-        nodes = tuple(NodeInfo(n["node_id"], n["addr"], int(n["nproc"])) for n in record["nodes"])
+        nodes = tuple(parse_node(n) for n in record["nodes"])
         g = next(i for i, n in enumerate(nodes) if n.node_id == self.node_id)
         addr, port, hosted = self._pg_endpoint(store, r, g, nodes)
-        result = RoundResult(r, g, nodes, int(record["restart_count"]), addr, port, hosted)
+        result = RoundResult(r, g, nodes, record["restart_count"], addr, port, hosted)
         self._result = result
         waited = round(time.monotonic() - started, 3)
         log.info("round %d: group rank %d of %d nodes, world size %d", r, g, len(nodes), result.world_size)
@@ -333,6 +383,8 @@ class Rendezvous:
         """Where the ranks' process-group store is: fixed by the user, or fresh on group rank 0."""
         s = self.settings
         if s.master_port is not None:
+            if g == 0:  # rank 0 listens on it: check before any rank starts, instead of EADDRINUSE in every rank
+                self._check_master_port(store, r, s.master_port, len(nodes))
             return s.master_addr or nodes[0].addr, s.master_port, False
         key = self.keys.r(r, "pg")
         if g == 0:
@@ -350,10 +402,22 @@ class Rendezvous:
             store.set(key, json.dumps({"addr": self._master_name, "port": port}))
             return self._master_name, port, True
         store.wait([key])  # group rank 0 publishes it right after the round closed
-        pg = self._get_json(store, key)
+        pg = self._read(store, key, parse_pg, fatal=True)
         if "error" in pg:
             raise RendezvousError(pg["error"])
-        return pg["addr"], int(pg["port"]), True
+        return pg["addr"], pg["port"], True
+
+    def _check_master_port(self, store: TCPStore, r: int, port: int, nnodes: int) -> None:
+        """Raise PortInUse (one line, exit 2) if --master-port is taken here; the other NNODES-1 nodes, whose
+        ranks would wait for rank 0 in vain, are told through a stop record that gives up."""
+        why = port_in_use(port)
+        if why is None:
+            return
+        msg = (f"--master-port {port} is already in use on node {self.info.addr} ({why}); choose a free port, "
+               f"or drop --master-port to let nvrx pick a fresh one per round")
+        if nnodes > 1:
+            self._report_stop(store, r, StopKind.FAILED, {"describe": msg, "no_restart": True, "round": r})
+        raise PortInUse(msg)
 
     def _standby(self, store: TCPStore, r: int, record: dict) -> None:
         """Round R closed without us: ask it to make room, or wait for it to end."""
@@ -368,7 +432,7 @@ class Rendezvous:
 
     def _wait_standby(self, store: TCPStore, r: int, record: dict) -> None:
         """No timeout while the round lives; a round whose nodes fell silent is ended as node_left."""
-        members = [(g, NodeInfo(n["node_id"], n["addr"], int(n["nproc"]))) for g, n in enumerate(record["nodes"])]
+        members = [(g, parse_node(n)) for g, n in enumerate(record["nodes"])]
         alive = _Liveness(members, self.settings.keepalive_timeout)
         stop_key = self.keys.r(r, "stop")
         next_check = 0.0
@@ -407,9 +471,30 @@ class Rendezvous:
             store.set(self.keys.hint, str(r + 1))
         else:
             store.wait([stop_key])  # the claimer writes it right after claiming
-            rec = StopRecord.from_json(store.get(stop_key))
+            rec = self._valid_stop(store, r, claimed=True)
         self._saw_stop(store, rec)
         return rec
+
+    def _valid_stop(self, store: TCPStore, r: int, claimed: bool) -> StopRecord:
+        """Round R's stop record, waiting out a malformed one (reported, ignored) until a real one replaces it.
+
+        The first agent to claim the round overwrites whatever stands there. Once the round is CLAIMED (a
+        forger may have taken the claim too) and the value stays malformed for BAD_STOP_GRACE, nothing will
+        replace it: the job ends with one line.
+        """
+        key = self.keys.r(r, "stop")
+        backoff = _Backoff(self._closing)
+        since: float | None = None
+        while True:
+            raw = store.get(key)
+            try:
+                return parse_stop(raw)
+            except BadRecord as exc:
+                claimed = claimed or store.add(self.keys.r(r, "stop_claim"), 0) > 0
+                since = since if since is not None else time.monotonic()
+                fatal = claimed and time.monotonic() - since > BAD_STOP_GRACE
+                self._bad_record(key, raw, str(exc), fatal=fatal)
+            backoff.sleep()
 
     def _saw_stop(self, store: TCPStore, rec: StopRecord) -> None:
         """Log/emit a round's stop once per agent, and ack it for the store host's linger."""
@@ -433,7 +518,7 @@ class Rendezvous:
             backoff = _Backoff(self._closing)
             while not store.check([key]):
                 backoff.sleep()
-            rec = StopRecord.from_json(store.get(key))
+            rec = self._valid_stop(store, round, claimed=False)
             self._saw_stop(store, rec)
             return rec
 
@@ -445,7 +530,7 @@ class Rendezvous:
                 return
             self._succeeded.add(round)
             done = store.add(self.keys.r(round, "succeeded"), 1)
-            members = len(self._get_json(store, self.keys.r(round, "closed"))["nodes"])
+            members = len(self._read(store, self.keys.r(round, "closed"), parse_closed, fatal=True)["nodes"])
             if done >= members:
                 self._report_stop(store, round, StopKind.SUCCEEDED, {"nodes": members})
 

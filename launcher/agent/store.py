@@ -193,24 +193,41 @@ def verify_meta(store: TCPStore, settings: RdzvSettings, host: str, port: int, t
             f"{host}:{port} is a TCPStore but not an nvrx rendezvous (another launcher's store?); "
             f"choose a free port with --rdzv-endpoint {host}:OTHER_PORT"
         )
-    magic = store.get(MAGIC_KEY).decode()
+    magic = _meta_text(store, MAGIC_KEY, host, port)
     if magic != MAGIC_VALUE:
         raise RendezvousMismatch(
             f"the rendezvous at {host}:{port} speaks {magic!r} but this agent speaks {MAGIC_VALUE!r}; "
             "run the same nvrx version on every node"
         )
-    run_id = store.get(RUN_ID_KEY).decode()
+    run_id = _meta_text(store, RUN_ID_KEY, host, port)
     if run_id != settings.run_id:
         raise RendezvousMismatch(
             f"this agent has --rdzv-id {settings.run_id} but the rendezvous at {host}:{port} serves {run_id}; "
             "use the same --rdzv-id on every node"
         )
-    nproc = int(store.get(NPROC_KEY).decode())
+    nproc_text = _meta_text(store, NPROC_KEY, host, port)
+    nproc = int(nproc_text) if nproc_text.isdigit() else None
+    if nproc is None:
+        raise RendezvousMismatch(f"the rendezvous at {host}:{port} has a malformed {NPROC_KEY} ({nproc_text[:40]!r}); "
+                                 "another program wrote to it: choose a port only this job uses")
     if nproc != settings.nproc_per_node:
         raise RendezvousMismatch(
             f"this agent has --nproc-per-node {settings.nproc_per_node} but the job at {host}:{port} uses {nproc}; "
             "use the same --nproc-per-node on every node"
         )
+
+
+def _meta_text(store: TCPStore, key: str, host: str, port: int) -> str:
+    """A meta key as short UTF-8 text; a RendezvousMismatch line when another program wrote something else."""
+    raw = store.get(key)
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        text = None
+    if text is None or len(text) > 256:
+        raise RendezvousMismatch(f"the rendezvous at {host}:{port} has a malformed {key}; "
+                                 "another program wrote to it: choose a port only this job uses")
+    return text
 
 
 # ---------------------------------------------------------------- the public object

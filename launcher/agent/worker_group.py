@@ -27,6 +27,7 @@ from typing import Any, BinaryIO, Callable, Sequence
 import psutil
 
 from nvrx_common.process import die_with_parent
+from nvrx_common.files import open_private
 
 from launcher.agent import fork_server
 from launcher.agent.config import Std, WorkerSettings
@@ -588,8 +589,8 @@ class WorkerGroup:
         if redirect or tee:
             path = self._run_log_dir / f"attempt_{attempt}" / str(lr) / ("stdout.log" if which == Std.OUT else "stderr.log")
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                file = open(path, "wb", buffering=0)
+                # private (0600 in 0700 directories) whatever the umask: other users must not read a job's output
+                file = open(open_private(path, os.O_WRONLY | os.O_TRUNC), "wb", buffering=0)
             except OSError as exc:
                 log.warning("cannot open %s (%s); that output goes only to the failure report", path, exc)
         console = self._console[which] if shown and (tee or not redirect) else None

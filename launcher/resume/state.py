@@ -14,6 +14,7 @@ import itertools
 import json
 import logging
 import os
+import stat
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -151,6 +152,7 @@ class StateStore:
                               "or fix the path of an existing one")
         if not d.is_dir():
             raise ResumeError(f"state dir {d} is not a directory: pass a directory to --state-dir")
+        self._check_files()
         if not lock:
             return
         try:
@@ -169,6 +171,21 @@ class StateStore:
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
         self._check_writable()
+
+    def _check_files(self) -> None:
+        """The state file and its backup, where they exist, are regular files: a directory (or a FIFO, which
+        would block the read) in their place is a broken state dir the user must fix, not a corrupt file."""
+        for path in (self.state_path, self.backup_path):
+            try:
+                mode = path.stat().st_mode
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise ResumeError(f"cannot read state file {path} ({exc.strerror}): fix its permissions") from None
+            if not stat.S_ISREG(mode):
+                what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+                raise ResumeError(f"state file {path} is {what}: move it away (the run's counts are in "
+                                  f"{self.events_path.name} and the backup), or use another --state-dir")
 
     def _check_writable(self) -> None:
         probe = self.state_dir / f".probe.{os.getpid()}"

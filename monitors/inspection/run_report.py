@@ -296,7 +296,7 @@ class _ReportBuilder:
         fault_t = rd.stop_t
         if kind == "failed":
             hang = d.get(D.hang) if isinstance(d.get(D.hang), dict) else None
-            cause = self._failed_cause(d, hang)
+            cause = self._failed_cause(d, hang, stop.get(S.by_node))
             pid = d.get(D.pid)
             fault_t = rd.exits.get(pid, fault_t) if isinstance(pid, int) else fault_t
             if hang and isinstance(hang.get(HangInfo.F.t), (int, float)):
@@ -341,8 +341,10 @@ class _ReportBuilder:
         f["text"] = f"round {rd.number} stopped: {cause}; {what}"
         return f
 
-    def _failed_cause(self, d: dict[str, Any], hang: dict[str, Any] | None) -> str:
+    def _failed_cause(self, d: dict[str, Any], hang: dict[str, Any] | None, by_node: Any = None) -> str:
         D = StopDetail.F
+        if d.get(D.rank) is None and not d.get(D.describe):  # not written by an agent: say whose record it is
+            return f"a failure reported by node {by_node or '(unnamed)'} that names no rank"
         who = f"rank {d.get(D.rank)}"
         sig, code = d.get(D.signal), d.get(D.exitcode)
         if hang:

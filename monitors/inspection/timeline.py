@@ -63,8 +63,8 @@ from monitors.events import (
     AgentKilledRank, AgentSignal, AgentStart, Event, FirstHeartbeat, ForkServerFallback, ForkServerReady, FtConfig,
     HangDetected, HeartbeatStats, InprocessRankLost, JobEnd, MonitorAttach, MonitorAuthFailed, MonitorConnect,
     MonitorDied, MonitorDisconnect, MonitorExit, MonitorGaveUp, MonitorSpawned, MonitorStart, MonitorStuck,
-    MonitorTakeoverRefused, RankExit, RankKilled, RankStart, RankStuck, RankTerminated, RdzvJoin, RdzvRound,
-    RdzvStandby, RdzvStop, ResumeAttemptEnd, ResumeAttemptStart, ResumeDecision, ResumeEnd, ResumeReset,
+    MonitorTakeoverRefused, RankExit, RankKilled, RankStart, RankStuck, RankTerminated, RdzvBadRecord, RdzvJoin,
+    RdzvRound, RdzvStandby, RdzvStop, ResumeAttemptEnd, ResumeAttemptStart, ResumeDecision, ResumeEnd, ResumeReset,
     ResumeSignal, ResumeStart, ResumeStateRecovered, ResumeSubmit, SectionClose, SectionOpen, StopDetail,
     TimeoutsLoaded, TimeoutsSet, TimeoutsStateIgnored, decode_event, field_problem,
 )
@@ -491,6 +491,15 @@ class Timeline:
         if e.get(f.kind) == "node_left" and isinstance(detail, dict) and detail.get(StopDetail.F.node):
             job.left_nodes.add(str(detail[StopDetail.F.node]))
 
+    def _on_rdzv_bad_record(self, a: AgentFile, e: dict[str, Any]) -> None:
+        f = RdzvBadRecord.F
+        job = self._job_for(a, e["t"])
+        ends = e.get(f.action) == "job ends"
+        self._note(("bad_record", a.ef.path, e.get(f.key), e["t"]), e["t"], "rdzv_bad_record",
+                   f"the agent of node {a.node_id or a.ef.node} found a malformed record {e.get(f.key)} in the "
+                   f"rendezvous store ({e.get(f.problem)}): {e.get(f.action)}; another program wrote to the store",
+                   level="error" if ends else "warn", job=job.index)
+
     def _on_agent_signal(self, a: AgentFile, e: dict[str, Any]) -> None:
         f = AgentSignal.F
         job = self._job_for(a, e["t"])
@@ -757,6 +766,7 @@ AGENT_HANDLERS: dict[type[Event], Callable[..., None]] = {
     RdzvRound: Timeline._on_rdzv_round,
     RdzvStandby: Timeline._on_rdzv_standby,
     RdzvStop: Timeline._on_rdzv_stop,
+    RdzvBadRecord: Timeline._on_rdzv_bad_record,
     RankStart: Timeline._on_rank_start,
     RankExit: Timeline._on_rank_exit,
     RankStuck: Timeline._on_rank_stuck,

@@ -1,0 +1,167 @@
+"""The fault matrix's harness: run a job under a fault and check the three promises of every row.
+
+1. the job ends as documented (finishes, or one clear line and the documented exit code): each test;
+2. no work reported saved is lost: ``Ledger.assert_no_saved_work_lost`` (train.py's ledger);
+3. nothing of the job is left: no process (tagged by environment), no temp dir or Unix socket in the
+   job's own TMPDIR, no shared-memory file, no listener on the job's ports: ``FaultJob.assert_clean``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from nvrx_common.net import port_in_use
+from tests.conftest import Launcher, run_events, wait_for
+
+TRAIN = Path(__file__).with_name("train.py")
+SHM = Path("/dev/shm")
+
+
+def shm_entries() -> set[str]:
+    """nvrx's or torch's files in /dev/shm (other programs' are not ours to judge)."""
+    try:
+        return {p.name for p in SHM.iterdir() if "nvrx" in p.name or "torch" in p.name}
+    except OSError:
+        return set()
+
+
+class Ledger:
+    """train.py's ledger: "saved" once a checkpoint is durable, "resumed" at each start, "finished"."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / "ledger.jsonl"
+
+    def entries(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def saved(self) -> int:
+        return max((e["step"] for e in self.entries() if e["ev"] == "saved"), default=0)
+
+    def resumes(self) -> list[int]:
+        return [e["step"] for e in self.entries() if e["ev"] == "resumed"]
+
+    def finished(self) -> bool:
+        return any(e["ev"] == "finished" for e in self.entries())
+
+    def assert_no_saved_work_lost(self) -> None:
+        """Every start resumed from at least the newest step reported saved before it, and the checkpoint
+        on disk at the end holds at least the newest step ever reported saved."""
+        best = 0
+        for e in self.entries():
+            if e["ev"] == "resumed":
+                assert e["step"] >= best, f"resumed from step {e['step']} after step {best} was reported saved"
+            elif e["ev"] == "saved":
+                best = max(best, e["step"])
+        ckpt = self.path.with_name("ckpt.json")
+        on_disk = json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0
+        assert on_disk >= best, f"checkpoint holds step {on_disk}, step {best} was reported saved"
+
+
+class FaultJob(Launcher):
+    """`nvrx launch` (or SUBCOMMAND) processes of one matrix row, with their own short TMPDIR."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        super().__init__(tmp_path)
+        # short: Unix socket paths under it must stay below 108 bytes
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="nvf-", dir="/tmp"))
+        self.out = tmp_path / "out"
+        self.out.mkdir()
+        self.ledger = Ledger(self.out)
+        self.ports: list[int] = []
+        self._shm_before = shm_entries()
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = super().env(extra)
+        env.setdefault("TMPDIR", str(self.tmpdir))
+        return env
+
+    def train(self, steps: int, fault: str = "none") -> list[str]:
+        """The training script's part of the command line."""
+        return [str(TRAIN), str(self.out), str(steps), fault]
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.tmp_path / "nvrx_logs" / run_id
+
+    def events(self, run_id: str, prefix: str = "agent-") -> list[dict[str, Any]]:
+        return run_events(self.run_dir(run_id), prefix)
+
+    def run_inspect(self, run_id: str, *args: str) -> subprocess.CompletedProcess:
+        """`nvrx inspect` on this job's run directory (plain text unless ARGS say otherwise)."""
+        cmd = [sys.executable, "-m", "nvrx_cli.main", "inspect", str(self.run_dir(run_id)), *args]
+        return subprocess.run(cmd, cwd=self.tmp_path, env=self.env({"COLUMNS": "200"}), capture_output=True,
+                              text=True, timeout=60)
+
+    def wait_running(self, rank: int = 0, attempt: int = 0, timeout: float = 60) -> int:
+        """The pid of RANK once train.py runs its steps in ATTEMPT."""
+        path = self.out / f"running.{rank}.{attempt}"
+        assert wait_for(path.exists, timeout), f"rank {rank} did not start attempt {attempt}"
+        assert wait_for(lambda: path.read_text().strip().isdigit(), 5)
+        return int(path.read_text())
+
+    def assert_clean(self) -> None:
+        """Nothing of the job is left: processes, temp dirs and sockets, shared memory, listening ports."""
+        left = self.leftovers(wait=15.0)
+        assert left == [], f"processes left behind: {[(p.pid, p.name()) for p in left]}"
+        assert wait_for(lambda: not any(self.tmpdir.iterdir()), 5), \
+            f"left in the job's TMPDIR: {sorted(p.name for p in self.tmpdir.iterdir())}"
+        new_shm = shm_entries() - self._shm_before
+        assert not new_shm, f"shared memory left behind: {sorted(new_shm)}"
+        for port in self.ports:
+            assert wait_for(lambda: port_in_use(port) is None, 5), f"port {port} is still held"
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+@pytest.fixture
+def job(tmp_path: Path):
+    fj = FaultJob(tmp_path)
+    yield fj
+    fj.cleanup()
+
+
+def one_line(stderr: str) -> str:
+    """The job's one clear line: the last non-empty stderr line, which must not follow a traceback."""
+    assert "Traceback" not in stderr, stderr
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert lines, "nothing on stderr"
+    return lines[-1]
+
+
+def kill(proc: subprocess.Popen | int, sig: int = signal.SIGKILL) -> None:
+    pid = proc if isinstance(proc, int) else proc.pid
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def children_named(pid: int, needle: str) -> list[psutil.Process]:
+    """Live descendants of PID whose command line contains NEEDLE."""
+    found = []
+    try:
+        kids = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    for p in kids:
+        try:
+            if needle in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+

@@ -1,0 +1,146 @@
+"""Fault matrix: the rendezvous store and the job's ports (endpoint, --master-port, forged records)."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+
+import pytest
+from torch.distributed import TCPStore
+
+from tests.conftest import free_port, one_line_error, wait_for
+from tests.faults.conftest import one_line
+
+pytestmark = pytest.mark.slow
+
+
+def _client(port: int) -> TCPStore:
+    return TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+
+
+def _endpoint_args(job, run_id: str, *extra: str) -> list[str]:
+    port = free_port()
+    job.ports.append(port)
+    return ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, *extra]
+
+
+def test_garbage_stop_record_is_ignored(job):
+    """Fault: a malformed record in the store: non-JSON bytes as the running round's stop record.
+    Outcome: ignored (event rdzv_bad_record, one warning line); the job goes on and finishes, exit 0.
+    """
+    args = _endpoint_args(job, "garbage")
+    proc = job.start(*args, "--nproc-per-node", "2", *job.train(30), env={"FAULT_STEP_TIME": "0.1"})
+    job.wait_running()
+    _client(job.ports[0]).set("nvrx/garbage/r0/stop", b"\xff\x00 not json")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "malformed record nvrx/garbage/r0/stop in the rendezvous store (not JSON); ignored" in err
+    bad = [e for e in job.events("garbage") if e["ev"] == "rdzv_bad_record"]
+    assert [(e["key"], e["problem"], e["action"]) for e in bad] == [("nvrx/garbage/r0/stop", "not JSON", "ignored")]
+    assert job.ledger.finished()
+    job.ledger.assert_no_saved_work_lost()
+    job.assert_clean()
+
+
+def test_forged_round_record_ends_the_job_with_one_line(job):
+    """Fault: a forged record in the store: the next round's membership written by another program.
+    Outcome: it cannot be ignored (the round is taken): exit 1 with one line naming the key; no orphans.
+    """
+    args = _endpoint_args(job, "forged")
+    proc = job.start(*args, "--nproc-per-node", "2", "--max-restarts", "2", *job.train(30, "crash"),
+                     env={"FAULT_STEP_TIME": "0.1"})
+    job.wait_running()
+    forged = b'{"round": 1, "restart_count": 0, "nodes": [{"node_id": "evil", "addr": "10.0.0.1", "nproc": "x"}]}'
+    _client(job.ports[0]).set("nvrx/forged/r1/closed", forged)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    line = one_line(err)
+    assert "malformed record nvrx/forged/r1/closed (nproc is 'x')" in line and line.startswith("nvrx: error:")
+    bad = [e for e in job.events("forged") if e["ev"] == "rdzv_bad_record"]
+    assert bad and bad[0]["action"] == "job ends"
+    job.ledger.assert_no_saved_work_lost()
+    job.assert_clean()
+
+
+def test_stop_record_naming_no_rank_says_who_wrote_it(job):
+    """Fault: a stop record that names no rank (kind failed, empty detail), written into the store.
+    Outcome: the round restarts; the terminal and `nvrx inspect` name the node that wrote it, never "rank None".
+    """
+    args = _endpoint_args(job, "norank")
+    proc = job.start(*args, "--nproc-per-node", "1", "--max-restarts", "0", *job.train(300),
+                     env={"FAULT_STEP_TIME": "0.1"})
+    job.wait_running()
+    store = _client(job.ports[0])
+    assert store.add("nvrx/norank/r0/stop_claim", 1) == 1  # claim the round as an agent would
+    store.set("nvrx/norank/r0/stop", b'{"round":0,"kind":"failed","by_node":"intruder","detail":{},'
+                                     b'"restart_count":1,"give_up":true}')
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    assert "None" not in err, err
+    assert "node intruder reported a failure naming no rank" in err
+    res = job.run_inspect("norank")
+    assert "None" not in res.stdout and "reported by node intruder that names no rank" in res.stdout
+    job.ledger.assert_no_saved_work_lost()
+    job.assert_clean()
+
+
+def test_rendezvous_port_in_use(job):
+    """Fault: the rendezvous endpoint's port is held by another program.
+    Outcome: one line naming the port, exit 2, before any rank starts.
+    """
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        res = job.run("--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "busy",
+                      "--rdzv-conf", "join_timeout=2", *job.train(5), timeout=60)
+    one_line_error(res, str(port), "in use")
+    assert job.ledger.entries() == []
+    job.assert_clean()
+
+
+def test_master_port_in_use(job):
+    """Fault: --master-port is held by another program.
+    Outcome: checked before any rank starts: one line naming the port, exit 2 (no EADDRINUSE traceback in ranks).
+    """
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        res = job.run("--standalone", "--master-port", str(port), *job.train(5), timeout=60)
+    one_line_error(res, f"--master-port {port} is already in use")
+    assert job.ledger.entries() == []  # no rank ran
+    job.assert_clean()
+
+
+def test_unreachable_endpoint(job):
+    """Fault: the rendezvous endpoint cannot be reached (nobody answers at a non-local address).
+    Outcome: one line after the join timeout, exit 2.
+    """
+    t0 = time.monotonic()
+    res = job.run("--nnodes", "2", "--rdzv-endpoint", "192.0.2.1:29400", "--rdzv-id", "far",
+                  "--rdzv-conf", "join_timeout=2", *job.train(5), timeout=60)
+    one_line_error(res, "192.0.2.1:29400", "after")
+    assert time.monotonic() - t0 < 30
+    job.assert_clean()
+
+
+def test_store_host_lost(job):
+    """Fault: the agent hosting the rendezvous store is SIGKILLed (two agents, the other a client).
+    Outcome: the other agent ends with one line "lost the rendezvous store", exit 1; its ranks are stopped.
+    """
+    port = free_port()
+    common = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hostlost",
+              "--nproc-per-node", "1", "--term-timeout", "2"]
+    host = job.start(*common, *job.train(1000), env={"FAULT_STEP_TIME": "0.1"})
+    assert wait_for(lambda: job.run_dir("hostlost").exists(), 30)
+    other = job.start(*common, *job.train(1000), env={"FAULT_STEP_TIME": "0.1"})
+    job.wait_running(rank=1)
+    host.kill()
+    host.communicate()
+    _, err = other.communicate(timeout=120)
+    assert other.returncode == 1, err
+    assert "lost the rendezvous store" in one_line(err)
+    job.ledger.assert_no_saved_work_lost()
+    job.assert_clean()
