@@ -9,6 +9,7 @@ Nothing here reads os.environ or argv: the CLI builds a ResumeConfig (Slurm fact
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -82,6 +83,7 @@ class Outcome:
     tracked: bool = False  # a progress source is configured
     exclude: str | None = None  # node(s) to avoid if the attempt asks for different hardware
     record: dict[str, Any] = field(default_factory=dict)  # extra fields for the history entry
+    rerun: bool = False  # it exited 16 for the re-run state machine: not a restart without progress
 
 
 @dataclass(frozen=True)
@@ -155,13 +157,15 @@ def decide(state: ResumeState, outcome: Outcome, limits: Limits) -> tuple[Resume
     budget += f", failures {state.failures}" + (f"/{limits.max_failures}" if limits.max_failures else "")
     if cause == RESUME_ELSEWHERE:
         where = f" without {outcome.exclude}" if outcome.exclude else ""
+        if outcome.rerun:
+            where += f" to re-run step {outcome.record.get('rerun', {}).get('step')} (re-run state machine)"
         return state, Decision(CONTINUE, f"{ended}: resume on other hardware{where} ({budget})", new_job=True)
     return state, Decision(CONTINUE, f"{ended} ({budget})", new_job=cause == INTERRUPTED)
 
 
 def _count(state: ResumeState, outcome: Outcome, cause: str) -> ResumeState:
     no_progress, last = state.no_progress, state.last_progress
-    if outcome.tracked:
+    if outcome.tracked and not outcome.rerun:  # a re-run of one step is not a restart storm
         baseline = last if last is not None else outcome.progress_before
         if outcome.progress is not None and (baseline is None or outcome.progress > baseline):
             no_progress, last = 0, outcome.progress
@@ -317,7 +321,8 @@ class ResumeDriver:
     def _decide(self, mode: str, state: ResumeState) -> tuple[ResumeState, Decision]:
         cfg = self.cfg
         if mode == "record":
-            state, decision = decide(state, self._outcome(cfg.exit_code or 0, None, {}), cfg.limits)
+            outcome = _with_rerun(self._outcome(cfg.exit_code or 0, None, {}), state, cfg)
+            state, decision = decide(state, outcome, cfg.limits)
             return self._commit(state, decision), decision
         if mode == "stop":
             decision = Decision(GIVE_UP, STOPPED_BY_USER)
@@ -354,7 +359,8 @@ class ResumeDriver:
             code = self._run_attempt(attempt)
             extra = {"job_id": cfg.slurm.job_id, "node": cfg.slurm.node_name, "start": running["start"],
                      "seconds": round(time.monotonic() - t0, 3)}
-            state, decision = decide(state, self._outcome(code, before, extra), cfg.limits)
+            outcome = _with_rerun(self._outcome(code, before, extra), state, cfg)
+            state, decision = decide(state, outcome, cfg.limits)
             if self._signal is not None and decision.action == CONTINUE:
                 decision = Decision(CONTINUE, f"stopped by {self._signal.name}: {decision.reason}", new_job=True)
             self.events.emit(ResumeAttemptEnd(attempt=attempt, exit_code=code, cause=state.last_cause,
@@ -532,6 +538,51 @@ def _submit_event(status: str, entry: Mapping[str, Any], state: dict[str, Any] |
     return ResumeSubmit(status=status, method=entry["method"], from_job=entry.get("from_job"),
                         command=list(entry["command"]), exclude=list(entry["exclude"]), ok=entry.get("ok"),
                         job_id=entry.get("job_id"), error=entry.get("error"), state=state)
+
+
+# Written by the ranks' re-run state machine (launcher.rank.rerun.report.RESUME_RECORD) into the state dir.
+RERUN_RECORD = "rerun.json"
+_RERUN_KEYS = ("id", "step", "state", "diagnosis", "exit_code", "suspects")
+
+
+def _with_rerun(outcome: Outcome, state: ResumeState, cfg: ResumeConfig) -> Outcome:
+    """OUTCOME with the re-run state machine's record of this attempt, if it wrote one: kept in the attempt's
+    history entry (which step, which node/rank/result was suspected, the diagnosis). An exit 16 the machine
+    asked for (re-run the step on other hardware) is not counted as a restart without progress, and the node
+    to avoid is the suspected one: every rank exits 16 then, so the agents' logs cannot tell which."""
+    rec = _read_rerun_record(cfg.state_dir / RERUN_RECORD)
+    if rec is None or any(isinstance(h.get("rerun"), dict) and h["rerun"].get("id") == rec["id"]
+                          for h in state.history):
+        return outcome  # none, or an earlier attempt's
+    if rec.get("attempt") not in (None, state.attempts + 1):
+        return outcome
+    summary = {k: rec.get(k) for k in _RERUN_KEYS}
+    if rec.get("diagnosis"):
+        who = ", ".join(f"rank {s.get('rank')} on {s.get('node')}" for s in rec.get("suspects") or []
+                        if isinstance(s, dict))
+        log.warning("re-run verdict for step %s: %s (%s)", rec.get("step"), rec["diagnosis"], who or "?")
+    rerun = rec.get("exit_code") == outcome.exit_code == exit_codes.RESUME_ELSEWHERE
+    nodes = sorted({str(s.get("node")) for s in rec.get("suspects") or [] if isinstance(s, dict) and s.get("node")
+                    and is_job_node(str(s["node"]), cfg.slurm.nodelist)})
+    scope = cfg.submit.exclude_scope if cfg.submit else "node"
+    exclude = ",".join(nodes) if rerun and nodes and scope == "node" else outcome.exclude
+    return replace(outcome, record={**outcome.record, "rerun": summary}, rerun=rerun, exclude=exclude)
+
+
+def _read_rerun_record(path: Path) -> dict[str, Any] | None:
+    """The record at PATH, or None (absent, or not one: then a warning; it never stops the driver)."""
+    try:
+        if path.stat().st_size > 1 << 20:
+            raise ValueError("larger than 1 MiB")
+        rec = json.loads(path.read_text())
+        if not isinstance(rec, dict) or not isinstance(rec.get("id"), str):
+            raise ValueError("not a re-run record")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring %s: %s", path, exc)
+        return None
+    return rec
 
 
 _SNAPSHOTS = {ResumeDecision.EV: ResumeDecision.F.state, ResumeSubmit.EV: ResumeSubmit.F.state}

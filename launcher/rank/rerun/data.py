@@ -6,8 +6,9 @@ sees bitwise the same input without re-reading anything (do not modify a batch i
 draws from the global random generators (random augmentation, ``torch.randn`` in a generator) moved them
 in the first run; the iterator records the generators after each draw and a replay puts them there, so
 the rest of the step draws the same numbers as the first time (``track_rng=False`` skips that).
-Across a job boundary the batches are not saved: the resumed job's own data loader must start at the step (as any resume from that checkpoint
-does), and the machine checks it with a fingerprint of the step's batches (``fingerprint``).
+Across a job boundary the batches are not saved: the resumed job's own data loader must start at the
+step (as any resume from that checkpoint does), and the machine checks it with a fingerprint of the
+step's batches (``fingerprint``).
 """
 
 from __future__ import annotations

@@ -184,7 +184,8 @@ class RerunStateMachine:
             cp = checkpointer or ckpt.checkpointer()
             cp.async_save(state_dict, path)
             cp.finalize_before_exit()
-            log.warning("saved the checkpoint %s to re-run step %d on other hardware", path, self.current_iteration)
+            self._say(logging.WARNING, "saved the checkpoint %s to re-run step %d on other hardware", path,
+                      self.current_iteration)
         if leave:
             self.exit(code)
 
@@ -265,7 +266,7 @@ class RerunStateMachine:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take the machine back from a checkpoint (what state_dict() gave); mode ``disabled`` ignores it."""
         if self.mode is RerunMode.DISABLED:
-            log.warning("RerunStateMachine is disabled: ignoring the re-run state in the checkpoint")
+            self._say(logging.WARNING, "RerunStateMachine is disabled: ignoring the re-run state in the checkpoint")
             return
         try:
             snap = json.loads(state_dict["json"])
@@ -290,11 +291,11 @@ class RerunStateMachine:
             self._suspects, self._fingerprints, self._ckpt_rng = snap["suspects"], snap.get("fingerprints"), rng_states
             self._rng = None
             if snap.get("world_size") != rank_and_world(self.group)[1]:
-                log.warning("the checkpoint's re-run state is from %s ranks, this job has %d: the data "
-                            "fingerprints are not checked", snap.get("world_size"), rank_and_world(self.group)[1])
+                self._say(logging.WARNING, "the checkpoint's re-run state is from %s ranks, this job has %d: the "
+                          "data fingerprints are not checked", snap.get("world_size"), rank_and_world(self.group)[1])
                 self._fingerprints = None
-            log.warning("loaded the re-run state: step %d will be re-run (suspected: %s)", self.current_iteration,
-                        _who(self._suspects))
+            self._say(logging.WARNING, "loaded the re-run state: step %d will be re-run (suspected: %s)",
+                      self.current_iteration, _who(self._suspects))
 
     # ------------------------------------------------------------------ steps of the state machine
 
@@ -324,8 +325,8 @@ class RerunStateMachine:
         shared = all_gather_json({"suspect": mine, "crc": fingerprint(_batches(iters))}, self.group)
         self._suspects = [x["suspect"] for x in shared if x["suspect"] is not None]
         self._fingerprints = [int(x["crc"]) for x in shared]
-        log.warning("step %d: unexpected result on %s: re-running the step in place", self.current_iteration,
-                    _who(self._suspects))
+        self._say(logging.WARNING, "step %d: unexpected result on %s: re-running the step in place",
+                  self.current_iteration, _who(self._suspects))
         self._events().emit(RerunSuspected(step=self.current_iteration, suspects=suspect_records(self._suspects)))
         self._rewind(iters)
         self.state = RerunState.RERUNNING_IN_PLACE
@@ -352,8 +353,8 @@ class RerunStateMachine:
         self._ckpt_rng = [x for x in all_gather_json(rng.to_json(self._rng), self.group)] if self._rng else None
         self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
         self._exit = (True, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
-        log.error("step %d: the unexpected result reproduced in place on %s: saving a checkpoint and exiting "
-                  "with %d to re-run the step on other hardware", self.current_iteration, _who(self._suspects),
+        self._say(logging.ERROR, "step %d: the unexpected result reproduced in place on %s: saving a checkpoint and "
+                  "exiting with %d to re-run the step on other hardware", self.current_iteration, _who(self._suspects),
                   EXIT_CODE_RESUME_TO_DISAMBIGUATE)
         self._events().emit(RerunAttempt(step=self.current_iteration, where="in_place", reproduced=True,
                                 next="checkpoint_and_exit", suspects=suspect_records(self._suspects)))
@@ -413,8 +414,8 @@ class RerunStateMachine:
 
     def _landed_on_same_hardware(self, iters: list[RerunDataIterator]) -> bool:
         """The re-run from the checkpoint ran on a suspected node: no verdict possible; exit 16 again."""
-        log.error("step %d: re-running from the checkpoint on the suspected hardware again (%s): exiting with %d "
-                  "to be resumed elsewhere", self.current_iteration, _who(self._suspects),
+        self._say(logging.ERROR, "step %d: re-running from the checkpoint on the suspected hardware again (%s): "
+                  "exiting with %d to be resumed elsewhere", self.current_iteration, _who(self._suspects),
                   EXIT_CODE_RESUME_TO_DISAMBIGUATE)
         self._events().emit(RerunAttempt(step=self.current_iteration, where="from_checkpoint", reproduced=False,
                                 same_hardware=True, next="exit_again", suspects=suspect_records(self._suspects)))
@@ -472,7 +473,7 @@ class RerunStateMachine:
                 RerunDiagnostic.CORRECT_RESULT: "the result is correct (reproduced on other hardware): a problem of "
                                                 "the model or the data, not of the hardware"}[diagnosis]
         level = logging.ERROR if diagnosis is not RerunDiagnostic.TRANSIENT_ERROR else logging.WARNING
-        log.log(level, "step %d: %s: %s%s", self.current_iteration, _who(self._suspects), text,
+        self._say(level, "step %d: %s: %s%s", self.current_iteration, _who(self._suspects), text,
                 f"; exiting with {exit_code}" if exit_code is not None else "")
         self._events().emit(RerunVerdict(step=self.current_iteration, diagnosis=diagnosis.value, action=action,
                                 exit_code=exit_code, fatal=fatal, suspects=suspect_records(self._suspects)))
@@ -485,6 +486,11 @@ class RerunStateMachine:
             "diagnosis": diagnosis.value if diagnosis else None, "exit_code": exit_code,
             "suspects": [{k: s.get(k) for k in ("rank", "node", "device", "message", "result", "rerun_result",
                                                 "rerun_node")} for s in self._suspects]})
+
+    def _say(self, level: int, msg: str, *args: Any) -> None:
+        """Log a job-wide decision once (rank 0): every rank takes it, so every rank would say it."""
+        if self._rank() == 0:
+            log.log(level, msg, *args)
 
     def _events(self) -> Any:
         """Where this rank writes its events (rank 0: the run's rerun file; others: nowhere)."""
@@ -578,10 +584,10 @@ class RerunStateMachine:
             mean = c.total / c.count if c.count else 0.0
             self.determinism_stats[k] = {"step": self.current_iteration, "count": c.count, "nonzero": c.nonzero,
                                          "max_diff": c.max_diff, "mean_diff": mean}
-            log.info("determinism of %r up to step %d: %d comparisons, %d differed, max %.3g, mean %.3g",
-                     k, self.current_iteration, c.count, c.nonzero, c.max_diff, mean)
-            self._events().emit(RerunStats(step=self.current_iteration, message=k, count=c.count, nonzero=c.nonzero,
-                                  max_diff=c.max_diff, mean_diff=mean))
+            self._say(logging.INFO, "determinism of %r up to step %d: %d comparisons, %d differed, max %.3g, "
+                      "mean %.3g", k, self.current_iteration, c.count, c.nonzero, c.max_diff, mean)
+            self._events().emit(RerunStats(step=self.current_iteration, message=k, count=c.count,
+                                           nonzero=c.nonzero, max_diff=c.max_diff, mean_diff=mean))
 
 
 def _batches(iters: Iterable[RerunDataIterator]) -> list[Any]:

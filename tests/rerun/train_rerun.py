@@ -1,0 +1,83 @@
+"""A 2-rank gloo training loop under the re-run state machine, for tests/rerun (run under `nvrx launch`).
+
+usage: train_rerun.py WORKDIR INJECT [STEPS]
+INJECT: none | transient (rank 1's loss is NaN once, at step 3) | node (NaN at step 3 on rank 1 whenever it
+runs on the emulated node nvrx-n1) | deterministic (NaN at step 3 on rank 1 wherever it runs).
+
+Each step draws its batch (a function of rank and step, so a resumed job can start at any step) and a
+dropout mask from the global RNG. The state (model, step, machine) is saved with `ckpt` only when the
+machine asks for it. Writes WORKDIR/weights.json (rank 0: the final weights as float.hex) and
+WORKDIR/loss-<node>-<n>.json (rank 1: the clean loss of step 3 each time it is computed, as float.hex).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import ckpt
+from launcher.rank.rerun import RerunDataIterator, RerunStateMachine, is_nan_or_inf
+
+BAD_STEP = 3
+
+
+def batches(rank: int, start: int):
+    """Step k's batch: the same on every run, so a resumed loader starts at any step."""
+    k = start
+    while True:
+        yield torch.randn(16, 8, generator=torch.Generator().manual_seed(1000 * rank + k))
+        k += 1
+
+
+def main() -> None:
+    work, inject = Path(sys.argv[1]), sys.argv[2]
+    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 6
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(7)  # the same initial model on every rank
+    model = torch.nn.Linear(8, 1)
+    torch.manual_seed(100 + rank)  # the ranks' dropout masks differ
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    rsm = RerunStateMachine(mode=os.environ.get("RERUN_MODE", "validate_results"))
+    state = {"model": model, "meta": {"step": 0}, "rerun": rsm}
+    ckpt.resume(work / "ckpts", state)
+    start = state["meta"]["step"]
+    data = RerunDataIterator(batches(rank, start))
+    node = os.environ.get("SLURMD_NODENAME", "")
+    injected = []
+    for step in range(start, steps):
+        state["meta"]["step"] = step
+        while rsm.should_run_forward_backward(data):
+            opt.zero_grad()
+            x = next(data)
+            loss = (model(F.dropout(x, 0.3)) ** 2).mean()
+            if rank == 1 and step == BAD_STEP:
+                n = len(list(work.glob(f"loss-{node}-*.json")))
+                (work / f"loss-{node}-{n}.json").write_text(json.dumps(loss.item().hex()))
+                if (inject == "transient" and not injected) or (inject == "node" and node == "nvrx-n1") \
+                        or inject == "deterministic":
+                    injected.append(step)
+                    loss = loss * float("nan")
+            rsm.validate_result(loss, is_nan_or_inf, "loss is NaN or Inf", fatal=True)
+            loss.backward()
+        rsm.maybe_checkpoint_and_exit(state, work / "ckpts" / f"step_{step:04d}")
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+    if rank == 0:
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+        (work / "weights.json").write_text(json.dumps({"weights": [v.hex() for v in flat],
+                                                        "transient_errors": rsm.transient_errors,
+                                                        "verdicts": [v["diagnosis"] for v in rsm.verdicts]}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
