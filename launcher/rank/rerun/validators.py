@@ -28,6 +28,8 @@ def as_float(result: Any) -> float:
 def is_nan_or_inf(result: Any) -> bool:
     """Reject a NaN or infinite result (a loss, a gradient norm)."""
     if isinstance(result, torch.Tensor):
+        if result.numel() == 1:  # the usual case (a loss): item() is several times cheaper than isfinite().all()
+            return not math.isfinite(result.item())
         return not bool(torch.isfinite(result).all())
     return not math.isfinite(result)
 
