@@ -67,7 +67,10 @@ class RankMonitorGroup:
         self.term_grace = term_grace  # a hung rank ignoring a non-SIGKILL termination signal is killed after this
         self.events_dir = run_log_dir
         self.node = f"{node_name}-{os.getpid()}"
-        self.private = Path(tempfile.mkdtemp(prefix="nvrx-mon-"))  # 0700 by mkdtemp
+        # Named here (the ranks' environment needs it), made 0700 by the monitors themselves: an agent killed
+        # before it started them leaves nothing behind, and after that the last monitor out removes it.
+        # The name is unguessable, and a monitor refuses a directory another user made (ensure_private_dir).
+        self.private = Path(tempfile.gettempdir()) / f"nvrx-mon-{secrets.token_hex(8)}"
         self.tokens = [secrets.token_hex(16) for _ in range(nproc)]
         self.procs: list[subprocess.Popen | None] = [None] * nproc
         self.pidfds: dict[int, int] = {}  # pidfd -> local rank

@@ -3,7 +3,8 @@
 1. the job ends as documented (finishes, or one clear line and the documented exit code): each test;
 2. no work reported saved is lost: ``Ledger.assert_no_saved_work_lost`` (train.py's ledger);
 3. nothing of the job is left: no process (tagged by environment), no temp dir or Unix socket in the
-   job's own TMPDIR, no shared-memory file, no listener on the job's ports: ``FaultJob.assert_clean``.
+   job's own TMPDIR, no shared-memory file its processes used, no listener on the job's ports:
+   ``FaultJob.assert_clean``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +24,46 @@ import psutil
 import pytest
 
 from nvrx_common.net import port_in_use
-from tests.conftest import Launcher, run_events, wait_for
+from tests.conftest import Launcher, run_events, tagged_processes, wait_for
 
 TRAIN = Path(__file__).with_name("train.py")
 SHM = Path("/dev/shm")
 
 
-def shm_entries() -> set[str]:
-    """nvrx's or torch's files in /dev/shm (other programs' are not ours to judge)."""
-    try:
-        return {p.name for p in SHM.iterdir() if "nvrx" in p.name or "torch" in p.name}
-    except OSError:
-        return set()
+TORCH_CACHES = ("torchinductor_",)  # torch's compile cache under TMPDIR: meant to outlive jobs
+
+
+def shm_paths(procs: list[psutil.Process]) -> set[str]:
+    """The files under /dev/shm that PROCS hold open or mapped (other tests' shm is not this job's)."""
+    found: set[str] = set()
+    for p in procs:
+        try:
+            paths = [f.path for f in p.open_files()] + [m.path for m in p.memory_maps(grouped=True)]
+        except (psutil.Error, OSError):
+            continue
+        found.update(x.split(" (deleted)")[0] for x in paths if x.startswith(str(SHM) + "/"))
+    return found
+
+
+class ShmWatch:
+    """Samples, while the job runs, the shared-memory files its processes use, so that the end of the job can
+    be checked for exactly those (a concurrent test's /dev/shm files are not this job's leftovers)."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shm-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.3):
+            self.seen |= shm_paths(tagged_processes(self.token))
+
+    def stop(self) -> set[str]:
+        self._stop.set()
+        self._thread.join(5)
+        return self.seen
 
 
 class Ledger:
@@ -81,7 +111,12 @@ class FaultJob(Launcher):
         self.out.mkdir()
         self.ledger = Ledger(self.out)
         self.ports: list[int] = []
-        self._shm_before = shm_entries()
+        self._shm: ShmWatch | None = None
+
+    def start(self, *args: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+        if self._shm is None:
+            self._shm = ShmWatch(self.token)
+        return super().start(*args, env=env, **kw)
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = super().env(extra)
@@ -115,14 +150,19 @@ class FaultJob(Launcher):
         """Nothing of the job is left: processes, temp dirs and sockets, shared memory, listening ports."""
         left = self.leftovers(wait=15.0)
         assert left == [], f"processes left behind: {[(p.pid, p.name()) for p in left]}"
-        assert wait_for(lambda: not any(self.tmpdir.iterdir()), 5), \
-            f"left in the job's TMPDIR: {sorted(p.name for p in self.tmpdir.iterdir())}"
-        new_shm = shm_entries() - self._shm_before
-        assert not new_shm, f"shared memory left behind: {sorted(new_shm)}"
+        assert wait_for(lambda: not self._tmp_left(), 5), f"left in the job's TMPDIR: {self._tmp_left()}"
+        used = self._shm.stop() if self._shm is not None else set()
+        left_shm = sorted(p for p in used if os.path.exists(p))
+        assert not left_shm, f"shared memory left behind: {left_shm}"
         for port in self.ports:
             assert wait_for(lambda: port_in_use(port) is None, 5), f"port {port} is still held"
 
+    def _tmp_left(self) -> list[str]:
+        return sorted(p.name for p in self.tmpdir.iterdir() if not p.name.startswith(TORCH_CACHES))
+
     def cleanup(self) -> None:
+        if self._shm is not None:
+            self._shm.stop()
         super().cleanup()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 

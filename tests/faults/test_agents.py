@@ -1,0 +1,86 @@
+"""Fault matrix: faults of an agent or a node (SIGKILL, killed during start-up, node lost, preemption signals)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.conftest import free_port, wait_for
+from tests.faults.conftest import children_named, kill
+
+pytestmark = pytest.mark.slow
+
+
+def test_agent_sigkilled(job):
+    """Fault: the agent is SIGKILLed while its ranks train.
+    Outcome: its ranks, fork server and monitors die with it (parent-death signal); nothing is left. Resume it.
+    """
+    proc = job.start("--nproc-per-node", "2", *job.train(1000), env={"FAULT_STEP_TIME": "0.1"})
+    job.wait_running(rank=1)
+    assert wait_for(lambda: children_named(proc.pid, "monitors.rank_monitor"), 30)
+    kill(proc)
+    proc.wait()
+    job.ledger.assert_no_saved_work_lost()
+    job.assert_clean()
+
+
+def test_agent_sigkilled_during_start_up(job):
+    """Fault: the agent is SIGKILLed during start-up (in its first second, before any rank runs).
+    Outcome: nothing is left: no process, and no empty monitor directory in TMPDIR.
+    """
+    proc = job.start("--nproc-per-node", "2", "--rdzv-id", "early", *job.train(5))
+    # the agent is up: it started its fork server (which is still importing torch; no rank exists yet)
+    assert wait_for(lambda: children_named(proc.pid, "launcher.agent.fork_server"), 30)
+    kill(proc)
+    proc.wait()
+    assert job.ledger.entries() == []
+    job.assert_clean()
+
+
+def test_node_lost_elastic(job):
+    """Fault: one node of an elastic (--nnodes 1:2) job is lost (its agent SIGKILLed).
+    Outcome: the other node notices (keepalive), goes on alone from the last checkpoint and finishes, exit 0.
+    """
+    port = free_port()
+    job.ports.append(port)
+    common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", "elastic", "--max-restarts", "2",
+              "--rdzv-conf", "last_call_timeout=2,keepalive_interval=0.2,keepalive_timeout=1"]
+    env = {"FAULT_STEP_TIME": "0.05"}
+    host = job.start(*common, *job.train(60), env=env)
+    assert wait_for(lambda: any(e["ev"] == "rdzv_join" for e in job.events("elastic")), 30)
+    other = job.start(*common, *job.train(60), env=env)  # joins round 0, or asks it to make room (scale_up)
+    job.wait_running(rank=1)
+    kill(other)
+    other.wait()
+    _, err = host.communicate(timeout=120)
+    assert host.returncode == 0, err
+    assert "restarting the job (restart 1)" in err  # node left, or its peer's collective failed first
+    worlds = [e["world_size"] for e in job.events("elastic") if e["ev"] == "rdzv_round"]
+    assert 2 in worlds and worlds[-1] == 1  # (round 0 may have closed with one node, then scaled up)
+    assert job.ledger.finished()
+    job.ledger.assert_no_saved_work_lost()
+    job.assert_clean()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["sigterm", "sigusr1"])
+def test_preemption_signal(job, sig):
+    """Fault: preemption: SIGTERM or SIGUSR1 (Slurm's --signal) reaches the agent.
+    Outcome: ranks agree on one step, save it and exit; the agent exits 128+signal (143, 138); the next
+    launch resumes from that step and finishes.
+    """
+    args = ["--nproc-per-node", "2", "--term-timeout", "10", *job.train(60, "graceful")]
+    proc = job.start(*args, env={"FAULT_STEP_TIME": "0.05"})
+    for rank in (0, 1):
+        job.wait_running(rank=rank)  # past job_control.install(): the signal is a stop request, not a kill
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err
+    stopped_at = job.ledger.saved()
+    assert 0 < stopped_at < 60 and not job.ledger.finished()
+    again = job.run(*args, env={"FAULT_STEP_TIME": "0.01"}, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert job.ledger.resumes()[-1] == stopped_at and job.ledger.finished()
+    job.ledger.assert_no_saved_work_lost()
+    job.assert_clean()
