@@ -57,7 +57,8 @@ def test_node_lost_elastic(job):
     _, err = host.communicate(timeout=120)
     assert host.returncode == 0, err
     assert "restarting the job (restart 1)" in err  # node left, or its peer's collective failed first
-    worlds = [e["world_size"] for e in job.events("elastic") if e["ev"] == "rdzv_round"]
+    rounds = sorted((e["t"], e["world_size"]) for e in job.events("elastic") if e["ev"] == "rdzv_round")
+    worlds = [w for _, w in rounds]
     assert 2 in worlds and worlds[-1] == 1  # (round 0 may have closed with one node, then scaled up)
     assert job.ledger.finished()
     job.ledger.assert_no_saved_work_lost()
