@@ -65,7 +65,8 @@ def test_forged_round_record_ends_the_job_with_one_line(job):
 
 def test_stop_record_naming_no_rank_says_who_wrote_it(job):
     """Fault: a stop record that names no rank (kind failed, empty detail), written into the store.
-    Outcome: the round restarts; the terminal and `nvrx inspect` name the node that wrote it, never "rank None".
+    Outcome: the job ends as the record says (give_up: exit 1); the terminal and `nvrx inspect` name the node
+    that wrote it, never "rank None".
     """
     args = _endpoint_args(job, "norank")
     proc = job.start(*args, "--nproc-per-node", "1", "--max-restarts", "0", *job.train(300),
