@@ -15,12 +15,19 @@ This is the whole loop::
 Every rank runs the same calls. Saves go through ``AsyncCheckpointer`` (DCP format; the writer process is the
 one ``nvrx launch --async-ckpt`` started with the rank). A checkpoint is named ``step_<steps done>``; the newest
 complete one is what ``resume`` loads, and ``keep_last`` older ones are kept next to it.
+
+Publishing a save (agreeing that every rank's files are durable, writing the metadata, fsyncs, the rename)
+costs tens of milliseconds; done by the training thread every few steps it would cost percents of the run.
+So it runs on a background thread, with its collectives on a process group of its own (training's collectives
+on the default group go on meanwhile), and only one save is in flight at a time: the training thread touches
+the checkpointer only while that thread is idle.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,13 +51,15 @@ class PeriodicCheckpointer:
     STATE: more values to save and restore (tensors are loaded in place, other values replaced in the dict).
     KEEP_LAST, PROCESS_GROUP, FILES_PER_RANK: as ``AsyncCheckpointer``; CHECKPOINTER: use this one instead.
     VERIFY: how ``resume`` checks a checkpoint before loading it ("full": checksums, "sizes", None).
+    BACKGROUND: publish saves on a background thread (needs an initialised process group; the constructor is then
+    collective, it creates a gloo group for the checkpoint's own collectives). False: ``step`` publishes inline.
     """
 
     def __init__(self, root: str | os.PathLike, *, model: Any = None, optimizer: Any = None,
                  state: dict[str, Any] | None = None, every_steps: int | None = None,
                  every_seconds: float | None = None, keep_last: int | None = 2, process_group: Any = None,
                  files_per_rank: int = 1, checkpointer: AsyncCheckpointer | None = None,
-                 verify: str | None = "full") -> None:
+                 verify: str | None = "full", background: bool = True) -> None:
         if every_steps is None and every_seconds is None:
             raise ValueError("give every_steps, every_seconds or both")
         if every_steps is not None and every_steps < 1:
@@ -64,8 +73,16 @@ class PeriodicCheckpointer:
         self.root = Path(os.path.abspath(root))
         self.model, self.optimizer, self.state = model, optimizer, state
         self.every_steps, self.every_seconds, self.verify = every_steps, every_seconds, verify
-        self.checkpointer = checkpointer or AsyncCheckpointer(process_group=process_group, keep_last=keep_last,
-                                                              files_per_rank=files_per_rank)
+        self.process_group = process_group  # where the ranks agree on when to save (the training thread's group)
+        self._finalizer: _Finalizer | None = None
+        if checkpointer is None:
+            group = process_group
+            if background and _distributed():
+                group = _own_group(process_group)
+            checkpointer = AsyncCheckpointer(process_group=group, keep_last=keep_last, files_per_rank=files_per_rank)
+            if background and _distributed():
+                self._finalizer = _Finalizer(checkpointer)
+        self.checkpointer = checkpointer
         self.last_saved: int | None = None  # steps done in the newest save started (or resumed from)
         self._last_save_time = time.monotonic()
         self._due = False  # a save fell due and waits for the previous one to be published
@@ -113,18 +130,35 @@ class PeriodicCheckpointer:
 
         Collective: every rank calls it for every step.
         """
-        self.checkpointer.maybe_finalize()
+        if self._finalizer is None:
+            self.checkpointer.maybe_finalize()
+        elif not self._finalizer.idle():  # (raises the reason if publishing the last save failed)
+            return self._defer(step)
         if not self._prepared and self._optimizer_ready():  # reserve staging now: the first save is warm
             self.checkpointer.prepare(self._state_dict())
             self._prepared = True
         done = self._done = step + 1
         if self._falls_due(done):
             self._due = True
-        if not self._due or self.checkpointer.pending:
+        if not self._due or not self._all_idle():
             return False
         self.save(done)
         return True
 
+    def _defer(self, step: int) -> bool:
+        """STEP while this rank still publishes the last save: note a save falling due, take the same collectives."""
+        done = self._done = step + 1
+        if self._falls_due(done):
+            self._due = True
+        if self._due:
+            self._all_idle()  # answers False (this rank is busy), but every rank must take part
+        return False
+
+    def _all_idle(self) -> bool:
+        """Nothing in flight on any rank, the same answer everywhere (inline publishing: pending counts agree)."""
+        if self._finalizer is None:
+            return not self.checkpointer.pending
+        return not self._any_rank(not self._finalizer.idle())
     def _optimizer_ready(self) -> bool:
         """The optimizer holds state (it has stepped): its state dict can be built without initialising it."""
         return self.optimizer is None or bool(self.optimizer.state)
@@ -145,7 +179,7 @@ class PeriodicCheckpointer:
         if not (dist.is_available() and dist.is_initialized()):
             return flag
         value = torch.tensor([int(flag)], dtype=torch.int32)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.checkpointer.process_group)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.process_group)
         return bool(value.item())
 
     def save(self, done: int) -> None:
@@ -155,6 +189,14 @@ class PeriodicCheckpointer:
         self.checkpointer.async_save(state, self.root / f"step_{done:09d}")
         self.last_saved, self._due = done, False
         self._last_save_time = time.monotonic()
+        if self._finalizer is not None:
+            self._finalizer.start()
+
+    def wait(self) -> None:
+        """Block until the save in flight is published (collective)."""
+        if self._finalizer is not None:
+            self._finalizer.join()
+        self.checkpointer.wait()
 
     def _state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {STEP_KEY: -1}
@@ -174,7 +216,56 @@ class PeriodicCheckpointer:
 
         Call it before the rank exits.
         """
+        self.wait()
         if self._due:
-            self.checkpointer.wait()
             self.save(self._done)
+            self.wait()
         self.checkpointer.finalize_before_exit()
+
+
+class _Finalizer:
+    """Publishes the one save in flight on a background thread; its failure is raised in the training thread."""
+
+    def __init__(self, checkpointer: AsyncCheckpointer) -> None:
+        self.checkpointer = checkpointer
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="nvrx-ckpt-publish", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.checkpointer.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            self._error = exc
+
+    def idle(self) -> bool:
+        """True when no save is being published; raises what made the last one fail."""
+        if self._thread is not None and self._thread.is_alive():
+            return False
+        self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return True
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        self.idle()
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _own_group(process_group: Any) -> Any:
+    """A gloo group over the same ranks, for the checkpoint's collectives (collective: every rank creates it)."""
+    import torch.distributed as dist
+
+    ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+    return dist.new_group(ranks=ranks, backend="gloo")

@@ -48,7 +48,7 @@ def main() -> None:
         opt.step()
         saver.step(step)
         if attempt == 0 and step == crash_at:
-            saver.checkpointer.wait()
+            saver.wait()
             saver.save(step + 1)  # in flight when the rank dies: never complete
             dist.barrier()
             if rank == 1:
