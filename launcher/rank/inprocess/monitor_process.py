@@ -35,10 +35,15 @@ from typing import Any
 from launcher.rank.inprocess.progress import SLOT_DIR_PREFIX
 from launcher.rank.inprocess.store import first_line
 from monitors.control import LineBuffer, MonitorProtocolError, encode
+from nvrx_common.errors import NvrxError
 
 log = logging.getLogger("launcher.rank.inprocess.monitor_process")
 
 READY_TIMEOUT = 60.0
+
+
+class MonitorNotReady(NvrxError, RuntimeError):
+    """The monitor process did not report ready in time (it may be stuck on a lock copied by the fork)."""
 _RESET_SIGNALS = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT")
 
 
@@ -79,13 +84,14 @@ class InprocessMonitorProcess:
             _send(self._cmd, message)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
-        """Block until the monitor process connected to the store; RuntimeError with its reason if it failed."""
+        """Block until the monitor process connected to the store; RuntimeError with its reason if it failed
+        (MonitorNotReady if it only did not answer in time)."""
         assert self._replies is not None
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RuntimeError(f"the in-process monitor process did not start within {timeout:g} s")
+                raise MonitorNotReady(f"the in-process monitor process did not start within {timeout:g} s")
             ready, _, _ = select.select([self._replies.fd], [], [], min(left, 1.0))
             if not ready:
                 continue

@@ -34,13 +34,14 @@ from launcher.rank.inprocess.exceptions import (ConfigurationError, HealthCheckE
                                                 RestartInterrupt, StoreUnavailable, swallow_location)
 from launcher.rank.inprocess.interruption import InterruptGate
 from launcher.rank.inprocess.log_setup import set_context
-from launcher.rank.inprocess.monitor_process import InprocessMonitorProcess
+from launcher.rank.inprocess.monitor_process import READY_TIMEOUT as MONITOR_READY_TIMEOUT
+from launcher.rank.inprocess.monitor_process import InprocessMonitorProcess, MonitorNotReady
 from launcher.rank.inprocess.monitor_thread import InprocessMonitorThread
 from launcher.rank.inprocess.progress import ProgressRecorder
 from launcher.rank.inprocess.rank_assignment import RankAssignmentCtx, RankDiscarded
 from launcher.rank.inprocess.settings import RestartSettings
 from launcher.rank.inprocess.state import Mode, State, as_state
-from launcher.rank.inprocess.store import StoreMixin, TCPStore, first_line
+from launcher.rank.inprocess.store import PREFIX, StoreMixin, TCPStore, first_line
 from nvrx_common.errors import NvrxError
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,11 @@ _sessions = itertools.count()
 _active = threading.local()
 ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
 LINGER_TIMEOUT = 30.0  # how long a store-hosting rank waits for the others to read the final decision
+
+
+def _previous_session(session: str) -> str | None:
+    """The name of the previous top-level call's session (sessions are numbered per process), if any."""
+    return str(int(session) - 1) if session.isdigit() and int(session) > 0 else None
 
 
 def active_session() -> "RestartSession | None":
@@ -148,7 +154,7 @@ class RestartSession:
         self.store = self._make_store()
         # Forked before the Wrapper's own threads start (see monitor_process).
         logfile = _logfile(settings.monitor_process_logfile, self.rank)
-        self.monitor_process = InprocessMonitorProcess(self._monitor_config(), logfile).start()
+        self.monitor_process = self._start_monitor_process(logfile)
         self._write_pidfile()
         self.recorder.start()
         try:
@@ -162,10 +168,28 @@ class RestartSession:
         self.call_wrapper = CallWrapper(self.gate, self.recorder)
         self.call_wrapper.state = self.state
         self._make_current()
-        try:
-            self.monitor_process.wait_ready()
-        except RuntimeError as exc:
-            raise InprocessError(str(exc)) from None
+
+    def _start_monitor_process(self, logfile: str | None) -> InprocessMonitorProcess:
+        """Fork the monitor process and wait until it is connected to the store, before our threads start.
+
+        A fork copies the locks other threads of the process hold at that moment (a user's data loader,
+        the previous call's leftovers), and a child can block on one for ever: a child that is not ready in
+        a quarter of the allowed time is killed and forked again, once.
+        """
+        first_try = MONITOR_READY_TIMEOUT / 4
+        for timeout in (first_try, MONITOR_READY_TIMEOUT - first_try):
+            process = InprocessMonitorProcess(self._monitor_config(), logfile).start()
+            try:
+                process.wait_ready(timeout)
+                return process
+            except MonitorNotReady:
+                log.warning("the in-process monitor process was not ready in %g s; starting it again", timeout)
+                process.stop(timeout=0)
+                last = f"the in-process monitor process did not start within {MONITOR_READY_TIMEOUT:g} s"
+            except RuntimeError as exc:
+                process.stop(timeout=0)
+                raise InprocessError(str(exc)) from None
+        raise InprocessError(last)
 
     def _make_store(self) -> StoreMixin:
         settings = self.settings
@@ -190,7 +214,35 @@ class RestartSession:
         if "_factory_kwargs" not in vars(store):
             store._factory_kwargs = kwargs
         store.use_session(self.session)
-        return store
+        return self._past_the_previous_server(store, kwargs)
+
+    def _past_the_previous_server(self, store: StoreMixin, kwargs: dict[str, Any]) -> StoreMixin:
+        """A connection to this call's store, not to the previous call's.
+
+        A store hosted by a rank listens on the same port in consecutive calls of the wrapped function, and
+        its host closes the previous call's server only after every rank has left that call: a rank starting
+        the next call at once may reach the closing server. That one still holds the previous call's keys (a
+        new server is empty), so connect again until the new one answers.
+        """
+        previous = _previous_session(self.session)
+        if previous is None or getattr(store, "_hosting", False) or not getattr(store, "rank_hosted", False):
+            return store
+        stale_key = f"{PREFIX}/{previous}/left"
+        deadline = time.monotonic() + LINGER_TIMEOUT
+        while time.monotonic() < deadline:
+            try:
+                if not store.check([stale_key]):  # type: ignore[attr-defined]
+                    return store
+            except Exception:
+                log.debug("the previous call's store closed while checking it", exc_info=True)
+            time.sleep(0.02)
+            try:
+                store = self.settings.store_factory(**kwargs)
+            except Exception as exc:
+                raise StoreUnavailable(f"could not open the in-process restart store ({first_line(exc)})") from None
+            store.use_session(self.session)
+        raise StoreUnavailable(f"the in-process restart store at {store.describe()} still serves the previous call "
+                               f"after {LINGER_TIMEOUT:g} s; its host (rank 0) did not start this call's store")
 
     def _monitor_config(self) -> dict[str, Any]:
         settings = self.settings

@@ -259,6 +259,8 @@ class TCPStore(StoreMixin, dist.TCPStore):
             host_rank = 0 if tcp_store_host_rank is None else int(tcp_store_host_rank)
             is_master = not use_agent_store and _env_int(env, "RANK") == host_rank
         self._factory_kwargs = {"host_name": host, "port": port, "timeout": float(timeout)}
+        # a rank (not an agent) runs the server: it is replaced between calls of the wrapped function
+        self.rank_hosted = not use_agent_store
         self.host_name = host
         td = datetime.timedelta(seconds=timeout)
         if is_master:
