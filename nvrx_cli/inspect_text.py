@@ -148,18 +148,19 @@ def _rerun_suspected(e: _Fields) -> str:
 
 
 _RERUN_WHERE = {"in_place": "in place", "from_checkpoint": "from the checkpoint"}
-_RERUN_NEXT = {"verdict": "", "checkpoint_and_exit": ": saving a checkpoint and exiting 16 to re-run it on other hardware",
-               "exit_again": ": it ran on the suspected hardware again, exiting 16 again"}
+_RERUN_NEXT = {"verdict": "",
+               "checkpoint_and_exit": ": saving a checkpoint and exiting 16 to re-run it on other hardware",
+               "exit_again": ": no verdict possible, exiting 16 again"}
 
 
 def _rerun_attempt(e: _Fields) -> str:
     f = RerunAttempt.F
     where = _RERUN_WHERE.get(e[f.where], e[f.where])
-    how = "reproduced" if e.get(f.reproduced) else "did not reproduce"
+    how = "reproduced the result" if e.get(f.reproduced) else "did not reproduce the result"
     if e.get(f.same_hardware):
-        how = "gave no answer"
+        how = "ran on the suspected hardware again"
     nxt = _RERUN_NEXT.get(e[f.next], f": next {e[f.next]}")
-    return f"re-run: step {e[f.step]} re-run {where} {how} the result ({_suspects(e.get(f.suspects))}){nxt}"
+    return f"re-run: step {e[f.step]} re-run {where} {how} ({_suspects(e.get(f.suspects))}){nxt}"
 
 
 _RERUN_DIAGNOSIS = {"transient_error": "transient error (not reproduced in place; training goes on)",

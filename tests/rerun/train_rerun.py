@@ -1,8 +1,9 @@
 """A 2-rank gloo training loop under the re-run state machine, for tests/rerun (run under `nvrx launch`).
 
 usage: train_rerun.py WORKDIR INJECT [STEPS]
-INJECT: none | transient (rank 1's loss is NaN once, at step 3) | node (NaN at step 3 on rank 1 whenever it
-runs on the emulated node nvrx-n1) | deterministic (NaN at step 3 on rank 1 wherever it runs).
+INJECT: none | node (rank 0's loss is NaN once at step 1: a transient fault; then NaN at step 3 on rank 1
+whenever it runs on the emulated node nvrx-n1) | deterministic (the same, but the NaN at step 3 wherever
+rank 1 runs).
 
 Each step draws its batch (a function of rank and step, so a resumed job can start at any step) and a
 dropout mask from the global RNG. The state (model, step, machine) is saved with `ckpt` only when the
@@ -25,6 +26,7 @@ import ckpt
 from launcher.rank.rerun import RerunDataIterator, RerunStateMachine, is_nan_or_inf
 
 BAD_STEP = 3
+GLITCH_STEP = 1
 
 
 def batches(rank: int, start: int):
@@ -50,19 +52,20 @@ def main() -> None:
     start = state["meta"]["step"]
     data = RerunDataIterator(batches(rank, start))
     node = os.environ.get("SLURMD_NODENAME", "")
-    injected = []
+    glitched = []
     for step in range(start, steps):
         state["meta"]["step"] = step
         while rsm.should_run_forward_backward(data):
             opt.zero_grad()
             x = next(data)
             loss = (model(F.dropout(x, 0.3)) ** 2).mean()
+            if inject != "none" and rank == 0 and step == GLITCH_STEP and not glitched:
+                glitched.append(step)            # once per process: the in-place re-run does not see it
+                loss = loss * float("nan")
             if rank == 1 and step == BAD_STEP:
                 n = len(list(work.glob(f"loss-{node}-*.json")))
                 (work / f"loss-{node}-{n}.json").write_text(json.dumps(loss.item().hex()))
-                if (inject == "transient" and not injected) or (inject == "node" and node == "nvrx-n1") \
-                        or inject == "deterministic":
-                    injected.append(step)
+                if (inject == "node" and node == "nvrx-n1") or inject == "deterministic":
                     loss = loss * float("nan")
             rsm.validate_result(loss, is_nan_or_inf, "loss is NaN or Inf", fatal=True)
             loss.backward()
