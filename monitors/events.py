@@ -765,12 +765,13 @@ class RerunVerdict(Event):
 class RerunStats(Event):
     """Determinism statistics (mode report_determinism_stats): each step ran twice; the relative differences."""
 
-    step: int                             # the last step counted
+    step: int                             # the last step counted (the report covers stats_interval steps)
     message: str                          # the validate_result message the numbers are for
     count: int                            # comparisons over all ranks
     nonzero: int                          # how many differed at all
     max_diff: float
     mean_diff: float
+    buckets: dict[str, int] | None = None  # how many differences fell in each range ("0", "<1e-9", ...)
 
 
 # ================================================================ writer

@@ -179,8 +179,10 @@ def _rerun_verdict(e: _Fields) -> str:
 def _rerun_stats(e: _Fields) -> str:
     f = RerunStats.F
     num = lambda v: f"{v:g}" if isinstance(v, (int, float)) else str(v)  # noqa: E731
+    buckets = e.get(f.buckets)
+    spread = (" (" + ", ".join(f"{k}: {v}" for k, v in buckets.items()) + ")") if isinstance(buckets, dict) else ""
     return (f"re-run determinism up to step {e[f.step]}: {e[f.message]!r}: {e[f.count]} comparisons, {e[f.nonzero]} "
-            f"differed, max relative difference {num(e.get(f.max_diff))}, mean {num(e.get(f.mean_diff))}")
+            f"differed, max relative difference {num(e.get(f.max_diff))}, mean {num(e.get(f.mean_diff))}{spread}")
 
 
 # The sentence of each re-run state machine record (the backend's levels: timeline.RERUN_LEVEL).

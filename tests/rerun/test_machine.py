@@ -101,11 +101,12 @@ def test_determinism_stats_run_every_step_twice():
     for step in range(4):
         while rsm.should_run_forward_backward(None):
             passes.append(step)
-            noise = 1e-9 * len(passes) if step == 2 else 0.0   # step 2 differs between its two runs
+            noise = 1e-10 * len(passes) if step == 2 else 0.0  # step 2 differs between its two runs
             rsm.validate_result(torch.tensor(1.0 + noise, dtype=torch.float64), is_nan_or_inf, "loss")
     assert passes == [0, 0, 1, 1, 2, 2, 3, 3]
     stats = rsm.determinism_stats["loss"]
     assert (stats["count"], stats["nonzero"]) == (4, 1) and 0 < stats["max_diff"] < 1e-8
+    assert stats["buckets"] == {"0": 3, "<1e-9": 1} and stats["steps"] == [0, 3]
 
 
 def test_disabled_mode_only_checks():

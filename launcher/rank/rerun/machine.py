@@ -63,6 +63,11 @@ class _Call:
     fatal: bool
 
 
+# The distribution of relative differences (report_determinism_stats): bucket name -> its upper bound.
+BUCKETS: tuple[tuple[str, float], ...] = (("0", 0.0), ("<1e-12", 1e-12), ("<1e-9", 1e-9), ("<1e-6", 1e-6),
+                                         ("<1e-3", 1e-3), (">=1e-3", math.inf))
+
+
 @dataclass
 class _Stat:
     """Determinism statistics of one validate_result message (mode report_determinism_stats)."""
@@ -71,12 +76,30 @@ class _Stat:
     nonzero: int = 0
     max_diff: float = 0.0
     total: float = 0.0
+    buckets: dict[str, int] | None = None
 
     def add(self, diff: float) -> None:
         self.count += 1
         self.nonzero += diff != 0.0
-        self.max_diff = max(self.max_diff, diff)
+        self.max_diff = max(self.max_diff, diff if math.isfinite(diff) else 1e308)
         self.total += diff if math.isfinite(diff) else 0.0
+        name = next((b for b, bound in BUCKETS if (diff <= bound if bound == 0.0 else diff < bound)), ">=1e-3")
+        self.buckets = self.buckets or {}
+        self.buckets[name] = self.buckets.get(name, 0) + 1
+
+    def merge(self, other: dict[str, Any]) -> None:
+        """Add another rank's statistics (as to_json() gave them)."""
+        self.count += int(other["count"])
+        self.nonzero += int(other["nonzero"])
+        self.max_diff = max(self.max_diff, float(other["max_diff"]))
+        self.total += float(other["total"])
+        self.buckets = self.buckets or {}
+        for name, n in other["buckets"].items():
+            self.buckets[name] = self.buckets.get(name, 0) + int(n)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"count": self.count, "nonzero": self.nonzero, "max_diff": self.max_diff, "total": self.total,
+                "buckets": self.buckets or {}}
 
 
 class RerunStateMachine:
@@ -571,23 +594,24 @@ class RerunStateMachine:
         self._values.clear()
         if (self.current_iteration + 1) % self.stats_interval:
             return
-        mine = {k: [s.count, s.nonzero, s.max_diff if math.isfinite(s.max_diff) else 1e308, s.total]
-                for k, s in self._stats.items()}
         combined: dict[str, _Stat] = {}
-        for ranks in all_gather_json(mine, self.group):
-            for k, (count, nonzero, mx, total) in ranks.items():
-                c = combined.setdefault(k, _Stat())
-                c.count, c.nonzero = c.count + count, c.nonzero + nonzero
-                c.max_diff, c.total = max(c.max_diff, mx), c.total + total
+        for ranks in all_gather_json({k: st.to_json() for k, st in self._stats.items()}, self.group):
+            for k, st in ranks.items():
+                combined.setdefault(k, _Stat()).merge(st)
         self._stats = {}
+        first = self.current_iteration + 1 - self.stats_interval
         for k, c in sorted(combined.items()):
             mean = c.total / c.count if c.count else 0.0
-            self.determinism_stats[k] = {"step": self.current_iteration, "count": c.count, "nonzero": c.nonzero,
-                                         "max_diff": c.max_diff, "mean_diff": mean}
-            self._say(logging.INFO, "determinism of %r up to step %d: %d comparisons, %d differed, max %.3g, "
-                      "mean %.3g", k, self.current_iteration, c.count, c.nonzero, c.max_diff, mean)
+            buckets = {b: c.buckets[b] for b, _ in BUCKETS if c.buckets and b in c.buckets}
+            self.determinism_stats[k] = {"steps": [first, self.current_iteration], "count": c.count,
+                                         "nonzero": c.nonzero, "max_diff": c.max_diff, "mean_diff": mean,
+                                         "buckets": buckets}
+            self._say(logging.INFO, "determinism of %r over steps %d-%d: %d comparisons, %d differed, max %.3g, "
+                      "mean %.3g, relative differences %s", k, first, self.current_iteration, c.count, c.nonzero,
+                      c.max_diff, mean, buckets)
             self._events().emit(RerunStats(step=self.current_iteration, message=k, count=c.count,
-                                           nonzero=c.nonzero, max_diff=c.max_diff, mean_diff=mean))
+                                           nonzero=c.nonzero, max_diff=c.max_diff, mean_diff=mean,
+                                           buckets=buckets))
 
 
 def _batches(iters: Iterable[RerunDataIterator]) -> list[Any]:
