@@ -159,3 +159,14 @@ def test_bad_input_is_one_clear_error():
         RerunStateMachine(mode="validate_results").validate_result(1.0, is_nan_or_inf, "loss")
     with pytest.raises(RerunError, match="re-run state in the checkpoint is unreadable"):
         RerunStateMachine(mode="validate_results").load_state_dict({"json": "{"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA on this machine: the CUDA generators' capture/restore (rng.cuda_states) needs a GPU")
+def test_cuda_generators_are_restored_too():
+    from launcher.rank.rerun import rng
+
+    state = rng.capture()
+    first = torch.rand(8, device="cuda")
+    rng.restore(rng.from_json(json.loads(json.dumps(rng.to_json(state)))))
+    assert torch.equal(torch.rand(8, device="cuda"), first)
