@@ -254,8 +254,7 @@ class RerunStateMachine:
         failed = self._failed
         if failed is not None and (failed.message, failed.seq) == (message, seq):
             self._rerun_value = as_float(result)
-            diff = (comparison_func or relative_difference)(failed.value, self._rerun_value)
-            self._reproduced = bool(diff <= tolerance)
+            self._reproduced = self._compare(comparison_func, failed.value, self._rerun_value, message) <= tolerance
 
     def is_unexpectedly_large(self, result: Any, threshold: float, context: str, num_samples: int = 100,
                               resample: bool = False) -> bool:
@@ -569,6 +568,18 @@ class RerunStateMachine:
             raise RerunError(f"rejection_func {name} raised {type(exc).__name__}: {text} "
                              f"(validate_result {message!r}, step {self.current_iteration})") from None
 
+    def _compare(self, comparison_func: ComparisonFunc | None, first: float, again: float, message: str) -> float:
+        """COMPARISON_FUNC(first, again) as a float (default: the relative difference); RerunError if it fails."""
+        if comparison_func is None:
+            return relative_difference(first, again)
+        try:
+            return float(comparison_func(first, again))
+        except Exception as exc:
+            name = getattr(comparison_func, "__name__", type(comparison_func).__name__)
+            text = " ".join(str(exc).split()) or "(no message)"
+            raise RerunError(f"comparison_func {name} raised {type(exc).__name__}: {text} "
+                             f"(validate_result {message!r}, step {self.current_iteration})") from None
+
     def _validate_disabled(self, result: Any, rejection_func: RejectionFunc, message: str, fatal: bool) -> None:
         if not self._rejects(rejection_func, result, message):
             return
@@ -587,7 +598,7 @@ class RerunStateMachine:
         if first is None:
             raise RerunError(f"step {self.current_iteration}: the re-run made a validate_result call ({message!r} "
                              f"#{seq}) the first run did not: the step's control flow must be deterministic")
-        self._stats.setdefault(message, _Stat()).add((comparison_func or relative_difference)(first, value))
+        self._stats.setdefault(message, _Stat()).add(self._compare(comparison_func, first, value, message))
 
     def _maybe_report_stats(self) -> None:
         """Every stats_interval steps: combine every rank's statistics (JSON), log and emit them on rank 0."""
