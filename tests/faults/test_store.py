@@ -69,7 +69,7 @@ def test_stop_record_naming_no_rank_says_who_wrote_it(job):
     that wrote it, never "rank None".
     """
     args = _endpoint_args(job, "norank")
-    proc = job.start(*args, "--nproc-per-node", "1", "--max-restarts", "0", *job.train(300),
+    proc = job.start(*args, "--nproc-per-node", "1", "--max-restarts", "0", "--term-timeout", "2", *job.train(300),
                      env={"FAULT_STEP_TIME": "0.1"})
     job.wait_running()
     store = _client(job.ports[0])
