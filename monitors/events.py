@@ -210,6 +210,10 @@ class FtConfigInfo(Record):
     attribution_export_url: str | None = None
     cycle_info_dir: str | None = None
     segment_health_check_dir: str | None = None
+    node_health_check_hook: str | None = None
+    node_health_check_timeout: float | None = None
+    node_health_min_free_memory_mb: float | None = None
+    node_health_min_free_disk_mb: float | None = None
     auto_heartbeat: bool | None = None
 
 
@@ -391,6 +395,26 @@ class RdzvBadRecord(Event):
     key: str
     problem: str                          # what is wrong with it, in a few words
     action: str                           # "ignored" | "job ends"
+
+
+@nested
+class HealthCheckInfo(Record):
+    """One node health check's outcome."""
+
+    name: str                             # gpu | memory | disk | storage | nic | hook
+    status: str                           # ok | failed | skipped
+    detail: str
+    seconds: float
+
+
+@event("node_health", "agent")
+class NodeHealth(Event):
+    """The node health checks an agent ran before joining a round; a failing node sits the round out."""
+
+    ok: bool
+    seconds: float
+    checks: list[HealthCheckInfo]
+    action: str                           # "joins" | "sits out"
 
 
 @event("rank_start", "agent")

@@ -434,17 +434,20 @@ class FaultToleranceConfig:
     enable_nic_monitor: bool = _setting(
         BOOL, "NVRx: watch the InfiniBand NIC link state. Not active in nvrx (GPU clusters only).", False)
     enable_nic_healthcheck: bool = _setting(
-        BOOL, "NVRx: check NIC health before a rank starts. Not active in nvrx (GPU clusters only).", False)
+        BOOL, "Check that every InfiniBand link (sysfs port state, or link_state_path_template) is ACTIVE "
+        "before each rendezvous round; a failing node sits the round out.", False)
     enable_dist_storage_healthcheck: bool = _setting(
-        BOOL, "NVRx: check that shared storage is reachable before a restart. Not active in nvrx.", False)
+        BOOL, "Check before each rendezvous round that storage_healthcheck_path takes a write + fsync + read "
+        "within node_health_check_timeout; a failing node sits the round out.", False)
     storage_healthcheck_path: str | None = _setting(
-        OPTIONAL_TEXT, "NVRx: path probed by the storage health check. Not active in nvrx.", None)
+        OPTIONAL_TEXT, "The directory the storage health check writes its probe file to.", None)
     pci_topo_file: str | None = _setting(
         OPTIONAL_TEXT, "NVRx: PCI topology file used to pair GPUs with NICs. Not active in nvrx.", None)
     link_down_path_template: str | None = _setting(
         OPTIONAL_TEXT, "NVRx: sysfs path template of a NIC's link-down counter. Not active in nvrx.", None)
     link_state_path_template: str | None = _setting(
-        OPTIONAL_TEXT, "NVRx: sysfs path template of a NIC's link state. Not active in nvrx.", None)
+        OPTIONAL_TEXT, "sysfs path of a NIC port's link state for the NIC health check ({} = every device; "
+        "default /sys/class/infiniband/*/ports/*/state).", None)
     skip_section_response: bool = _setting(
         BOOL, "NVRx: section calls do not wait for the monitor's reply. nvrx section calls never wait "
         "(they write shared memory), and misuse raises at once either way.", True)
@@ -489,6 +492,16 @@ class FaultToleranceConfig:
         "reads the event files instead).", None)
     segment_health_check_dir: str | None = _setting(
         OPTIONAL_TEXT, "NVRx: directory of segment health check results. Not active in nvrx.", None)
+    node_health_check_hook: str | None = _setting(
+        OPTIONAL_TEXT, "nvrx: the user's node health check, run by the agent before each rendezvous round: a "
+        "command (exit 0 = healthy) or module:function (returns None or True = healthy). A failing node sits "
+        "the round out.", None)
+    node_health_check_timeout: float = _setting(
+        SECONDS, "nvrx: time bound of each node health check (a check that takes longer counts as failed).", 10.0)
+    node_health_min_free_memory_mb: float = _setting(
+        MEBIBYTES, "nvrx: node health check: at least this much memory available (MiB).", 64.0)
+    node_health_min_free_disk_mb: float = _setting(
+        MEBIBYTES, "nvrx: node health check: at least this much free disk (MiB) where the run's logs go.", 64.0)
     auto_heartbeat: bool = _setting(
         BOOL, "nvrx: heartbeat automatically while the rank's main thread keeps executing Python bytecode, so an "
         "unmodified script gets hang detection (a call that blocks the interpreter stops the beats).", False)

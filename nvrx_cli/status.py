@@ -10,8 +10,8 @@ from typing import Any, Callable
 from rich.console import Console
 from rich.markup import escape
 
-from monitors.events import (AgentKilledRank, AgentSignal, Event, InprocessRankLost, JobEnd, JobFailure,
-                             MonitorGaveUp, RankExit, RankStuck, RdzvRound, RdzvStandby, RdzvStop, StopDetail)
+from monitors.events import (AgentKilledRank, AgentSignal, Event, HealthCheckInfo, InprocessRankLost, JobEnd,
+                             JobFailure, MonitorGaveUp, NodeHealth, RankExit, RankStuck, RdzvRound, RdzvStandby, RdzvStop, StopDetail)
 from launcher.agent.error_file import report_lines
 from nvrx_common import exit_codes
 
@@ -68,6 +68,14 @@ class StatusPrinter:
         return (f"[yellow]rank {e.get(f.rank)}[/yellow] ended with {how}; the other ranks restart in process "
                 f"without it")
 
+    def _node_health(self, e: dict[str, Any]) -> str | None:
+        f, c = NodeHealth.F, HealthCheckInfo.F
+        if e.get(f.ok) is not False:
+            return None
+        failed = [x for x in e.get(f.checks) or [] if isinstance(x, dict) and x.get(c.status) == "failed"]
+        why = "; ".join(f"{x.get(c.name)}: {x.get(c.detail)}" for x in failed)
+        return f"[red]this node failed its health checks ({escape(why)}); it leaves the job (exit 16)[/red]"
+
     def _monitor_gave_up(self, e: dict[str, Any]) -> str:
         f = MonitorGaveUp.F
         return (f"[red]the rank monitor of local rank {e.get(f.local_rank)} died {e.get(f.deaths)} times; "
@@ -110,7 +118,8 @@ class StatusPrinter:
                     f"{code}: interrupted, resume it)")
         if status == "steered":
             meaning = exit_codes.STEERING_MEANINGS.get(code, "")
-            return f"[yellow]job ended by a rank's exit code {code}[/yellow] ({meaning})"
+            by = escape(str(e[f.detail])) if e.get(f.detail) else "a rank's exit code"
+            return f"[yellow]job ended by {by} (exit code {code})[/yellow] ({meaning})"
         lines = [f"[red]job failed[/red] after {seconds:.1f} s (exit code {code})"]
         for fail in e.get(f.failures) or []:
             if fail.get(jf.kind) == "node_left":
@@ -142,6 +151,7 @@ RENDERED: dict[type[Event], str] = {
     AgentKilledRank: "_agent_killed_rank",
     InprocessRankLost: "_inprocess_rank_lost",
     MonitorGaveUp: "_monitor_gave_up",
+    NodeHealth: "_node_health",
     RdzvStop: "_rdzv_stop",
     AgentSignal: "_agent_signal",
     JobEnd: "_job_end",

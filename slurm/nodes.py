@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from monitors.events import RdzvJoin, RdzvStop, StopDetail, field_problem, read_events
+from monitors.events import NodeHealth, RdzvJoin, RdzvStop, StopDetail, field_problem, read_events
 from nvrx_common import exit_codes
 from slurm.environment import SlurmEnvError, expand_hostlist
 
@@ -55,7 +55,8 @@ _AGENT_FILE = re.compile(r"^agent-(?P<node>.+)-(?P<pid>\d+)\.jsonl$")
 
 
 def find_bad_node(log_dir: Path | None, job_id: str | None, since: float | None = None) -> str | None:
-    """The node (Slurm node name) whose rank ended the launch with exit 16, from the agents' event logs.
+    """The node (Slurm node name) whose rank ended the launch with exit 16 (or that failed its health checks),
+    from the agents' event logs.
 
     Every agent writes ``<log-dir>/<run-id>/agent-<node>-<pid>.jsonl``; the agent whose rank exited 16
     claims the round's stop record (``rdzv_stop``, kind ``failed``, ``detail.steer`` 16, ``by_node`` = its
@@ -99,7 +100,7 @@ def _subdirs(d: Path) -> list[Path]:
 
 
 def _steer_stop_time(path: Path, since: float | None) -> float | None:
-    """When this agent claimed a stop for its rank's exit 16 (the newest one), if it did."""
+    """When this agent claimed a stop for its rank's exit 16, or left on a failed node health check (the newest)."""
     own: set[str] = set()
     newest = None
     try:
@@ -112,6 +113,8 @@ def _steer_stop_time(path: Path, since: float | None) -> float | None:
                   and (e.get(RdzvStop.F.detail) or {}).get(StopDetail.F.steer) == exit_codes.RESUME_ELSEWHERE
                   and (since is None or e["t"] >= since)):
                 newest = e["t"]
+            elif e["ev"] == NodeHealth.EV and e.get(NodeHealth.F.ok) is False and (since is None or e["t"] >= since):
+                newest = e["t"]  # the agent left the job because its node failed a health check
     except OSError as exc:
         log.debug("cannot read %s: %s", path, exc)
     return newest

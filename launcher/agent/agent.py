@@ -21,12 +21,14 @@ from nvrx_common import exit_codes
 from nvrx_common.errors import NvrxError
 from launcher.agent.config import LaunchConfig, visible_device
 from launcher.agent.error_file import ErrorFiles, read_error_file
+from launcher.agent.node_health import NodeHealthChecks
 from launcher.agent.rank_monitors import RankMonitorGroup
 from launcher.agent.rdzv_errors import RendezvousError
 from launcher.agent.rdzv_records import FAULT_KINDS, RoundResult, StopKind, StopRecord
 from launcher.agent.worker_group import RankExit, RankSpec, WorkerGroup
 from monitors.events import (AgentSignal as AgentSignalEvent, AgentStart, EventLog, FtConfig, FtConfigInfo,
-                             InprocessRankLost, JobEnd, JobFailure)
+                             HealthCheckInfo, InprocessRankLost, JobEnd, JobFailure, NodeHealth)
+from monitors.ft_config import FaultToleranceConfig
 
 if TYPE_CHECKING:  # both import torch: the agent does so only after the fork server started importing it
     from launcher.agent.rendezvous import Rendezvous
@@ -193,7 +195,14 @@ class Agent:
         with self._signals_raise():
             self._rs = open_rendezvous_store(self.cfg.rdzv)
         self._rdzv = Rendezvous(self._rs, self.cfg.rdzv, self.cfg.max_restarts, self.events)
+        health = NodeHealthChecks(self.cfg.ft or FaultToleranceConfig(), self.cfg.run_log_dir)
         while True:
+            if not self._healthy(health):  # before every round: a bad node sits out instead of failing it
+                code = exit_codes.RESUME_ELSEWHERE
+                self.events.emit(JobEnd(status=_end_status(code), exit_code=code, detail="node health check failed",
+                                        seconds=round(time.monotonic() - t0, 3),
+                                        failures=[JobFailure.of(f) for f in self.failures]))
+                return code
             try:
                 with self._signals_raise():
                     result = self._rdzv.next_round()
@@ -206,6 +215,21 @@ class Agent:
                                         seconds=round(time.monotonic() - t0, 3),
                                         failures=[JobFailure.of(f) for f in self.failures]))
                 return code
+
+    def _healthy(self, health: NodeHealthChecks) -> bool:
+        """Run the node health checks; a failure is logged and recorded, and this node leaves the job.
+
+        It leaves with exit 16 (resume elsewhere): the other agents go on within --nnodes MIN:MAX (a
+        standby takes its place) and `nvrx resume` excludes this node from the next Slurm job.
+        """
+        report = health.run()
+        action = "joins" if report.ok else "sits out"
+        self.events.emit(NodeHealth(ok=report.ok, seconds=report.seconds, action=action, checks=[
+            HealthCheckInfo(name=r.name, status=r.status, detail=r.detail, seconds=r.seconds) for r in report.results]))
+        if not report.ok:
+            log.error("node %s failed its health checks (%s): it leaves the job (exit %d); the other nodes go on "
+                      "if --nnodes allows", self.cfg.node_name, report.summary(), exit_codes.RESUME_ELSEWHERE)
+        return report.ok
 
     # ------------------------------------------------------------ one round
 

@@ -38,7 +38,7 @@ from monitors.events import AgentKilledRank, EventLog, RankExit as RankExitEvent
 log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT = 1.0  # after a rank died, how long grandchildren may keep its pipes open before we report anyway
-STATUS_TIMEOUT = 5.0  # a forked rank died; the server's exit message should follow within this
+STATUS_TIMEOUT = 30.0  # a forked rank died; the server's exit message follows (later while the template warms up)
 
 
 @dataclass(frozen=True)

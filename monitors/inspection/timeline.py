@@ -69,6 +69,7 @@ from monitors.events import (
     TimeoutsLoaded, TimeoutsSet, TimeoutsStateIgnored, decode_event, field_problem,
 )
 from monitors.events import RerunAttempt, RerunStats, RerunSuspected, RerunVerdict
+from monitors.events import HealthCheckInfo, NodeHealth
 from monitors.inspection.event_files import (Damage, EventFile, event_name, first_event_time, iso, raw_string,
                                              read_chunk)
 
@@ -500,6 +501,17 @@ class Timeline:
                    f"rendezvous store ({e.get(f.problem)}): {e.get(f.action)}; another program wrote to the store",
                    level="error" if ends else "warn", job=job.index)
 
+    def _on_node_health(self, a: AgentFile, e: dict[str, Any]) -> None:
+        f, c = NodeHealth.F, HealthCheckInfo.F
+        job = self._job_for(a, e["t"])
+        checks = [x for x in e.get(f.checks) or [] if isinstance(x, dict)]
+        shown = [x for x in checks if x.get(c.status) != "ok"] if e.get(f.ok) is False else checks
+        parts = "; ".join(f"{x.get(c.name)} {x.get(c.status)}: {x.get(c.detail)}" for x in shown)
+        verdict = "failed its health checks" if e.get(f.ok) is False else "passed its health checks"
+        self._note(("node_health", a.ef.path, e["t"]), e["t"], "node_health",
+                   f"node {a.node_id or a.ef.node} {verdict} in {e.get(f.seconds)} s ({parts}); it {e.get(f.action)}",
+                   level="error" if e.get(f.ok) is False else "info", job=job.index)
+
     def _on_agent_signal(self, a: AgentFile, e: dict[str, Any]) -> None:
         f = AgentSignal.F
         job = self._job_for(a, e["t"])
@@ -767,6 +779,7 @@ AGENT_HANDLERS: dict[type[Event], Callable[..., None]] = {
     RdzvStandby: Timeline._on_rdzv_standby,
     RdzvStop: Timeline._on_rdzv_stop,
     RdzvBadRecord: Timeline._on_rdzv_bad_record,
+    NodeHealth: Timeline._on_node_health,
     RankStart: Timeline._on_rank_start,
     RankExit: Timeline._on_rank_exit,
     RankStuck: Timeline._on_rank_stuck,

@@ -223,6 +223,7 @@ VARIANTS: dict[type[Event], list[dict[str, Any]]] = {
     RECORDS["resume_submit"]: [{"status": "submitted"}, {"status": "failed"}],
     RECORDS["inprocess_rank_lost"]: [{}, {"signal": None}],
     HeartbeatStats: [{"count": 50}],
+    RECORDS["node_health"]: [{"ok": True}, {"ok": False}],
     RECORDS["section_open"]: [{"section": "checkpointing"}],
 }
 
@@ -246,6 +247,7 @@ FIELDS_NOT_SHOWN: dict[str, str] = {
     "rdzv_stop.detail.nodes": "succeeded stops are not faults",
     "rdzv_stop.detail.hang.rank": "the monitor's local rank: the stop names the global rank",
     "rdzv_stop.detail.hang.generation": "the monitor's session counter",
+    "node_health.checks.seconds": "per check timing: the pass's total is shown",
     "rank_start.attempt": "the round's restart count is shown",
     "rank_start.how": "fork or spawn: start-up detail",
     "rank_start.seconds": "start-up detail",

@@ -1,0 +1,129 @@
+"""Node health checks: each check's verdicts, their time bound, and a failing node sitting out a real job."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from launcher.agent import node_health
+from launcher.agent.node_health import FAILED, OK, SKIPPED, NodeHealthChecks
+from monitors.events import EventLog, HealthCheckInfo, NodeHealth
+from monitors.ft_config import FaultToleranceConfig
+from slurm.nodes import find_bad_node
+from tests.conftest import REPO, free_port, run_events, wait_for, write_script
+
+
+def _report(tmp_path: Path, **ft) -> dict[str, node_health.CheckResult]:
+    report = NodeHealthChecks(FaultToleranceConfig(**ft), tmp_path).run()
+    return {r.name: r for r in report.results}
+
+
+def test_built_in_checks_pass_on_a_healthy_node(tmp_path):
+    results = _report(tmp_path, enable_dist_storage_healthcheck=True, storage_healthcheck_path=str(tmp_path))
+    assert {n: r.status for n, r in results.items() if n != "gpu"} == {"memory": OK, "disk": OK, "storage": OK}
+    assert list(tmp_path.iterdir()) == []  # the storage probe cleans up after itself
+    if not os.path.exists("/dev/nvidia0"):
+        assert (results["gpu"].status, results["gpu"].detail) == (SKIPPED, "no GPU")
+
+
+def test_each_check_fails_with_the_reason(tmp_path):
+    results = _report(tmp_path, node_health_min_free_memory_mb=1e9, node_health_min_free_disk_mb=1e9,
+                      enable_dist_storage_healthcheck=True, storage_healthcheck_path=str(tmp_path / "missing"),
+                      node_health_check_hook=f"{sys.executable} -c 'import sys; print(\"fan broken\"); sys.exit(3)'")
+    assert all(r.status == FAILED for r in results.values() if r.name != "gpu"), results
+    assert "below" in results["memory"].detail and "below" in results["disk"].detail
+    assert "missing" in results["storage"].detail
+    assert results["hook"].detail == "hook exited 3: fan broken"
+
+
+def test_nic_links_from_sysfs_states(tmp_path):
+    for dev, state in (("mlx5_0", "4: ACTIVE"), ("mlx5_1", "1: DOWN")):
+        (tmp_path / dev).mkdir()
+        (tmp_path / dev / "state").write_text(state + "\n")
+    template = str(tmp_path / "{}" / "state")
+    status, detail = node_health.check_ib_links(template)
+    assert status == FAILED and "1 of 2" in detail and "mlx5_1" in detail
+    (tmp_path / "mlx5_1" / "state").write_text("4: ACTIVE\n")
+    assert node_health.check_ib_links(template)[0] == OK
+    assert node_health.check_ib_links(str(tmp_path / "none" / "{}"))[0] == SKIPPED
+
+
+def test_gpu_check_goes_through_nvidia_smi(tmp_path):
+    # nvidia-smi cannot exist here: the real code path runs a stand-in program in its place (the seam)
+    good = write_script(tmp_path / "smi_ok", "#!/bin/sh\necho '0, NVIDIA H100, 00000000:18:00.0'\n")
+    bad = write_script(tmp_path / "smi_bad", "#!/bin/sh\necho 'Unable to determine the device handle' >&2\nexit 15\n")
+    for script in (good, bad):
+        script.chmod(0o755)
+    assert node_health.check_gpus(5, smi=str(good)) == (OK, "1 GPU(s) answer")
+    status, detail = node_health.check_gpus(5, smi=str(bad))
+    assert status == FAILED and "exited 15" in detail and "device handle" in detail
+
+
+def test_python_callable_hook(tmp_path, monkeypatch):
+    (tmp_path / "myhealth.py").write_text("def good():\n    return None\ndef bad():\n    return False\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert node_health.run_hook("myhealth:good", 30)[0] == OK
+    assert node_health.run_hook("myhealth:bad", 30) == (FAILED, "hook exited 1")
+
+
+def test_a_hung_hook_is_bounded_and_leaves_no_process(tmp_path):
+    marker = "31.4159"
+    t0 = time.monotonic()
+    results = _report(tmp_path, node_health_check_hook=f"sh -c 'sleep {marker}; true'", node_health_check_timeout=1)
+    assert time.monotonic() - t0 < 10  # bounded: not the hook's 31 s
+    assert results["hook"].status == FAILED and "did not finish in 1 s" in results["hook"].detail
+    assert wait_for(lambda: not [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])],
+                    timeout=5)
+
+
+def test_nvrx_resume_excludes_a_node_that_failed_its_health_checks(tmp_path):
+    run = tmp_path / "logs" / "job7"
+    run.mkdir(parents=True)
+    log = EventLog(run / "agent-node-b-4242.jsonl", source="agent")
+    log.emit(NodeHealth(ok=False, seconds=0.1, action="sits out",
+                        checks=[HealthCheckInfo(name="hook", status="failed", detail="hook exited 1", seconds=0.1)]))
+    log.close()
+    assert find_bad_node(tmp_path / "logs", "job7") == "node-b"
+
+
+RANK = r'''
+import json, os, sys
+import torch.distributed as dist
+dist.init_process_group("gloo")
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as fh:
+    json.dump({"world": dist.get_world_size()}, fh)
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_a_node_failing_its_hook_sits_out_and_the_job_goes_on(launcher, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path / "rank.py", RANK)
+    common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+              "--rdzv-id", "health", "--rdzv-conf", "join_timeout=60,last_call_timeout=2",
+              "--ft-param-node_health_check_hook", "sh -c 'test -z \"$NVRX_TEST_SICK\" || { echo disk smoking; exit 1; }'"]
+    good = launcher.start(*common, str(script), str(out))
+    run_dir = tmp_path / "nvrx_logs" / "health"
+    assert wait_for(lambda: run_dir.exists() and any(e["ev"] == "rdzv_join" for e in run_events(run_dir, "agent-")), 30)
+    sick = launcher.start(*common, str(script), str(out), env={"NVRX_TEST_SICK": "1"})
+    _, err = sick.communicate(timeout=60)
+    assert sick.returncode == 16, err
+    assert "failed its health checks (hook: hook exited 1: disk smoking)" in err
+    gout, err = good.communicate(timeout=60)
+    assert good.returncode == 0, err + gout + "\n".join(map(str, run_events(run_dir, "agent-")))
+    assert sorted(p.name for p in out.iterdir()) == ["rank0.json"]
+    health = [e for e in run_events(run_dir, "agent-") if e["ev"] == "node_health"]
+    assert sorted(e["ok"] for e in health) == [False, True]
+    report = subprocess.run([sys.executable, "-m", "nvrx_cli.main", "inspect", str(tmp_path / "nvrx_logs" / "health"),
+                             ], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert "failed its health checks" in report.stdout + report.stderr, report.stdout + report.stderr
+    assert launcher.leftovers() == []
