@@ -80,7 +80,7 @@ class StopRecord:
         """Parse a stop record from the store, checking every field; BadRecord if it is not one we wrote."""
         obj = _json_object(raw)
         kind = obj.get("kind")
-        if kind not in {k.value for k in StopKind}:
+        if not isinstance(kind, str) or kind not in {k.value for k in StopKind}:
             raise BadRecord(f"kind is {_shown(kind)}, not one of {', '.join(k.value for k in StopKind)}")
         _need(obj, "round", _is_count)
         _need(obj, "restart_count", _is_count)

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import datetime
+import json
 import socket
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed import TCPStore
+
+from launcher.agent.rdzv_records import BadRecord, parse_closed, parse_join, parse_pg
+from launcher.agent.rendezvous import parse_stop
 
 from tests.conftest import free_port, one_line_error, wait_for
 from tests.faults.conftest import one_line
@@ -145,3 +151,32 @@ def test_store_host_lost(job):
     assert "lost the rendezvous store" in one_line(err)
     job.ledger.assert_no_saved_work_lost()
     job.assert_clean()
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=8),
+                     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+                     max_leaves=12)
+_KEYS = ["round", "restart_count", "nodes", "node_id", "addr", "nproc", "node_rank", "kind", "by_node", "detail",
+         "give_up", "port", "error", "signum"]
+_RECORDS = st.dictionaries(st.sampled_from(_KEYS), _JSON, max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(raw=st.one_of(st.binary(max_size=64), _JSON.map(lambda v: json.dumps(v).encode()),
+                     _RECORDS.map(lambda v: json.dumps(v).encode())))
+def test_any_store_value_is_a_record_or_a_bad_record(raw):
+    """Fault: arbitrary bytes or JSON (fuzzed) in place of any record the agents read from the store.
+    Outcome: each parser returns a well-typed record or raises BadRecord (logged and ignored, or one line); never
+    another exception, so never a traceback.
+    """
+    for parse in (parse_stop, parse_closed, parse_join, parse_pg):
+        try:
+            rec = parse(raw)
+        except BadRecord:
+            continue
+        if parse is parse_stop:
+            assert isinstance(rec.detail, dict) and isinstance(rec.give_up, bool) and rec.round >= 0
+        elif parse is parse_closed:
+            assert all(isinstance(n["nproc"], int) and n["nproc"] >= 1 for n in rec["nodes"])
+        elif parse is parse_pg and "error" not in rec:
+            assert isinstance(rec["port"], int) and 0 < rec["port"] < 65536
