@@ -50,7 +50,7 @@ from typing import Any, Callable, Collection, Iterable, Mapping
 
 from monitors.control import Channel, MonitorError
 from monitors.data import (FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR, HeartbeatTimeouts, RankMonitorClientError, SectionTimeouts, SectionUsageError,
-                           hb_timeouts_of, section_timeouts_of)
+                           WorkloadControlRequest, hb_timeouts_of, section_timeouts_of)
 from monitors.heartbeat import Slot, SlotWriter
 from monitors.sections import validate_section_name
 from monitors.timeouts import Timeouts, TimeoutTracker, tracker_state_from_nvrx
@@ -601,6 +601,19 @@ class RankMonitorClient:
             self._pending_state = tracker_state
             return
         self._adopt(self._request("load_state_dict", state=tracker_state))
+
+    def send_workload_control_request(self, req: WorkloadControlRequest) -> None:
+        """Ask the launcher to act on the workload (spec 001): ``ExcludeThisNode`` ends the job at once with exit
+        16 (resume elsewhere: ``nvrx resume`` avoids this node), ``ShutdownWorkload`` ends it with exit 93 (no
+        restart, no requeue); ``Continue`` is only logged. The agent acts as soon as the monitor hands it over;
+        RankMonitorClientError if the monitor could not (no agent, e.g. under ``RankMonitorServer``).
+        """
+        if not isinstance(req, WorkloadControlRequest):
+            raise RankMonitorClientError(f"send_workload_control_request takes a WorkloadControlRequest, not {req!r}")
+        reply = self._request("workload_control", action=req.action.name, description=str(req.description))
+        if not reply.get("forwarded"):
+            raise RankMonitorClientError(f"the rank monitor could not pass {req!r} to a launcher agent "
+                                         "(is this rank running under nvrx launch?)")
 
     def shutdown_workload_monitoring(self) -> None:
         """End this rank's monitored run; the monitor stays up for a restarted rank."""

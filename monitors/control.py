@@ -13,6 +13,7 @@ op's fields or ``error``. Ops (rank -> monitor):
   ``state_dict``                               -> {state}
   ``load_state_dict`` {state}                  -> {timeouts}
   ``shutdown``                                 -> {}                   the rank's run ends (monitor stays)
+  ``workload_control`` {action, description}  -> {forwarded}          passed to the agent (spec 001)
   ``stop_monitor``    {token}                  -> {}                   the monitor exits (agent use)
 
 Only ``init``/``stop_monitor`` are accepted before a successful ``init``; a wrong token gets an error

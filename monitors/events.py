@@ -215,6 +215,10 @@ class FtConfigInfo(Record):
     node_health_min_free_memory_mb: float | None = None
     node_health_min_free_disk_mb: float | None = None
     auto_heartbeat: bool | None = None
+    straggler_report_interval: float | None = None
+    straggler_threshold: float | None = None
+    straggler_sustain_reports: int | None = None
+    straggler_exclude_after_reports: int | None = None
 
 
 @_finish
@@ -415,6 +419,24 @@ class NodeHealth(Event):
     seconds: float
     checks: list[HealthCheckInfo]
     action: str                           # "joins" | "sits out"
+
+
+@event("straggler", "agent")
+class StragglerEvent(Event):
+    """A rank flagged as a straggler (or recovered), by the agent that compares all ranks (group rank 0)."""
+
+    rank: int                             # global rank
+    node: str                             # its node (host name)
+    metric: str                           # the section, or "<heartbeat>"
+    state: str                            # straggler | recovered
+    relative: float | None = None         # its median / the other ranks' median (1.5 = 50 % slower)
+    individual: float | None = None       # its median / its own earlier median
+    median: float                         # seconds
+    peers: float | None = None            # the other ranks' median, seconds
+    since: float                          # unix time of the first slow report of this streak
+    reports: int                          # consecutive slow reports
+    round: int
+    exclude: bool | None = None           # the exclusion policy will keep its node out of the next round
 
 
 @event("rank_start", "agent")
@@ -639,6 +661,38 @@ class TimeoutsStateIgnored(Event):
     rank: int
     path: str
     error: str
+
+
+@nested
+class TimingInfo(Record):
+    """One metric of a rank over one report window (``monitors.straggler``): a section or heartbeat intervals."""
+
+    metric: str                           # a section name, or "<heartbeat>" for heartbeat intervals
+    median: float                         # seconds
+    samples: int
+
+
+@event("rank_timing", "monitor")
+class RankTiming(Event):
+    """A rank monitor's timing summary of its rank over one straggler report interval (the aggregator's input)."""
+
+    rank: int
+    global_rank: int | None = None
+    pid: int
+    window: float                         # seconds the summary covers
+    timings: list[TimingInfo]
+
+
+@event("workload_control", "monitor")
+class WorkloadControl(Event):
+    """A rank asked, through its monitor, to exclude its node or to shut the workload down (spec 001)."""
+
+    rank: int
+    global_rank: int | None = None
+    pid: int
+    action: str                           # ExcludeThisNode | ShutdownWorkload | Continue
+    description: str
+    forwarded: bool                       # handed to the agent (False: no agent channel, or it was full)
 
 
 # ---------------------------------------------------------------- resume driver events

@@ -505,6 +505,19 @@ class FaultToleranceConfig:
     auto_heartbeat: bool = _setting(
         BOOL, "nvrx: heartbeat automatically while the rank's main thread keeps executing Python bytecode, so an "
         "unmodified script gets hang detection (a call that blocks the interpreter stops the beats).", False)
+    straggler_report_interval: float = _setting(
+        CHECK_INTERVAL, "nvrx: straggler detection: how often (seconds) each rank monitor summarises its rank's section "
+        "and heartbeat timings and the agents compare the ranks (a rank flagged as a straggler is logged and shown "
+        "in nvrx inspect).", 10.0)
+    straggler_threshold: float = _setting(
+        _float_kind(optional=False, unit="times", low=1.0, high=100.0, example="1.2"),
+        "nvrx: straggler detection: a rank is slow when its median section time (or heartbeat interval) is this "
+        "many times the median of the other ranks (a rank without peers: of its own history).", 1.2)
+    straggler_sustain_reports: int = _setting(
+        _int_kind(1, 1000), "nvrx: straggler detection: consecutive slow reports before a rank is flagged.", 2)
+    straggler_exclude_after_reports: int = _setting(
+        COUNT, "nvrx: a node with a rank flagged as a straggler for this many consecutive reports sits out the next "
+        "rendezvous round (exit 16, like a failed health check; nvrx resume excludes it). 0 = off.", 0)
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -48,6 +48,8 @@ from monitors.events import (EventLog, FirstHeartbeat, HangDetected, MonitorAtta
                              MonitorConnect, MonitorDisconnect, MonitorExit, MonitorStart, MonitorTakeoverRefused,
                              RankKilled, RankTerminated, SectionClose, SectionOpen, TimeoutsInfo, TimeoutsLoaded,
                              TimeoutsSet, TimeoutsStateIgnored)
+from monitors.events import RankTiming, TimingInfo, WorkloadControl
+from monitors.straggler import TimingSampler
 from monitors.heartbeat import Slot, SlotSnapshot
 from monitors.sections import SectionRegistry, SectionStats
 from monitors.ft_config import FaultToleranceConfig, inactive_settings_line
@@ -60,6 +62,7 @@ DEFAULT_TERM_GRACE = 5.0     # seconds between a non-SIGKILL termination signal 
 STATS_PERIOD = 30.0          # min seconds between heartbeat_stats events
 SECTION_EVENT_PERIOD = 10.0  # min seconds between section_open/section_close events of one section
 MAX_PENDING_CONNS = 16
+WORKLOAD_ACTIONS = ("Continue", "ExcludeThisNode", "ShutdownWorkload")  # monitors.data.WorkloadAction names
 
 
 # ------------------------------------------------------------------ settings
@@ -169,6 +172,8 @@ class AttachedRank:
     section_closes: dict[int, int] = field(default_factory=dict)
     section_opened: dict[int, float] = field(default_factory=dict)
     section_next_event: dict[tuple[str, int], float] = field(default_factory=dict)
+    next_sample: float = 0.0  # straggler detection: the next look at the slot's timings
+    window_start: float = 0.0  # ... and the start of the current report window
 
 
 class RankMonitor:
@@ -176,8 +181,11 @@ class RankMonitor:
 
     def __init__(self, rank: int, settings: FaultToleranceConfig, state_dir: Path, socket_path: Path,
                  shm_path: Path, token: str, events: EventLog, parent_pid: int,
-                 timeouts_dir: Path | None = None, term_grace: float = DEFAULT_TERM_GRACE) -> None:
+                 timeouts_dir: Path | None = None, term_grace: float = DEFAULT_TERM_GRACE,
+                 control_fd: int | None = None) -> None:
         self.rank = rank
+        self.control_fd = control_fd  # the agent's pipe for workload control requests (None: not under an agent)
+        self.timing = TimingSampler()  # straggler detection: this rank's section and heartbeat timings
         self.settings = settings
         self.state_dir = ensure_private_dir(Path(state_dir))
         self.timeouts_dir = ensure_private_dir(Path(timeouts_dir)) if timeouts_dir is not None else self.state_dir
@@ -318,6 +326,7 @@ class RankMonitor:
         snap = self.slot.snapshot()
         self.tracker.set_run_observations(*run_observations(snap, self.registry))
         self._emit_progress(sess, snap, now)
+        next_timing = self._sample_timing(sess, snap, now)
         timeouts = self.tracker.in_force()
         deadline = next_deadline(snap, timeouts, self.registry.name_of)
         if deadline is not None and deadline.at <= now:
@@ -325,7 +334,7 @@ class RankMonitor:
             return interval
         # The rank changes the slot without telling us (a beat, a section); any deadline such a change
         # creates lies >= (now + the shortest timeout), so waking by then keeps detection on time.
-        wake = min(interval, timeouts.smallest() or interval)
+        wake = min(interval, timeouts.smallest() or interval, next_timing - now)
         if deadline is not None:
             wake = min(wake, deadline.at - now)
         return max(0.0005, wake)
@@ -381,6 +390,29 @@ class RankMonitor:
                                               last_duration=round(snap.section_last[sid], 6),
                                               max_duration=round(snap.section_max[sid], 6)))
                 sess.section_closes[sid] = closes
+
+    def _sample_timing(self, sess: AttachedRank, snap: SlotSnapshot, now: float) -> float:
+        """Straggler detection: look at the slot's timings when due, and report a window when it is over.
+
+        Returns the time of the next look. Looking several times per report (at most every 0.5 s) samples the
+        section durations of fast steps without any work on the rank's side (monitors.straggler).
+        """
+        report = self.settings.straggler_report_interval
+        if sess.window_start == 0.0:
+            sess.window_start, sess.next_sample = now, now
+        if now >= sess.next_sample:
+            self.timing.observe(snap.hb_count, snap.last_hb, snap.section_closes, snap.section_last,
+                                {sid: name for name, sid in self.registry.mapping().items()})
+            sess.next_sample = now + min(0.5, max(0.02, report / 20))
+        if now - sess.window_start >= report:
+            summary = self.timing.take()
+            if summary:
+                self.events.emit(RankTiming(rank=self.rank, global_rank=sess.global_rank, pid=sess.proc.pid,
+                                            window=round(now - sess.window_start, 3), timings=[
+                                                TimingInfo(metric=name, median=round(m.median, 9), samples=m.samples)
+                                                for name, m in sorted(summary.items())]))
+            sess.window_start = now
+        return min(sess.next_sample, sess.window_start + report)
 
     @staticmethod
     def _section_event_due(sess: AttachedRank, kind: str, sid: int, now: float) -> bool:
@@ -554,6 +586,7 @@ class RankMonitor:
         self.generation += 1
         start = started if isinstance(started, (int, float)) and 0 < started <= now else now
         self.slot.reset(self.generation, start)
+        self.timing.reset()
         self._use_state_of(global_rank)
         self.tracker.reset_run()
         conn.authed = True
@@ -658,6 +691,38 @@ class RankMonitor:
         self.events.emit(TimeoutsLoaded(rank=self.rank, source="rank", timeouts=TimeoutsInfo.of(timeouts)))
         return {"timeouts": timeouts, "calculated": self.tracker.calculated()}
 
+    def _op_workload_control(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        """Spec 001's workload control: pass the rank's request (exclude its node, shut down) to the agent.
+
+        The agent reads the line from the pipe it gave us and acts at once (launcher.agent.rank_monitors).
+        The request travels one way, rank -> monitor -> agent; the reply only says whether it was handed over.
+        """
+        action, description = msg.get("action"), msg.get("description")
+        if action not in WORKLOAD_ACTIONS:
+            raise ValueError(f"action must be one of {', '.join(WORKLOAD_ACTIONS)}, not {action!r}")
+        description = str(description if description is not None else "<not set>")[:500]
+        sess = self.session
+        pid = sess.proc.pid if sess is not None else int(msg.get("pid") or 0)
+        global_rank = sess.global_rank if sess is not None else None
+        forwarded = self._forward_to_agent({"local_rank": self.rank, "global_rank": global_rank, "pid": pid,
+                                            "action": action, "description": description})
+        self.events.emit(WorkloadControl(rank=self.rank, global_rank=global_rank, pid=pid, action=action,
+                                         description=description, forwarded=forwarded))
+        log.warning("rank %s asks the agent to %s: %s%s", global_rank if global_rank is not None else self.rank,
+                    action, description, "" if forwarded else " (no agent channel: not forwarded)")
+        return {"forwarded": forwarded}
+
+    def _forward_to_agent(self, request: dict[str, Any]) -> bool:
+        """One JSON line into the agent's pipe (atomic: far below PIPE_BUF); False if there is none or it is full."""
+        if self.control_fd is None:
+            return False
+        try:
+            os.write(self.control_fd, encode(request))
+            return True
+        except OSError as exc:  # BlockingIOError (an agent that does not read), EPIPE (no agent)
+            log.warning("cannot pass the workload control request to the agent: %s", exc)
+            return False
+
     def _op_shutdown(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         self._refresh_observations()
         self._end_session("shutdown")
@@ -695,6 +760,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config-json", default="{}", help="FaultToleranceConfig.to_dict() as JSON")
     p.add_argument("--events", type=Path, default=None, help="JSON-lines event file")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer our parent")
+    p.add_argument("--control-fd", type=int, default=None,
+                   help="inherited pipe to the agent: workload control requests of the rank, one JSON line each")
     return p.parse_args(argv)
 
 
@@ -718,8 +785,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log.info("%s", inactive_settings_line(settings))  # NVRx settings (GPU, NIC, progress) nvrx does not act on
     events = EventLog(args.events, f"monitor-{args.rank}")
+    if args.control_fd is not None:
+        os.set_blocking(args.control_fd, False)  # never block the monitor on an agent that does not read
     monitor = RankMonitor(args.rank, settings, args.state_dir, args.socket, args.shm, token, events, parent_pid,
-                          timeouts_dir=args.timeouts_dir, term_grace=args.term_grace)
+                          timeouts_dir=args.timeouts_dir, term_grace=args.term_grace, control_fd=args.control_fd)
     monitor.install_signal_handlers()
     return monitor.run()
 

@@ -25,6 +25,7 @@ from launcher.agent.node_health import NodeHealthChecks
 from launcher.agent.rank_monitors import RankMonitorGroup
 from launcher.agent.rdzv_errors import RendezvousError
 from launcher.agent.rdzv_records import FAULT_KINDS, RoundResult, StopKind, StopRecord
+from launcher.agent.stragglers import StragglerAggregator
 from launcher.agent.worker_group import RankExit, RankSpec, WorkerGroup
 from monitors.events import (AgentSignal as AgentSignalEvent, AgentStart, EventLog, FtConfig, FtConfigInfo,
                              HealthCheckInfo, InprocessRankLost, JobEnd, JobFailure, NodeHealth)
@@ -157,6 +158,7 @@ class Agent:
         self._rdzv: Rendezvous | None = None
         self._rs: RendezvousStore | None = None
         self._monitor_failure_round: int | None = None  # the round in which a given-up monitor was reported
+        self._stragglers: StragglerAggregator | None = None  # straggler detection (with rank monitors only)
 
     # ------------------------------------------------------------ entry point
 
@@ -195,6 +197,9 @@ class Agent:
         with self._signals_raise():
             self._rs = open_rendezvous_store(self.cfg.rdzv)
         self._rdzv = Rendezvous(self._rs, self.cfg.rdzv, self.cfg.max_restarts, self.events)
+        if self.monitors is not None and self.cfg.ft is not None:
+            self._stragglers = StragglerAggregator(self.cfg.ft, self.monitors, self.events, self._rs,
+                                                   self.cfg.rdzv.run_id, self.cfg.node_name, self._rdzv.node_id)
         health = NodeHealthChecks(self.cfg.ft or FaultToleranceConfig(), self.cfg.run_log_dir)
         while True:
             if not self._healthy(health):  # before every round: a bad node sits out instead of failing it
@@ -222,6 +227,12 @@ class Agent:
         It leaves with exit 16 (resume elsewhere): the other agents go on within --nnodes MIN:MAX (a
         standby takes its place) and `nvrx resume` excludes this node from the next Slurm job.
         """
+        excluded = self._stragglers.excluded() if self._stragglers is not None else None
+        if excluded:  # the straggler exclusion policy: a failed check like any other (exit 16, resume avoids it)
+            self.events.emit(NodeHealth(ok=False, seconds=0.0, action="sits out", checks=[
+                HealthCheckInfo(name="straggler", status="failed", detail=excluded, seconds=0.0)]))
+            log.error("node %s leaves the job (exit %d): %s", self.cfg.node_name, exit_codes.RESUME_ELSEWHERE, excluded)
+            return False
         report = health.run()
         action = "joins" if report.ok else "sits out"
         self.events.emit(NodeHealth(ok=report.ok, seconds=report.seconds, action=action, checks=[
@@ -249,9 +260,13 @@ class Agent:
             self.monitors.start()
         watch = self._watch_stop(result.round)
         self._rdzv.start_keepalive(result)
+        if self._stragglers is not None:
+            self._stragglers.start(result)
         try:
             record = self._supervise(result, watch)
         finally:
+            if self._stragglers is not None:
+                self._stragglers.stop()
             self._rdzv.stop_keepalive()
         return self._conclude(result, record)
 
@@ -303,6 +318,9 @@ class Agent:
             # any -> INTERRUPTED: a handled signal; it wins over the exits it may have caused
             self._transition(result, RoundState.INTERRUPTED)
             self._forward_signal(result)
+        if self.monitors is not None:
+            for request in self.monitors.workload_requests():
+                self._workload_request(result, request)
         failed = [e for e in exits if e.failed]
         if self.cfg.workers.inprocess:
             failed = self._inprocess_failures(exits, failed, result)
@@ -314,6 +332,28 @@ class Agent:
             # RUNNING -> SUCCEEDED: every local rank exited 0; the last node to say so ends the round
             self._transition(result, RoundState.SUCCEEDED)
             self._rdzv.node_succeeded(result.round)
+
+    def _workload_request(self, result: RoundResult, req: dict[str, Any]) -> None:
+        """A rank asked through its monitor to exclude this node or to shut down (spec 001): act at once.
+
+        Like a rank exiting with the steering code, without waiting for it to exit: ExcludeThisNode ends the
+        job with exit 16 (``nvrx resume`` avoids this node), ShutdownWorkload with 93 (no restart, no requeue).
+        """
+        action, lr = req.get("action"), int(req["local_rank"])
+        rank = result.rank_offset + lr
+        steer = {"ExcludeThisNode": exit_codes.RESUME_ELSEWHERE, "ShutdownWorkload": exit_codes.DO_NOT_REQUEUE}.get(
+            str(action))
+        if steer is None or self._state is not RoundState.RUNNING:
+            log.info("rank %d asked to %s (%s): %s", rank, action, req.get("description"),
+                     "nothing to do" if steer is None else "the round is already ending")
+            return
+        what = "exclude node " + self.cfg.node_name if steer == exit_codes.RESUME_ELSEWHERE else "shut the job down"
+        describe = f"rank {rank} (local {lr}) asked to {what} through its monitor: {req.get('description')}"
+        log.error("%s", describe)
+        self._transition(result, RoundState.FAILED)  # RUNNING -> FAILED: the job ends with the rank's steering code
+        self._rdzv.report_stop(result.round, StopKind.FAILED, {
+            "rank": rank, "local_rank": lr, "group_rank": result.group_rank, "pid": req.get("pid"),
+            "describe": describe, "round": result.round, "steer": steer, "no_restart": True})
 
     def _transition(self, result: RoundResult, new: RoundState) -> None:
         """Enter NEW; logged (debug) so a round's path through the states can be followed in the agent log."""

@@ -31,7 +31,7 @@ from typing import Any
 
 from monitors.client import ENV_AUTO_HEARTBEAT, ENV_SHM, ENV_SOCKET, ENV_TOKEN
 from monitors.events import (EventLog, HangDetected, MonitorAttach, MonitorConnect, MonitorDied, MonitorGaveUp,
-                             MonitorSpawned, MonitorStuck, last_event)
+                             MonitorSpawned, MonitorStuck, RankTiming, last_event)
 from monitors.heartbeat import Slot, SlotError
 from monitors.progress_watchdog import watchdog_interval
 from nvrx_common.files import open_private, private_dir
@@ -77,6 +77,10 @@ class RankMonitorGroup:
         self.restarts = [_Restarts() for _ in range(nproc)]
         self.failure: dict[str, Any] | None = None  # set once a monitor keeps dying: the job must fail
         self.started = False
+        # Workload control requests of the ranks (spec 001), one JSON line per request, monitors -> agent.
+        self._ctl_r, self._ctl_w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(self._ctl_r, False)
+        self._ctl_buf = b""
 
     def paths(self, local_rank: int) -> tuple[Path, Path]:
         return self.private / f"rank{local_rank}.sock", self.private / f"rank{local_rank}.slot"
@@ -95,11 +99,11 @@ class RankMonitorGroup:
                "--timeouts-dir", str(self.timeouts_dir), "--term-grace", f"{self.term_grace:g}",
                "--socket", str(sock), "--shm", str(shm), "--token-env", TOKEN_ENV,
                "--config-json", json.dumps(self.ft.to_dict()), "--parent-pid", str(os.getpid()),
-               "--events", str(self.events_file(lr))]
+               "--events", str(self.events_file(lr)), "--control-fd", str(self._ctl_w)]
         # the monitor's own log, off the terminal; private (0600) like every file of the run
         with open(open_private(self.log_file(lr), os.O_WRONLY | os.O_APPEND), "ab") as err:
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                                    start_new_session=True)
+                                    start_new_session=True, pass_fds=(self._ctl_w,))
         self.procs[lr] = proc
         self.pidfds[os.pidfd_open(proc.pid)] = lr
         self.events.emit(MonitorSpawned(local_rank=lr, pid=proc.pid))
@@ -119,7 +123,33 @@ class RankMonitorGroup:
         return env
 
     def fds(self) -> list[int]:
-        return list(self.pidfds)
+        """What the agent waits on for its monitors: their pidfds and the workload control pipe."""
+        return [*self.pidfds, self._ctl_r]
+
+    def workload_requests(self) -> list[dict[str, Any]]:
+        """The ranks' workload control requests that arrived since the last call (complete JSON lines only)."""
+        while True:
+            try:
+                chunk = os.read(self._ctl_r, 65536)
+            except OSError:  # BlockingIOError: nothing more for now
+                break
+            if not chunk:
+                break
+            self._ctl_buf += chunk
+        *lines, self._ctl_buf = self._ctl_buf.split(b"\n")
+        out = []
+        for line in lines:
+            try:
+                req = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(req, dict) and isinstance(req.get("local_rank"), int) and isinstance(req.get("action"), str):
+                out.append(req)
+        return out
+
+    def latest_timing(self, local_rank: int, newer_than: float) -> dict[str, Any] | None:
+        """The monitor's newest ``rank_timing`` summary written after NEWER_THAN (unix time), or None."""
+        return last_event(self.events_file(local_rank), (RankTiming,), lambda e: e["t"] > newer_than, limit=1 << 16)
 
     def restart_dead(self, now: float | None = None) -> list[int]:
         """Notice monitors that exited and (re)start those whose restart is due; returns the restarted ranks.
@@ -233,6 +263,11 @@ class RankMonitorGroup:
         for fd in self.pidfds:
             os.close(fd)
         self.pidfds.clear()
+        for fd in (self._ctl_r, self._ctl_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         shutil.rmtree(self.private, ignore_errors=True)
 
 

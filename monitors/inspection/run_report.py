@@ -362,6 +362,8 @@ class _ReportBuilder:
             return f"{who} was killed by {sig}" + (" (out of memory?)" if sig == "SIGKILL" else "")
         if code == 127 and d.get(D.pid) == -1:
             return f"{who} could not be started"
+        if code is None and d.get(D.steer) in exit_codes.STEERING_CODES:  # a workload control request (spec 001)
+            return f"{who} asked its monitor to end the job ({_EXIT_MEANINGS.get(d[D.steer])})"
         meaning = _EXIT_MEANINGS.get(code) if code in exit_codes.STEERING_CODES else None
         error = d.get(D.error) if isinstance(d.get(D.error), dict) else {}
         said = (str(error.get(RankErrorInfo.F.message) or "").strip().splitlines() or [""])[0][:200]

@@ -70,6 +70,8 @@ from monitors.events import (
 )
 from monitors.events import RerunAttempt, RerunStats, RerunSuspected, RerunVerdict
 from monitors.events import HealthCheckInfo, NodeHealth
+from monitors.events import RankTiming, StragglerEvent, WorkloadControl
+from monitors.straggler import metric_text
 from monitors.inspection.event_files import (Damage, EventFile, event_name, first_event_time, iso, raw_string,
                                              read_chunk)
 
@@ -278,6 +280,7 @@ class Timeline:
         self.others: list[Entry] = []         # resume driver and other notable one-off events
         self.hangs: list[tuple[MonitorFile, dict[str, Any]]] = []
         self.live = False  # --follow: an open job extends to the present (its agents write rarely)
+        self.stragglers: dict[tuple, Entry] = {}  # (job, rank, metric, since) -> its entry, updated per report
         skip = {cls.EV: _skip for cls in NOT_SHOWN}
         self._agent_handlers: dict[str, Handler] = {
             **{c.EV: _skip for c in NOT_SHOWN if c.SOURCE == "agent"},
@@ -512,6 +515,32 @@ class Timeline:
                    f"node {a.node_id or a.ef.node} {verdict} in {e.get(f.seconds)} s ({parts}); it {e.get(f.action)}",
                    level="error" if e.get(f.ok) is False else "info", job=job.index)
 
+    def _on_straggler(self, a: AgentFile, e: dict[str, Any]) -> None:
+        """One entry per straggler streak (which rank, which node, how much slower, since when), kept up to date
+        by the streak's later reports; a recovery is an entry of its own."""
+        f = StragglerEvent.F
+        job = self._job_for(a, e["t"])
+        rank, since = e.get(f.rank), e.get(f.since)
+        what, node = metric_text(str(e.get(f.metric))), e.get(f.node)
+        rel, ind = _times(e.get(f.relative)), _times(e.get(f.individual))
+        if e.get(f.state) == "recovered":
+            self._note(("straggler_ok", job.index, rank, e.get(f.metric), since), e["t"], "straggler",
+                       f"rank {rank} on node {node} is no straggler any more ({what} {rel} the other ranks' median, "
+                       f"after {e.get(f.reports)} slow reports)", job=job.index, rank=rank)
+            return
+        excluded = "; its node sits out the next round (straggler_exclude_after_reports)" if e.get(f.exclude) else ""
+        own = f", {ind} its own earlier median" if e.get(f.individual) is not None else ""
+        text = (f"rank {rank} on node {node} is a straggler since {iso(since) if isinstance(since, (int, float)) else '?'}"
+                f" (round {e.get(f.round)}): {what} {rel} the other ranks' median ({_secs(e.get(f.median))} vs "
+                f"{_secs(e.get(f.peers))}){own}; slow in {e.get(f.reports)} reports in a row{excluded}")
+        key = (job.index, rank, e.get(f.metric), since)
+        entry = self.stragglers.get(key)
+        if entry is None:
+            self._note(("straggler",) + key, e["t"], "straggler", text, level="warn", job=job.index, rank=rank)
+            self.stragglers[key] = self.others[-1]
+        else:
+            entry.text = text
+
     def _on_agent_signal(self, a: AgentFile, e: dict[str, Any]) -> None:
         f = AgentSignal.F
         job = self._job_for(a, e["t"])
@@ -700,6 +729,18 @@ class Timeline:
                    f"monitor of local rank {m.ef.local_rank} refused pid {e.get(f.pid)}: it watches the live rank "
                    f"process {e.get(f.holder)} (a child of a rank may not use RankMonitorClient)", level="warn")
 
+    def _on_workload_control(self, m: MonitorFile, e: dict[str, Any]) -> None:
+        f = WorkloadControl.F
+        s = self._current(m, e, e.get(f.pid))
+        rank = e.get(f.global_rank) if e.get(f.global_rank) is not None else s.global_rank
+        action = str(e.get(f.action))
+        what = {"ExcludeThisNode": f"exclude its node {m.ef.node}", "ShutdownWorkload": "shut the job down"}.get(
+            action, f"{action} (no action)")
+        passed = "" if e.get(f.forwarded) else " (not passed on: no agent listened)"
+        self._note(("workload_control", m.ef.path, e["t"]), e["t"], "workload_control",
+                   f"rank {rank} (local {m.ef.local_rank}, pid {e.get(f.pid)}) asked through its monitor to {what}: "
+                   f"{e.get(f.description)}{passed}", level="warn" if action == "Continue" else "error", rank=rank)
+
     def _end_session(self, m: MonitorFile, t: float, reason: str) -> None:
         s = m.session
         if s is not None and s.end_t is None:
@@ -764,6 +805,8 @@ def _skip(owner: Any, e: dict[str, Any]) -> None:
 NOT_SHOWN: dict[type[Event], str] = {
     # The agent started a rank monitor: the monitor's own file (monitor_start, its sessions) says more.
     MonitorSpawned: "the monitor's own events tell its story",
+    # A monitor's timing summary: the straggler aggregator's input; its verdicts (straggler events) are shown.
+    RankTiming: "input of straggler detection; the straggler events are shown",
 }
 
 AGENT_HANDLERS: dict[type[Event], Callable[..., None]] = {
@@ -780,6 +823,7 @@ AGENT_HANDLERS: dict[type[Event], Callable[..., None]] = {
     RdzvStop: Timeline._on_rdzv_stop,
     RdzvBadRecord: Timeline._on_rdzv_bad_record,
     NodeHealth: Timeline._on_node_health,
+    StragglerEvent: Timeline._on_straggler,
     RankStart: Timeline._on_rank_start,
     RankExit: Timeline._on_rank_exit,
     RankStuck: Timeline._on_rank_stuck,
@@ -807,6 +851,7 @@ MONITOR_HANDLERS: dict[type[Event], Callable[..., None]] = {
     TimeoutsSet: Timeline._on_timeouts_set,
     TimeoutsLoaded: Timeline._on_timeouts_loaded,
     TimeoutsStateIgnored: Timeline._on_timeouts_state_ignored,
+    WorkloadControl: Timeline._on_workload_control,
 }
 
 
@@ -917,6 +962,16 @@ def _damage_reason(raw: bytes, exc: ValueError) -> str:
 def rounded(x: float | None, nd: int = 3) -> float | None:
     """A number of the report, rounded to ND decimals (None stays None)."""
     return None if x is None else round(float(x), nd)
+
+
+def _times(x: Any) -> str:
+    """A ratio as a person reads it: 1.53x ('?x' when unknown)."""
+    return f"{x:.2f}x" if isinstance(x, (int, float)) and not isinstance(x, bool) else "?x"
+
+
+def _secs(x: Any) -> str:
+    """A short duration in a sentence, 4 decimals ('?' when unknown)."""
+    return f"{x:.4f} s" if isinstance(x, (int, float)) and not isinstance(x, bool) else "? s"
 
 
 def _short(v: Any, limit: int = 80) -> str:

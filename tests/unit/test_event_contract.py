@@ -225,6 +225,7 @@ VARIANTS: dict[type[Event], list[dict[str, Any]]] = {
     HeartbeatStats: [{"count": 50}],
     RECORDS["node_health"]: [{"ok": True}, {"ok": False}],
     RECORDS["section_open"]: [{"section": "checkpointing"}],
+    RECORDS["straggler"]: [{"state": "straggler"}, {"state": "recovered"}],
 }
 
 # Fields the reader does not show, and why. Every other field must come out of the round trip.
@@ -248,6 +249,8 @@ FIELDS_NOT_SHOWN: dict[str, str] = {
     "rdzv_stop.detail.hang.rank": "the monitor's local rank: the stop names the global rank",
     "rdzv_stop.detail.hang.generation": "the monitor's session counter",
     "node_health.checks.seconds": "per check timing: the pass's total is shown",
+    "rank_timing.*": "input of straggler detection (the agents compare the ranks); straggler events are shown",
+    "straggler.since": "shown as a time of day (ISO), not as the number",
     "rank_start.attempt": "the round's restart count is shown",
     "rank_start.how": "fork or spawn: start-up detail",
     "rank_start.seconds": "start-up detail",
