@@ -19,6 +19,7 @@ that another agent is in the middle of writing.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import os
@@ -52,6 +53,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_POLL = 0.02  # seconds; the longest sleep between two polls
+# One blocking wait for a key. Long on purpose: every round ends with a stop record, which wakes the wait,
+# and torch logs a warning line at each timed-out wait; the thread is a daemon, so nothing waits for it.
+WAIT_SLICE = datetime.timedelta(days=1)
 LINGER_MAX = 10.0  # how long the store host waits for peers to read the final stop record
 BAD_STOP_GRACE = 15.0  # how long a malformed stop record may stand before the claimer overwrites it
 _DETAIL_SPEC = spec_of(StopDetail)
@@ -350,7 +354,10 @@ class Rendezvous:
         joined = []
         for key, raw in zip(keys, store.multi_get(keys)):
             try:
-                joined.append(parse_join(raw))
+                info = parse_join(raw)
+                if any(j["node_id"] == info["node_id"] for j in joined):
+                    raise BadRecord(f"node {info['node_id']} joined twice")
+                joined.append(info)
             except BadRecord as exc:  # a joiner nobody can reach: leave it out of the round
                 self._bad_record(key, raw, str(exc), fatal=False)
         record: dict[str, Any] = {"round": r, "restart_count": int(store.add(self.keys.restarts, 0))}
@@ -515,12 +522,23 @@ class Rendezvous:
         with self._store_errors():
             store = self._client("watch")
             key = self.keys.r(round, "stop")
-            backoff = _Backoff(self._closing)
-            while not store.check([key]):
-                backoff.sleep()
+            self._wait_for_key(store, key)
             rec = self._valid_stop(store, round, claimed=False)
             self._saw_stop(store, rec)
             return rec
+
+    def _wait_for_key(self, store: TCPStore, key: str) -> None:
+        """Block until KEY exists: the store wakes us when it is set (no polling, so N waiting agents cost
+        the store nothing between events and learn of it at once)."""
+        while True:
+            if self._closing.is_set():
+                raise RendezvousError("the rendezvous was closed by this agent while waiting")
+            try:
+                store.wait([key], WAIT_SLICE)
+                return
+            except dist.DistStoreError as exc:
+                if "timeout" not in str(exc).lower():
+                    raise
 
     def node_succeeded(self, round: int) -> None:
         """All ranks of this node exited 0 in ROUND; the last node to say so ends the round."""
