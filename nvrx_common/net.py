@@ -114,9 +114,8 @@ def port_in_use(port: int) -> str | None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
+            try:  # bind only: Linux refuses it while another socket listens there; nothing is ever accepted
                 sock.bind((wildcard, port))
-                sock.listen(1)
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
                     return exc.strerror or "address already in use"
