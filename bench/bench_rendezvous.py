@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""How the rendezvous grows with the number of agents: N simulated agents against one real store.
+
+Each simulated agent is the real ``launcher.agent.rendezvous.Rendezvous`` (no ranks): the main process
+hosts the store and runs agent 0; worker processes run the others, one thread each. Per N it measures:
+
+- ``close``: "go" -> every agent has returned from ``next_round()`` (round 0 closes at N = MAX nodes);
+- ``failure``: agent 0 writes a ``failed`` stop record -> every agent's ``wait_stop()`` has returned;
+- ``restart``: that stop -> every agent is in round 1;
+- ``dead_node``: one agent's keepalive stops -> every agent saw the ``node_left`` stop record
+  (bounded below by ``keepalive_timeout``; the rest is what detection and broadcast add);
+- the store host's requests per second while all agents wait for a stop (from its CPU time and a probe
+  of request latency), and its resident memory.
+
+Usage:
+    python bench/bench_rendezvous.py                       # N = 16, 64, 256
+    python bench/bench_rendezvous.py --agents 16,64,256,1024 --procs 8
+Writes bench/results/rendezvous.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
+
+from launcher.agent.config import RdzvSettings  # noqa: E402
+from launcher.agent.rendezvous import Rendezvous  # noqa: E402
+from launcher.agent.rdzv_records import StopKind  # noqa: E402
+from launcher.agent.store import _join, open_rendezvous_store  # noqa: E402
+from monitors.events import EventLog  # noqa: E402
+
+KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT = 0.5, 3.0
+GO, READY = "bench/go", "bench/ready"
+
+
+def settings_for(port: int, n: int) -> RdzvSettings:
+    return RdzvSettings(host="127.0.0.1", port=port, run_id="bench", min_nodes=n, max_nodes=n, nproc_per_node=1,
+                        node_rank=None, local_addr="127.0.0.1", join_timeout=600, last_call_timeout=1,
+                        keepalive_interval=KEEPALIVE_INTERVAL, keepalive_timeout=KEEPALIVE_TIMEOUT)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- one simulated agent
+
+
+class SimAgent:
+    """The real rendezvous of one agent; records wall-clock times of what the benchmark measures."""
+
+    def __init__(self, settings: RdzvSettings, log_dir: Path, name: str, host: bool = False) -> None:
+        # the others join as agents on other machines would (the endpoint is not theirs to host)
+        self.rs = open_rendezvous_store(settings) if host else _join(settings.host, settings.port, settings, False)
+        self.rdzv = Rendezvous(self.rs, settings, max_restarts=100,
+                               events=EventLog(log_dir / f"agent-{name}.jsonl", source="agent"), node_id=name)
+        for purpose in ("watch", "keepalive"):  # connections a running agent already has
+            self.rdzv._client(purpose)
+        self.t: dict[str, float] = {}
+
+    def run(self, victim: bool, ctl) -> None:
+        ctl.wait([GO])
+        r0 = self.rdzv.next_round()
+        self.t["closed"] = time.time()
+        ctl.add(READY + "/0", 1)
+        self.rdzv.wait_stop(r0.round)
+        self.t["stop_seen"] = time.time()
+        r1 = self.rdzv.next_round()
+        self.t["round1"] = time.time()
+        self.rdzv.start_keepalive(r1)
+        ctl.add(READY + "/1", 1)
+        if victim:
+            ctl.wait([READY + "/kill"])
+            self.rdzv.stop_keepalive()  # this node goes silent: its neighbours must notice
+            self.t["silent"] = time.time()
+        rec = self.rdzv.wait_stop(r1.round)
+        self.t["dead_seen"] = time.time()
+        self.t["dead_kind"] = str(rec.kind)
+        self.rdzv.stop_keepalive()
+
+
+def worker_main(port: int, n: int, first: int, count: int, log_dir: str, victim: int) -> None:
+    """A worker process: agents FIRST..FIRST+COUNT-1, one thread each; prints their times as JSON."""
+    from launcher.agent.store import RendezvousStore  # noqa: F401  (imports torch once, before the threads)
+    import torch.distributed as dist
+
+    settings = settings_for(port, n)
+    agents = [SimAgent(settings, Path(log_dir), f"a{i:05d}") for i in range(first, first + count)]
+    ctls = [dist.TCPStore("127.0.0.1", port, is_master=False) for _ in agents]
+    ctls[0].add(READY + "/connected", count)
+    threads = [threading.Thread(target=a.run, args=(first + i == victim, c), daemon=True)
+               for i, (a, c) in enumerate(zip(agents, ctls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(json.dumps([a.t for a in agents]), flush=True)
+
+
+# ---------------------------------------------------------------- one measurement
+
+
+def wait_count(store, key: str, target: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while int(store.add(key, 0)) < target:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{key}: {int(store.add(key, 0))} of {target} after {timeout:g} s")
+        time.sleep(0.01)
+
+
+def probe_latency(store, seconds: float = 1.0) -> float:
+    """Median round trip of one client's store request while the agents load the store (ms)."""
+    samples = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t0 = time.perf_counter()
+        store.add("bench/probe", 0)
+        samples.append((time.perf_counter() - t0) * 1000)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def measure(n: int, procs: int) -> dict:
+    port = free_port()
+    settings = settings_for(port, n)
+    log_dir = Path(tempfile.mkdtemp(prefix="nvrx-bench-rdzv-"))
+    host = SimAgent(settings, log_dir, "a00000", host=True)
+    ctl = host.rs.store
+    me = psutil.Process()
+    procs = max(1, min(procs, n - 1))
+    per = [(n - 1) // procs + (1 if i < (n - 1) % procs else 0) for i in range(procs)]
+    victim = n - 1
+    children, first = [], 1
+    for count in per:
+        children.append(subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(port), str(n), str(first), str(count), str(log_dir), str(victim)],
+            stdout=subprocess.PIPE, text=True))
+        first += count
+    wait_count(ctl, READY + "/connected", n - 1, 300)
+    rss0 = me.memory_info().rss
+    t_go = time.time()
+    ctl.set(GO, "1")
+    r0 = host.rdzv.next_round()
+    host.t["closed"] = time.time()
+    wait_count(ctl, READY + "/0", n - 1, 300)  # every other agent is in (or about to be in) wait_stop
+    cpu0, t_cpu0 = me.cpu_times(), time.monotonic()
+    time.sleep(1.0)  # only the store's server threads work in this process now: serving the waiting agents
+    cpu1, t_cpu1 = me.cpu_times(), time.monotonic()
+    probe_ms = probe_latency(host.rs.new_client())
+    t_fail = time.time()
+    host.rdzv.report_stop(r0.round, StopKind.FAILED, {"rank": 0, "node": host.rdzv.node_id})
+    r1 = host.rdzv.next_round()
+    host.rdzv.start_keepalive(r1)
+    wait_count(ctl, READY + "/1", n - 1, 300)
+    t_kill = time.time()
+    ctl.set(READY + "/kill", "1")
+    host.rdzv.wait_stop(r1.round)
+    host.t["dead_seen"] = time.time()
+    host.rdzv.stop_keepalive()
+    times = [host.t]
+    for child in children:
+        out, _ = child.communicate(timeout=300)
+        times += json.loads(out.strip().splitlines()[-1])
+    rss = me.memory_info().rss
+    busy = ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (t_cpu1 - t_cpu0)
+    silent = next(t["silent"] for t in times if "silent" in t)
+    host.rdzv.close()
+    host.rs.close()
+    return {
+        "agents": n,
+        "close_s": round(max(t["closed"] for t in times) - t_go, 3),
+        "failure_s": round(max(t["stop_seen"] for t in times if "stop_seen" in t) - t_fail, 3),
+        "restart_s": round(max(t["round1"] for t in times if "round1" in t) - t_fail, 3),
+        "dead_node_s": round(max(t["dead_seen"] for t in times) - silent, 3),
+        "dead_node_over_timeout_s": round(max(t["dead_seen"] for t in times) - silent - KEEPALIVE_TIMEOUT, 3),
+        "kill_signal_to_silent_s": round(silent - t_kill, 3),
+        "store_host_cpu_while_waiting": round(busy, 3),
+        "store_probe_ms": round(probe_ms, 3),
+        "store_host_rss_mb": round(rss / 2**20, 1),
+        "store_host_rss_growth_mb": round((rss - rss0) / 2**20, 1),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["agents", "close_s", "failure_s", "restart_s", "dead_node_s", "store_host_cpu_while_waiting",
+            "store_probe_ms", "store_host_rss_mb"]
+    lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
+    lines += [" | ".join(str(r[c]) for c in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        port, n, first, count, log_dir, victim = sys.argv[2:8]
+        worker_main(int(port), int(n), int(first), int(count), log_dir, int(victim))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--agents", default="16,64,256", help="comma-separated N")
+    ap.add_argument("--procs", type=int, default=4, help="worker processes that run the simulated agents")
+    ap.add_argument("--output", default=str(ROOT / "bench" / "results" / "rendezvous.json"))
+    args = ap.parse_args()
+    rows = []
+    for n in [int(x) for x in args.agents.split(",")]:
+        rows.append(measure(n, args.procs))
+        print(json.dumps(rows[-1]), flush=True)
+    print(table(rows))
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps({"keepalive_interval": KEEPALIVE_INTERVAL,
+                                             "keepalive_timeout": KEEPALIVE_TIMEOUT, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
