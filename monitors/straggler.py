@@ -151,9 +151,12 @@ class StragglerScorer:
         for metric in metrics:
             usable = {r: s[metric].median for r, (_, s) in summaries.items()
                       if metric in s and s[metric].samples >= self.min_samples and s[metric].median > 0}
+            ordered = sorted(usable.values())
+            position = {}
+            for i, m in enumerate(ordered):
+                position.setdefault(m, i)  # equal values are interchangeable: any one of them may be left out
             for rank, median in sorted(usable.items()):
-                peers = [m for r, m in usable.items() if r != rank]
-                ref = statistics.median(peers) if peers else None
+                ref = median_without(ordered, position[median])
                 relative = median / ref if ref else None
                 history = self._history.get((rank, metric))
                 own = statistics.median(history) if history is not None and len(history) >= BASELINE_MIN else None
@@ -205,6 +208,24 @@ class StragglerScorer:
         """The longest current slow streak of any rank on NODE (for the exclusion policy)."""
         ranks = {r for r, (n, _) in summaries.items() if n == node}
         return max((s.reports for (r, _), s in self._streaks.items() if r in ranks and s.flagged), default=0)
+
+
+def median_without(ordered: list[float], i: int) -> float | None:
+    """The median of the sorted list ORDERED without its element at index I, in O(1) (None if nothing is left).
+
+    Each rank is compared with the median of the *other* ranks, so with two ranks a slow one is measured
+    against the fast one, not against a middle it pulls towards itself. Per report this is O(n log n) for
+    n ranks (one sort), not O(n^2).
+    """
+    n = len(ordered) - 1
+    if n <= 0:
+        return None
+
+    def at(j: int) -> float:  # the j-th element of the list without index i
+        return ordered[j] if j < i else ordered[j + 1]
+
+    mid = n // 2
+    return at(mid) if n % 2 else (at(mid - 1) + at(mid)) / 2
 
 
 def metric_text(metric: str) -> str:

@@ -92,13 +92,23 @@ class StragglerAggregator:
         return self._store
 
     def _loop(self, result: RoundResult) -> None:
-        """Every half report interval: publish this node's new summaries; on group rank 0 score the ranks."""
-        period = self.ft.straggler_report_interval / 2
-        while not self._stop.wait(period):
+        """Publish this node's new summaries (on group rank 0: score the ranks) just after the monitors report."""
+        wait = self.ft.straggler_report_interval / 2
+        while not self._stop.wait(wait):
             try:
                 self.step(result, time.time())
             except Exception as exc:  # the store is gone (the job is ending) or a bug: never take the agent down
                 log.debug("straggler detection pass failed: %s", exc, exc_info=True)
+            wait = self._next_wait(time.time())
+
+    def _next_wait(self, now: float) -> float:
+        """Seconds to the next pass: 0.1 s after the monitors' next reports are due (they report in step, every
+        interval from their rank's start), so a report is scored at once rather than up to a period later;
+        a quarter interval while reports are late or none came yet."""
+        interval = self.ft.straggler_report_interval
+        newest = max(self._seen_t.values(), default=0.0)
+        due = newest + interval + 0.1 - now
+        return min(interval, due) if due > 0.05 else max(0.05, interval / 4)
 
     # ---- one pass
     def step(self, result: RoundResult, now: float) -> list[Straggler]:

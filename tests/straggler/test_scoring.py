@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import statistics
 
 from monitors.straggler import (HEARTBEAT, MetricSummary, StragglerScorer, TimingSampler, summary_from_json,
                                 summary_to_json)
@@ -97,3 +98,15 @@ def test_summaries_cross_boundaries_as_json_and_garbage_is_dropped():
     assert summary_from_json({"a": [0, 1], "b": [0.1, 0], "c": ["x", 1], "d": [True, 1], "e": [0.1, 2]}) == {
         "e": MetricSummary(0.1, 2)}
     assert summary_from_json([1, 2]) == {}
+
+
+def test_the_median_of_the_other_ranks_is_exact():
+    from monitors.straggler import median_without
+
+    rng = random.Random(3)
+    for n in range(1, 12):
+        values = sorted(rng.choice([0.1, 0.2, 0.3, rng.random()]) for _ in range(n))
+        for i in range(n):
+            rest = values[:i] + values[i + 1:]
+            expected = statistics.median(rest) if rest else None
+            assert median_without(values, i) == expected, (values, i)

@@ -8,6 +8,7 @@ Each step: a timed ``compute`` section (a real matmul plus a sleep, the rank's o
   SLOW_RANK        this global rank sleeps SLOW_FACTOR times as long (default: none)
   SLOW_FACTOR      (default 2.0)
   SLOW_FROM        the slow rank slows down from this step on (default 0)
+  SLOW_MARK        a file the slow rank writes the time (time.time()) it slows down at into
   CONTROL          ExcludeThisNode | ShutdownWorkload: rank CONTROL_RANK sends this request after 5 steps,
                    then every rank keeps stepping (the agent must stop them)
   CONTROL_RANK     (default 0)
@@ -36,6 +37,9 @@ ft.init_workload_monitoring()
 a = torch.randn(128, 128)
 grad = torch.ones(1024)
 for step in range(steps if not control else 10**9):
+    if slow and step == slow_from and os.environ.get("SLOW_MARK"):
+        with open(os.environ["SLOW_MARK"], "w") as fh:
+            fh.write(repr(time.time()))
     ft.start_section("compute")
     for _ in range(4):
         a = torch.tanh(a @ a)
