@@ -251,6 +251,7 @@ class Agent:
         specs = [RankSpec(lr, result.rank_offset + lr,
                           build_rank_env(self.cfg, result, lr, self._monitor_env(lr), self._round_error_files[lr]))
                  for lr in range(nproc)]
+        self._drop_stale_requests()
         self.workers.start(specs, attempt=result.restart_count)
         self._absorbed: list[RankExit] = []  # --inprocess: failed ranks the Wrapper of the others continues without
         self._rank_succeeded = False
@@ -332,6 +333,12 @@ class Agent:
             # RUNNING -> SUCCEEDED: every local rank exited 0; the last node to say so ends the round
             self._transition(result, RoundState.SUCCEEDED)
             self._rdzv.node_succeeded(result.round)
+
+    def _drop_stale_requests(self) -> None:
+        """Workload control requests that arrived after the previous round ended must not end the new one."""
+        for req in self.monitors.workload_requests() if self.monitors is not None else []:
+            log.warning("ignoring local rank %s's request to %s: it came after its round ended",
+                        req.get("local_rank"), req.get("action"))
 
     def _workload_request(self, result: RoundResult, req: dict[str, Any]) -> None:
         """A rank asked through its monitor to exclude this node or to shut down (spec 001): act at once.

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from slurm.nodes import find_bad_node
-from tests.conftest import REPO, free_port, run_events, wait_for
+from tests.conftest import REPO, free_port, one_line_error, run_events, wait_for
 
 TRAIN = str(Path(__file__).with_name("train.py"))
 HOST = socket.gethostname()
@@ -106,3 +106,13 @@ def test_the_exclusion_policy_keeps_a_straggling_node_out_of_the_next_round(laun
     assert "rank 1 was a straggler" in err_b
     assert "(straggler failed: rank 1 was a straggler for 2 reports in a row" in _inspect(run_dir)
     assert launcher.leftovers() == []
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--ft-param-straggler_threshold", "0.9", "straggler_threshold"),
+    ("--ft-param-straggler_sustain_reports", "0", "straggler_sustain_reports"),
+    ("--ft-param-straggler_report_interval", "soon", "straggler_report_interval"),
+    ("--ft-param-straggler_exclude_after_reports", "-1", "straggler_exclude_after_reports")])
+def test_a_bad_straggler_setting_is_one_line_and_exit_2(launcher, flag, value, words):
+    res = launcher.run("--standalone", "--nproc-per-node", "1", flag, value, TRAIN, timeout=60)
+    one_line_error(res, words, value)
