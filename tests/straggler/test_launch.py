@@ -116,3 +116,40 @@ def test_the_exclusion_policy_keeps_a_straggling_node_out_of_the_next_round(laun
 def test_a_bad_straggler_setting_is_one_line_and_exit_2(launcher, flag, value, words):
     res = launcher.run("--standalone", "--nproc-per-node", "1", flag, value, TRAIN, timeout=60)
     one_line_error(res, words, value)
+
+
+NO_AGENT_RANK = r'''
+from monitors import RankMonitorClient, RankMonitorClientError, WorkloadAction, WorkloadControlRequest
+c = RankMonitorClient()
+c.init_workload_monitoring()
+for req in (WorkloadControlRequest(WorkloadAction.ExcludeThisNode, "bad"), "ExcludeThisNode"):
+    try:
+        c.send_workload_control_request(req)
+        print("SENT")
+    except RankMonitorClientError as exc:
+        print("REFUSED", exc)
+c.shutdown_workload_monitoring()
+'''
+
+
+def test_a_request_no_agent_can_take_raises_in_the_rank(tmp_path):
+    """A monitor started by RankMonitorServer (NVRx's way, no nvrx agent): the rank learns it was not passed on."""
+    import os
+
+    from monitors import FaultToleranceConfig, RankMonitorServer
+
+    sock = tmp_path / "rank0.socket"
+    server = RankMonitorServer.run_in_subprocess(FaultToleranceConfig(), str(sock))
+    try:
+        script = tmp_path / "rank.py"
+        script.write_text(NO_AGENT_RANK)
+        env = {**os.environ, "FT_RANK_MONITOR_IPC_SOCKET": str(sock), "RANK": "0", "PYTHONPATH": str(REPO)}
+        for name in ("NVRX_MONITOR_SOCKET", "NVRX_MONITOR_TOKEN", "NVRX_MONITOR_SHM"):
+            env.pop(name, None)
+        res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        server.terminate()
+        server.join(10)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("SENT", "REFUSED"))]
+    assert len(lines) == 2 and all(ln.startswith("REFUSED") for ln in lines), res.stdout + res.stderr
+    assert "could not pass" in lines[0] and "takes a WorkloadControlRequest" in lines[1]
