@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import selectors
 import signal
@@ -407,15 +408,18 @@ class WorkerGroup:
         return True, None
 
     def _collect(self, now: float) -> tuple[list[RankExit], float | None]:
-        exits: list[RankExit] = []
+        """The exits reportable now, in the order the ranks died: when several are reported together (their
+        statuses or output arrived late), the first to die is the likely cause and the others its victims."""
+        ready_ranks: list[_Rank] = []
         next_due: float | None = None
         for rank in self._ranks:
             ready, due = self._reportable(rank, now)
             if ready:
-                exits.append(self._report(rank))
+                ready_ranks.append(rank)
             elif due is not None:
                 next_due = due if next_due is None else min(next_due, due)
-        return exits, next_due
+        ready_ranks.sort(key=lambda r: r.dead_at if r.dead_at is not None else math.inf)
+        return [self._report(rank) for rank in ready_ranks], next_due
 
     def _report(self, rank: _Rank) -> RankExit:
         rank.reported = True
