@@ -72,6 +72,8 @@ class StragglerAggregator:
 
     # ---- lifecycle
     def start(self, result: RoundResult) -> None:
+        """Score this round from scratch: after a restart the global ranks may sit on other nodes."""
+        self.scorer = StragglerScorer(self.ft.straggler_threshold, self.ft.straggler_sustain_reports)
         self._stop.clear()
         self._seen_t.clear()
         self._node_seq.clear()

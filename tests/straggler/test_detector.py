@@ -55,6 +55,17 @@ def test_one_process_report_summarises_sections_and_profiles_every_nth_entry():
     assert Detector.generate_report().local_section_summaries == {}  # a report starts the next interval
 
 
+def test_interval_checks_are_spread_out_not_one_collective_per_call():
+    Detector.initialize(report_time_interval=0.2)
+    reports, t_end = 0, time.monotonic() + 0.5
+    while time.monotonic() < t_end:
+        with Detector.detection_section("s"):
+            pass
+        reports += Detector.generate_report_if_interval_elapsed() is not None
+    assert Detector._check_every > 10  # thousands of calls per second: about 20 checks per interval
+    assert 1 <= reports <= 3
+
+
 @pytest.mark.parametrize("gather", ["1", pytest.param("0", marks=pytest.mark.slow)])
 def test_two_gloo_ranks_the_slow_one_is_identified_with_its_node(launcher, tmp_path, gather):
     out = tmp_path / "out"

@@ -24,9 +24,9 @@ every rank waits for the slowest inside a collective, so such a section takes eq
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -68,6 +68,9 @@ class Detector:
     node_name: str = ""
     custom_sections: dict[str, _Section] = {}
     _last_report: float = 0.0
+    _calls: int = 0              # calls of generate_report_if_interval_elapsed since its last check
+    _check_every: int = 1        # calls between two checks (agreed by all ranks)
+    _last_check: float = 0.0
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Detector":
         raise TypeError("Detector is not instantiated: use its class methods (Detector.initialize(...))")
@@ -90,7 +93,8 @@ class Detector:
         cls.report_time_interval = float(report_time_interval)
         cls.node_name = node_name or socket.gethostname()
         cls.custom_sections = {}
-        cls._last_report = time.monotonic()
+        cls._last_report = cls._last_check = time.monotonic()
+        cls._calls, cls._check_every = 0, 1
         cls.initialized = True
 
     @classmethod
@@ -106,8 +110,8 @@ class Detector:
         if not cls.initialized:
             raise RuntimeError("Detector.detection_section: call Detector.initialize(...) first")
         if name is None:
-            caller = inspect.stack()[2]  # [0] this generator, [1] contextlib's __enter__, [2] the with statement
-            name = f"{caller.filename}:{caller.lineno}"
+            caller = sys._getframe(2)  # [0] this generator, [1] contextlib's __enter__, [2] the with statement
+            name = f"{caller.f_code.co_filename}:{caller.f_lineno}"  # cheap, unlike inspect.stack()
         section = cls.custom_sections.get(name)
         if section is None:
             section = cls.custom_sections[name] = _Section()
@@ -128,10 +132,22 @@ class Detector:
 
     @classmethod
     def generate_report_if_interval_elapsed(cls) -> Report | None:
-        """Collective: a report when the interval passed on any rank (all ranks agree), else None."""
+        """Collective (call it on every rank, e.g. once per step): a report once the interval passed, else None.
+
+        The ranks agree with a one-integer all-reduce, but not on every call: only every ``_check_every``-th
+        call, a count set from the agreed (maximum) call rate so that there are about 20 checks per interval.
+        Every rank computes the same count from the same reduced values, so they stay in step.
+        """
         if not cls.initialized:
             raise RuntimeError("Detector.generate_report_if_interval_elapsed: call Detector.initialize(...) first")
-        (due,) = reduce_max([int(cls.is_interval_elapsed())])
+        cls._calls += 1
+        if cls._calls < cls._check_every:
+            return None
+        now = time.monotonic()
+        rate = cls._calls / max(now - cls._last_check, 1e-6)  # this rank's calls per second since the last check
+        cls._calls, cls._last_check = 0, now
+        due, top_rate = reduce_max([int(cls.is_interval_elapsed()), int(rate)])
+        cls._check_every = max(1, int(top_rate * cls.report_time_interval / 20))
         return cls.generate_report() if due else None
 
     @classmethod
