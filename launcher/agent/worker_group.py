@@ -288,7 +288,10 @@ class WorkerGroup:
                 if rank.running:
                     self._abandon(rank)
         self._sweep(self._ranks)
-        self._wait_until(lambda: all(r.reported or r.abandoned or self._reportable(r, time.monotonic())[0] for r in live), DRAIN_TIMEOUT + 0.5)
+        # a live fork server sends the exit statuses of its ranks, late while its template warms up
+        bound = STATUS_TIMEOUT if self._fork.link is not None else DRAIN_TIMEOUT + 0.5
+        self._wait_until(lambda: all(r.reported or r.abandoned or self._reportable(r, time.monotonic())[0]
+                                     for r in live), bound)
         return [self._report(r) for r in live if not r.reported]
 
     def close(self) -> None:
