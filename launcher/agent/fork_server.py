@@ -20,6 +20,7 @@ it the same way.
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import logging
 import os
@@ -304,14 +305,22 @@ def _set_comm(name: str) -> None:
         pass
 
 
+def _import_optional(name: str) -> None:
+    """Import NAME if its dependencies are installed (torch tries some modules only if fsspec is there)."""
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
+
+
 def _warm_up() -> None:
     """Pay once, in the template, the first-use costs every restarted rank would pay again.
 
     Done when the server is first idle (the first ranks are forked before it, so start-up does not wait
     for it; a request that comes meanwhile waits at most for what that rank would have paid itself).
     Measured on the benchmark workload (bench/bench_goodput.py), a rank spent ~1 s building its first
-    ``torch.optim`` optimizer (it imports ``torch._dynamo``, sympy, parts of FSDP and inductor) and ~0.05 s on
-    the DCP and DDP imports. Only imports and an optimizer over one zero tensor: nothing that draws random
+    ``torch.optim`` optimizer (it imports ``torch._dynamo``, sympy, parts of FSDP and inductor), ~0.05 s on
+    the DCP and DDP imports and ~0.1 s more on its first DCP load (serialization config, fsspec). Only imports and an optimizer over one zero tensor: nothing that draws random
     numbers, changes torch's thread settings, starts a thread, or touches CUDA (each property is tested in
     tests/integration/test_template_warmup.py). A failure here costs speed only, never the template.
     """
@@ -322,6 +331,9 @@ def _warm_up() -> None:
         import torch.distributed.checkpoint  # noqa: F401
         import torch.distributed.checkpoint.state_dict  # noqa: F401
         import torch.nn.parallel  # noqa: F401  (DistributedDataParallel)
+        import torch.utils.serialization.config  # noqa: F401  (torch.load / torch.save, and so DCP, import these
+        import torch._weights_only_unpickler  # noqa: F401   on first use)
+        _import_optional("torch.distributed.checkpoint._fsspec_filesystem")  # tried by every dcp.load/save
     except Exception:  # noqa: BLE001 - an optional speed-up
         log.debug("fork server warm-up failed", exc_info=True)
     gc.collect()
