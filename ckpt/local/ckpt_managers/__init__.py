@@ -1,0 +1,1 @@
+"""Checkpoint managers of the local tier (spec 002: ``ckpt_managers.local_manager.LocalCheckpointManager``)."""

@@ -1,0 +1,208 @@
+"""Our own local checkpoint format: a JSON header (hollow structure + tensor table) and one flat payload.
+
+No pickle anywhere: the hollow structure is JSON with a few tags (dict with non-string keys, list, tuple,
+tensor slot), and tensors are raw bytes at 64-byte aligned offsets of one payload. The same (header,
+payload) pair goes to a file and over the wire to the ranks holding replicas, so a replica is written
+without being decoded again.
+
+File layout: ``MAGIC | u64 header length | header JSON | u32 CRC-32 of header | payload``; the header
+holds the payload's size and CRC-32, so any torn, truncated or flipped file is detected on read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from ckpt.local._buffers import as_bytes, byte_view
+from ckpt.local.basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder
+from ckpt.local.errors import LocalCheckpointCorruptError, LocalCheckpointError
+from nvrx_common.files import fsync_path
+
+FORMAT = "nvrx-local-1"
+MAGIC = b"NVRXLCK1"
+ALIGN = 64
+_CHUNK = 8 << 20
+_PLAIN = (str, int, float, bool, type(None))
+
+
+@dataclass
+class Packed:
+    """One rank's checkpoint, ready for a file or the wire: header (a dict) and the payload (flat uint8 tensor)."""
+
+    header: dict[str, Any]
+    payload: torch.Tensor
+
+    @property
+    def id(self) -> str:
+        return self.header["id"]
+
+    def header_bytes(self) -> bytes:
+        return json.dumps(self.header, separators=(",", ":")).encode()
+
+
+def _encode(node: Any, tensors: list[torch.Tensor], path: str) -> Any:
+    if isinstance(node, torch.Tensor):
+        tensors.append(node)
+        return {"s": len(tensors) - 1}
+    if isinstance(node, TensorPlaceholder):
+        raise LocalCheckpointError(f"{path} is a popped tensor: insert_tensors() before saving")
+    if isinstance(node, dict):
+        items = []
+        for key, value in node.items():
+            if not isinstance(key, _PLAIN):
+                raise LocalCheckpointError(f"{path} has a key of type {type(key).__name__}; "
+                                           "a local checkpoint keeps str/int/float/bool/None keys")
+            items.append([key, _encode(value, tensors, f"{path}[{key!r}]")])
+        return {"d": items}
+    if isinstance(node, (list, tuple)):
+        tag = "l" if isinstance(node, list) else "t"
+        return {tag: [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(node)]}
+    if isinstance(node, _PLAIN):
+        return node
+    raise LocalCheckpointError(f"{path} is a {type(node).__name__}: a local checkpoint holds tensors and plain values "
+                               "(str, int, float, bool, None) in dicts, lists and tuples; convert it (e.g. to a dict)")
+
+
+def _decode(node: Any, slots: list[TensorPlaceholder]) -> Any:
+    if not isinstance(node, dict):
+        return node
+    if "s" in node:
+        return slots[node["s"]]
+    if "d" in node:
+        return {k: _decode(v, slots) for k, v in node["d"]}
+    if "l" in node:
+        return [_decode(v, slots) for v in node["l"]]
+    return tuple(_decode(v, slots) for v in node["t"])
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise LocalCheckpointCorruptError(f"unknown dtype {name!r} in a local checkpoint header")
+    return dtype
+
+
+def pack(state: BasicTensorAwareStateDict | dict[str, Any], id_: str) -> Packed:
+    """Encode STATE as header + payload. The payload is a copy of the tensors taken now (a snapshot)."""
+    sd = state.to_state_dict() if isinstance(state, BasicTensorAwareStateDict) else state
+    if not isinstance(sd, dict):
+        raise LocalCheckpointError(f"a local checkpoint saves a dict or a BasicTensorAwareStateDict, got "
+                                   f"{type(state).__name__}")
+    tensors: list[torch.Tensor] = []
+    hollow = _encode(sd, tensors, "state_dict")
+    table, offset = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        table.append({"dtype": str(t.dtype), "shape": list(t.shape), "device": str(t.device), "offset": offset,
+                      "nbytes": nbytes})
+        offset += -(-nbytes // ALIGN) * ALIGN
+    payload = torch.empty(offset, dtype=torch.uint8)
+    for t, entry in zip(tensors, table):
+        payload[entry["offset"]: entry["offset"] + entry["nbytes"]].copy_(as_bytes(t))
+    header = {"format": FORMAT, "id": id_, "hollow": hollow, "tensors": table, "payload_nbytes": offset,
+              "payload_crc32": zlib.crc32(byte_view(payload))}
+    return Packed(header, payload)
+
+
+def unpack(packed: Packed, verify: bool = True) -> BasicTensorAwareStateDict:
+    """The state dict of PACKED, tensors on CPU as views of its payload (devices remembered for restoring)."""
+    header, payload = packed.header, packed.payload
+    if verify:
+        check_payload(header, payload, header.get("id", "?"))
+    slots = [TensorPlaceholder(i, _dtype(e["dtype"]), tuple(e["shape"]), e["device"])
+             for i, e in enumerate(header["tensors"])]
+    sd = _decode(header["hollow"], slots)
+    out = BasicTensorAwareStateDict(sd)
+    out._hollow = True
+    out.insert_tensors(_tensor_at(payload, e, s) for e, s in zip(header["tensors"], slots))
+    out.remember_devices([e["device"] for e in header["tensors"]])
+    return out
+
+
+def _tensor_at(payload: torch.Tensor, entry: dict[str, Any], slot: TensorPlaceholder) -> torch.Tensor:
+    if entry["nbytes"] == 0:
+        return torch.empty(slot.shape, dtype=slot.dtype)
+    raw = payload[entry["offset"]: entry["offset"] + entry["nbytes"]]
+    return raw.view(slot.dtype).reshape(slot.shape)
+
+
+def check_payload(header: dict[str, Any], payload: torch.Tensor, where: str) -> None:
+    """Raise LocalCheckpointCorruptError unless PAYLOAD has the size and CRC-32 HEADER promises."""
+    if payload.numel() != header["payload_nbytes"]:
+        raise LocalCheckpointCorruptError(f"{where}: payload is {payload.numel()} bytes, header says "
+                                          f"{header['payload_nbytes']}")
+    if zlib.crc32(byte_view(payload.cpu().contiguous())) != header["payload_crc32"]:
+        raise LocalCheckpointCorruptError(f"{where}: payload CRC-32 mismatch (the data changed after it was written)")
+
+
+# --- files -------------------------------------------------------------------------------------------------
+
+
+def write_file(path: Path, packed: Packed) -> None:
+    """Write PACKED to PATH atomically and durably: a 0600 temporary file in the same directory, fsync, rename,
+    fsync the directory. A crash leaves either the old state or the complete new file (plus a temporary the
+    next sweep removes)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    head = packed.header_bytes()
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + struct.pack("<Q", len(head)) + head + struct.pack("<I", zlib.crc32(head)))
+            f.write(byte_view(packed.payload))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
+
+
+def _read_header(f: BinaryIO, path: Path) -> dict[str, Any]:
+    start = f.read(len(MAGIC) + 8)
+    if len(start) < len(MAGIC) + 8 or start[: len(MAGIC)] != MAGIC:
+        raise LocalCheckpointCorruptError(f"{path}: not a local checkpoint file (bad magic or truncated)")
+    (length,) = struct.unpack("<Q", start[len(MAGIC):])
+    if length > 1 << 30:
+        raise LocalCheckpointCorruptError(f"{path}: header length {length} is implausible")
+    head = f.read(length)
+    crc = f.read(4)
+    if len(head) != length or len(crc) != 4 or struct.unpack("<I", crc)[0] != zlib.crc32(head):
+        raise LocalCheckpointCorruptError(f"{path}: header CRC-32 mismatch or truncated header")
+    header = json.loads(head)
+    if header.get("format") != FORMAT:
+        raise LocalCheckpointCorruptError(f"{path}: format {header.get('format')!r}, expected {FORMAT!r}")
+    return header
+
+
+def read_file(path: Path) -> Packed:
+    """The verified contents of PATH (LocalCheckpointCorruptError if any check fails)."""
+    with open(path, "rb") as f:
+        header = _read_header(f, path)
+        payload = torch.empty(header["payload_nbytes"], dtype=torch.uint8)
+        got = f.readinto(byte_view(payload)) if payload.numel() else 0
+        if got != payload.numel() or f.read(1):
+            raise LocalCheckpointCorruptError(f"{path}: payload is not {payload.numel()} bytes (truncated or padded)")
+    check_payload(header, payload, str(path))
+    return Packed(header, payload)
+
+
+def verify_file(path: Path) -> dict[str, Any]:
+    """Check PATH whole (header and payload CRC-32, size) reading it in chunks; returns its header."""
+    with open(path, "rb") as f:
+        header = _read_header(f, path)
+        crc, size = 0, 0
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    if size != header["payload_nbytes"] or crc != header["payload_crc32"]:
+        raise LocalCheckpointCorruptError(f"{path}: payload size/CRC-32 mismatch (corrupted or truncated)")
+    return header

@@ -1,0 +1,136 @@
+"""Local checkpoints with replication, end to end: 4 real ranks (gloo) on 2 emulated nodes, each node with its own
+local root (WORK/node0, WORK/node1). Default J = ranks per node = 2, F = 2: cliques {0, 2} and {1, 3}, so every
+shard has a copy on the other node."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ckpt.local.ckpt_managers.local_manager import SUFFIX, ckpt_id
+from tests.ckpt.conftest import child_env
+from tests.conftest import free_port, tagged_processes
+
+HERE = Path(__file__).resolve().parent
+WORLD = 4
+
+
+def run_ranks(work: Path, scenario: str, expect_rc: int = 0, timeout: float = 90) -> list[dict]:
+    """Run the 4 ranks of SCENARIO; each must exit EXPECT_RC. Returns what each wrote (none for a killed run);
+    asserts that no process of the run is left."""
+    token = uuid.uuid4().hex
+    env, port = child_env(NVRX_TEST_TOKEN=token), str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(HERE / "local_ranks.py"), str(r), port, str(work), scenario],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(WORLD)]
+    try:
+        for rank, p in enumerate(procs):
+            try:
+                _, err = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"rank {rank} of {scenario} did not finish within {timeout:.0f}s")
+            assert p.returncode == expect_rc, f"rank {rank} exited {p.returncode}:\n{err[-3000:]}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert tagged_processes(token) == []
+    if expect_rc:
+        return []
+    return [json.loads((work / f"{scenario}-rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def holder_dir(work: Path, rank: int) -> Path:
+    return work / f"node{rank // 2}" / "job" / f"rank{rank}"
+
+
+def files_of(work: Path, rank: int) -> set[str]:
+    return {p.name for p in holder_dir(work, rank).iterdir()}
+
+
+def assert_restored(res: list[dict], iteration: int) -> None:
+    for rank, r in enumerate(res):
+        assert r["found"] == iteration and r["id"] == ckpt_id(iteration, rank)
+        assert r["w"] == [[float(100 * iteration + rank)] * 4] * 3
+        assert r["b"] == [rank + i for i in range(5)]
+        assert (r["step"], r["iteration"], r["betas"]) == (iteration, iteration, [0.9, 0.99])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A pristine copy of both nodes' roots after saving iterations 1 and 2 (each test works on its own copy)."""
+    work = tmp_path_factory.mktemp("saved")
+    res = run_ranks(work, "save")
+    assert [r["clique"] for r in res] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    return work
+
+
+@pytest.fixture
+def work(saved: Path, tmp_path: Path) -> Path:
+    for node in ("node0", "node1"):
+        shutil.copytree(saved / node, tmp_path / node)
+    return tmp_path
+
+
+def test_each_node_holds_its_shards_and_the_other_nodes_replicas_of_the_newest_iteration_only(work: Path) -> None:
+    for rank, partner in ((0, 2), (1, 3), (2, 0), (3, 1)):
+        assert files_of(work, rank) == {ckpt_id(2, rank) + SUFFIX, ckpt_id(2, partner) + SUFFIX}
+        assert oct(holder_dir(work, rank).stat().st_mode & 0o777) == "0o700"
+        assert oct(holder_dir(work, rank).parent.stat().st_mode & 0o777) == "0o700"
+
+
+def test_a_lost_node_directory_is_restored_from_replicas(work: Path) -> None:
+    shutil.rmtree(work / "node1")
+    res = run_ranks(work, "restore")
+    assert_restored(res, 2)
+    assert [r["source"] for r in res] == ["own file", "own file", "replica", "replica"]
+
+
+def test_both_copies_gone_raises_no_replicas_available(work: Path) -> None:
+    (holder_dir(work, 1) / (ckpt_id(2, 1) + SUFFIX)).unlink()
+    (holder_dir(work, 3) / (ckpt_id(2, 1) + SUFFIX)).unlink()
+    res = run_ranks(work, "restore")
+    for r in res:
+        assert r["found"] == -1
+        assert "shard of rank(s) [1]" in r["no_replicas"] and "global checkpoint tier" in r["no_replicas"]
+
+
+def test_a_corrupted_file_is_detected_and_the_replica_used(work: Path) -> None:
+    victim = holder_dir(work, 1) / (ckpt_id(2, 1) + SUFFIX)
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0xFF  # a flipped bit in the payload: only the checksum can tell
+    victim.write_bytes(bytes(data))
+    res = run_ranks(work, "restore")
+    assert_restored(res, 2)
+    assert [r["source"] for r in res] == ["own file", "replica", "own file", "own file"]
+    assert not victim.exists() and (victim.parent / f".corrupt-{victim.name}").exists()
+
+
+def test_sigkill_during_a_local_save_restores_the_previous_iteration(tmp_path: Path) -> None:
+    run_ranks(tmp_path, "kill", expect_rc=-signal.SIGKILL)
+    # every rank wrote iteration 1 completely; iteration 2 was being written (64 MiB per shard) when each rank died
+    own2 = [(holder_dir(tmp_path, r) / (ckpt_id(2, r) + SUFFIX)).exists() for r in range(WORLD)]
+    res = run_ranks(tmp_path, "restore")
+    expected = 2 if all(own2) else 1  # a shard whose own file is missing has no replica either (written after it)
+    assert_restored(res, expected)
+    for rank in range(WORLD):
+        assert not [n for n in files_of(tmp_path, rank) if ".tmp-" in n]  # interrupted writes swept
+    if expected == 2:
+        pytest.skip("every rank finished writing before its SIGKILL (machine idle): nothing was torn this time")
+
+
+def test_disk_full_on_one_node_is_one_clear_error_and_the_previous_iteration_stays(tmp_path: Path, tmpfs) -> None:
+    tmpfs("4m", name="node1")
+    res = run_ranks(tmp_path, "disk_full")
+    for r in res:
+        assert "local checkpoint of iteration 2 failed" in r["error"] and "not enough space" in r["error"]
+        assert "rank 2" in r["error"] and "previous local checkpoint is kept" in r["error"]
+        assert "\n" not in r["error"]
+        assert r["found_after_failure"] == 1
