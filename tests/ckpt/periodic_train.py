@@ -17,8 +17,21 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as dcp_state_dict
 
 import ckpt
+
+ZERO_STEPS = []  # optimizers torch had to initialise with a zero step (the resume should spare it that)
+_init_optim_state = dcp_state_dict._init_optim_state
+
+
+def _counting_init(optim: torch.optim.Optimizer) -> None:
+    if not optim.state:
+        ZERO_STEPS.append(1)
+    _init_optim_state(optim)
+
+
+dcp_state_dict._init_optim_state = _counting_init
 
 
 def record(out: str, name: str, payload: dict) -> None:
@@ -37,7 +50,7 @@ def main() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     saver = ckpt.PeriodicCheckpointer(os.path.join(out, "ckpts"), model=model, optimizer=opt, every_steps=5)
     start = saver.resume()
-    record(out, f"start-a{attempt}-r{rank}.json", {"start": start})
+    record(out, f"start-a{attempt}-r{rank}.json", {"start": start, "zero_steps": len(ZERO_STEPS)})
     gen = torch.Generator()
     for step in range(start, steps):
         gen.manual_seed(step * 10 + rank)

@@ -37,7 +37,9 @@ def test_a_crashed_job_resumes_from_the_newest_complete_checkpoint(launcher, tmp
     for rank in (0, 1):
         assert _read(crashed / f"start-a0-r{rank}.json")["start"] == 0
         # the save started right before the crash (step CRASH_AT + 1) never completed: not resumed from
-        assert _read(crashed / f"start-a1-r{rank}.json")["start"] == steps_in_newest
+        resumed = _read(crashed / f"start-a1-r{rank}.json")
+        assert resumed["start"] == steps_in_newest
+        assert resumed["zero_steps"] == 0  # Adam's state was allocated from the checkpoint, not by a zero step
     left = sorted(p.name for p in (crashed / "ckpts").iterdir())
     assert not [n for n in left if n.endswith(".partial")], left  # the crashed save's partial was swept
     assert f"step_{STEPS:09d}" in left  # the last save was published by close()
