@@ -25,6 +25,8 @@ _EXPORTS = {
     "LazyReplicationStrategyBuilder": "ckpt.local.replication.strategies",
     "ExchangePlan": "ckpt.local.replication.group_utils",
     "clique_groups": "ckpt.local.replication.group_utils",
+    "TwoTierCheckpointer": "ckpt.local.tiers",
+    "RestoreResult": "ckpt.local.tiers",
     "NoReplicasAvailableError": "ckpt.local.errors",
     "LocalCheckpointError": "ckpt.local.errors",
     "LocalCheckpointCorruptError": "ckpt.local.errors",
