@@ -74,18 +74,23 @@ class StragglerAggregator:
     def start(self, result: RoundResult) -> None:
         """Score this round from scratch: after a restart the global ranks may sit on other nodes."""
         self.scorer = StragglerScorer(self.ft.straggler_threshold, self.ft.straggler_sustain_reports)
-        self._stop.clear()
+        self._stop = threading.Event()  # this round's own: a thread still stuck in a store call never sees the next
         self._seen_t.clear()
         self._node_seq.clear()
         self._latest.clear()
-        self._thread = threading.Thread(target=self._loop, args=(result,), name=f"stragglers-{result.round}",
+        self._thread = threading.Thread(target=self._loop, args=(result, self._stop), name=f"stragglers-{result.round}",
                                         daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        """End this round's thread; never hold up the end of a round for it (a store call may hang when the
+        store's host is gone): after a short wait it is left to finish on its own, with its own connection."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=0.5)
+            if self._thread.is_alive():
+                log.debug("the straggler thread is still in a store call; leaving it")
+                self._store = None  # the next round connects afresh
             self._thread = None
 
     def _client(self) -> Any:
@@ -93,12 +98,14 @@ class StragglerAggregator:
             self._store = self.rs.new_client(timeout=10.0)
         return self._store
 
-    def _loop(self, result: RoundResult) -> None:
+    def _loop(self, result: RoundResult, stop: threading.Event) -> None:
         """Publish this node's new summaries (on group rank 0: score the ranks) just after the monitors report."""
         wait = self.ft.straggler_report_interval / 2
-        while not self._stop.wait(wait):
+        store = None
+        while not stop.wait(wait):
             try:
-                self.step(result, time.time())
+                store = store or self._client()
+                self.step(result, time.time(), store)
             except Exception as exc:  # the store is gone (the job is ending) or a bug: never take the agent down
                 log.debug("straggler detection pass failed: %s", exc, exc_info=True)
             wait = self._next_wait(time.time())
@@ -113,12 +120,13 @@ class StragglerAggregator:
         return min(interval, due) if due > 0.05 else max(0.05, interval / 4)
 
     # ---- one pass
-    def step(self, result: RoundResult, now: float) -> list[Straggler]:
+    def step(self, result: RoundResult, now: float, store: Any = None) -> list[Straggler]:
         """One pass: publish, and (group rank 0) score; returns the flagged or recovered ranks of this pass."""
-        self._publish(result)
+        store = store if store is not None else self._client()
+        self._publish(result, store)
         if result.group_rank != 0:
             return []
-        fresh = self._gather(result, now)
+        fresh = self._gather(result, now, store)
         if not fresh:
             return []
         summaries = {rank: (node, summary) for rank, (_, node, _, summary) in self._latest.items()}
@@ -126,10 +134,10 @@ class StragglerAggregator:
         log.debug("straggler scores (round %d): %s", result.round, "; ".join(
             f"rank {s.rank} {s.metric} {s.median:.4f}s rel {s.relative and round(s.relative, 3)}" for s in scores))
         for st in changes:
-            self._report(st, result)
+            self._report(st, result, store)
         return changes
 
-    def _publish(self, result: RoundResult) -> None:
+    def _publish(self, result: RoundResult, store: Any) -> None:
         ranks: dict[str, Any] = {}
         for lr in range(self.monitors.nproc):
             e = self.monitors.latest_timing(lr, self._seen_t.get(lr, 0.0))
@@ -143,11 +151,10 @@ class StragglerAggregator:
             return
         self._seq += 1
         value = {"seq": self._seq, "node": self.node_name, "node_id": self.node_id, "ranks": ranks}
-        self._client().set(f"{self.prefix}r{result.round}/n{result.group_rank}", json.dumps(value))
+        store.set(f"{self.prefix}r{result.round}/n{result.group_rank}", json.dumps(value))
 
-    def _gather(self, result: RoundResult, now: float) -> set[int]:
+    def _gather(self, result: RoundResult, now: float, store: Any) -> set[int]:
         """Read every node's newest value; the global ranks with a summary not scored before."""
-        store = self._client()
         fresh: set[int] = set()
         for g in range(len(result.nodes)):
             key = f"{self.prefix}r{result.round}/n{g}"
@@ -167,7 +174,7 @@ class StragglerAggregator:
             del self._latest[rank]
         return fresh
 
-    def _report(self, st: Straggler, result: RoundResult) -> None:
+    def _report(self, st: Straggler, result: RoundResult, store: Any) -> None:
         node_id = self._latest.get(st.rank, (0.0, st.node, "", {}))[2]
         limit = self.ft.straggler_exclude_after_reports
         exclude = bool(limit and st.state == "straggler" and st.reports >= limit and node_id)
@@ -175,7 +182,7 @@ class StragglerAggregator:
             self._excluding.add(node_id)
             reason = (f"rank {st.rank} was a straggler for {st.reports} reports in a row "
                       f"({metric_text(st.metric)} {_ratio(st.relative)} the other ranks')")
-            self._client().set(f"{self.prefix}exclude/{node_id}", json.dumps({"reason": reason}))
+            store.set(f"{self.prefix}exclude/{node_id}", json.dumps({"reason": reason}))
         self.events.emit(StragglerEvent(
             rank=st.rank, node=st.node, metric=st.metric, state=st.state, relative=_round(st.relative),
             individual=_round(st.individual), median=round(st.median, 6), peers=_round(st.peers, 6),
