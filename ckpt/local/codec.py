@@ -39,6 +39,7 @@ class Packed:
 
     header: dict[str, Any]
     payload: torch.Tensor
+    buffer: torch.Tensor | None = None  # the allocation PAYLOAD is a view of (reusable once the save is done)
 
     @property
     def id(self) -> str:
@@ -90,8 +91,11 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def pack(state: BasicTensorAwareStateDict | dict[str, Any], id_: str) -> Packed:
-    """Encode STATE as header + payload. The payload is a copy of the tensors taken now (a snapshot)."""
+def pack(state: BasicTensorAwareStateDict | dict[str, Any], id_: str, *, out: torch.Tensor | None = None,
+         checksum: bool = True) -> Packed:
+    """Encode STATE as header + payload. The payload is a copy of the tensors taken now (a snapshot), into OUT
+    (a uint8 buffer from an earlier save, reused when large enough: no page faults) else a new buffer.
+    CHECKSUM=False leaves the CRC-32 to ``seal`` (off the training thread)."""
     sd = state.to_state_dict() if isinstance(state, BasicTensorAwareStateDict) else state
     if not isinstance(sd, dict):
         raise LocalCheckpointError(f"a local checkpoint saves a dict or a BasicTensorAwareStateDict, got "
@@ -104,12 +108,21 @@ def pack(state: BasicTensorAwareStateDict | dict[str, Any], id_: str) -> Packed:
         table.append({"dtype": str(t.dtype), "shape": list(t.shape), "device": str(t.device), "offset": offset,
                       "nbytes": nbytes})
         offset += -(-nbytes // ALIGN) * ALIGN
-    payload = torch.empty(offset, dtype=torch.uint8)
+    buffer = out if out is not None and out.numel() >= offset else torch.empty(offset, dtype=torch.uint8)
+    payload = buffer[:offset]
     for t, entry in zip(tensors, table):
         payload[entry["offset"]: entry["offset"] + entry["nbytes"]].copy_(as_bytes(t))
     header = {"format": FORMAT, "id": id_, "hollow": hollow, "tensors": table, "payload_nbytes": offset,
-              "payload_crc32": zlib.crc32(byte_view(payload))}
-    return Packed(header, payload)
+              "payload_crc32": None}
+    packed = Packed(header, payload, buffer)
+    return seal(packed) if checksum else packed
+
+
+def seal(packed: Packed) -> Packed:
+    """Record the payload's CRC-32 in the header (before it is written or sent)."""
+    if packed.header["payload_crc32"] is None:
+        packed.header["payload_crc32"] = zlib.crc32(byte_view(packed.payload))
+    return packed
 
 
 def unpack(packed: Packed, verify: bool = True) -> BasicTensorAwareStateDict:

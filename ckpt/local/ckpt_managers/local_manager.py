@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ckpt.async_ckpt.dist_wrapper import DistWrapper
 from ckpt.local.base_state_dict import TensorAwareStateDict
 from ckpt.local.basic_state_dict import BasicTensorAwareStateDict
-from ckpt.local.codec import Packed, pack, read_file, unpack, verify_file, write_file
+from ckpt.local.codec import Packed, pack, read_file, seal, unpack, verify_file, write_file
 from ckpt.local.errors import LocalCheckpointCorruptError, LocalCheckpointError, NoReplicasAvailableError
 from ckpt.local.replication.strategies import CliqueReplicationStrategy, ReplicationStrategy
 from nvrx_common.files import private_dir
@@ -76,26 +76,43 @@ def _check_private(path: Path) -> None:
 
 @dataclass
 class LocalSaveRequest:
-    """An asynchronous local save: the files are written by a thread; the manager finalizes it (a collective)
-    at its next ``save`` / ``find_latest`` / ``wait``."""
+    """A local save after its snapshot: checksum, replication exchange (the clique's own process group) and file
+    writes, run inline or by a thread (``is_async``). The manager finalizes it (a collective on the world group)
+    at its next ``save`` / ``find_latest`` / ``wait``; errors are recorded, not raised, so every rank agrees."""
 
     iteration: int
-    files: list[tuple[Path, Packed]]
+    mine: Packed
+    strategy: ReplicationStrategy | None
+    directory: Path
+    files: list[Path] = field(default_factory=list)
     error: str | None = None
     _thread: threading.Thread | None = field(default=None, repr=False)
 
+    def _replicas(self) -> list[Packed]:
+        if self.strategy is None:
+            return []
+        if isinstance(self.strategy, CliqueReplicationStrategy):
+            return self.strategy.replicate_packed(self.mine)
+        got, ids = self.strategy.replicate(unpack(self.mine, verify=False), self.mine.id)
+        return [pack(sd, i) for sd, i in zip(got, ids)]
+
     def run(self) -> None:
-        """Write every file (own shard and replicas); record the first error instead of raising (it is agreed on)."""
+        """Checksum, replicate, check free space, write every file (own shard first, then the replicas)."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
         try:
-            need = sum(p.payload.numel() for _, p in self.files) + _HEADROOM
-            directory = self.files[0][0].parent
-            free = shutil.disk_usage(directory).free
+            packs = [seal(self.mine), *self._replicas()]
+            need = sum(p.payload.numel() for p in packs) + _HEADROOM
+            free = shutil.disk_usage(self.directory).free
             if free < need:
                 raise OSError(28, f"not enough space: need {need} bytes, {free} free")
-            for path, packed in self.files:
-                write_file(path, packed)
+            for p in packs:
+                path = self.directory / f"{p.id}{SUFFIX}"
+                self.files.append(path)
+                write_file(path, p)
         except OSError as exc:
-            self.error = f"rank {dist.get_rank() if dist.is_initialized() else 0}: {exc.strerror or exc} in {directory}"
+            self.error = f"rank {rank}: {exc.strerror or exc} in {self.directory}"
+        except Exception as exc:  # noqa: BLE001 - a thread must hand every failure to the agreement, not die
+            self.error = f"rank {rank}: {type(exc).__name__}: {exc}"
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name="nvrx-local-ckpt-write", daemon=False)
@@ -132,6 +149,7 @@ class LocalCheckpointManager:
         self._pending: LocalSaveRequest | None = None
         self._found: tuple[int, dict[int, list[str]], list[str]] | None = None
         self._sources: list[list[int]] | None = None
+        self._spare: torch.Tensor | None = None
         self.last_load_source: str | None = None
 
     # --- save ------------------------------------------------------------------------------------------------
@@ -140,15 +158,6 @@ class LocalCheckpointManager:
         s = self.repl_strategy
         return getattr(s, "replication_strategy", s) if s is not None else None
 
-    def _replicate(self, mine: Packed) -> list[Packed]:
-        strategy = self._strategy()
-        if strategy is None:
-            return []
-        if isinstance(strategy, CliqueReplicationStrategy):
-            return strategy.replicate_packed(mine)
-        got, ids = strategy.replicate(unpack(mine, verify=False), mine.id)
-        return [pack(sd, i) for sd, i in zip(got, ids)]
-
     def path_of(self, id_: str) -> Path:
         return self.local_dir / f"{id_}{SUFFIX}"
 
@@ -156,7 +165,8 @@ class LocalCheckpointManager:
              is_async: bool = False) -> LocalSaveRequest | None:
         """Save this rank's STATE_DICT as ITERATION. The tensors are copied before this returns (later changes do
         not leak into the checkpoint); with IS_ASYNC the files are written in the background and the save is
-        finalized at the next call. Raises LocalCheckpointError on every rank if any rank failed to write
+        finalized at the next call; the checksum and the replication exchange run there too, so training is
+        blocked only for the copy. Raises LocalCheckpointError on every rank if any rank failed to write
         (the previous local checkpoint is kept, training can go on)."""
         if iteration < 0:
             raise LocalCheckpointError(f"iteration must be >= 0, got {iteration}")
@@ -164,10 +174,11 @@ class LocalCheckpointManager:
         if isinstance(state_dict, TensorAwareStateDict) and not isinstance(state_dict, BasicTensorAwareStateDict):
             raise LocalCheckpointError(f"{type(state_dict).__name__} cannot be saved without pickling; pass a dict or "
                                        "a BasicTensorAwareStateDict")
-        mine = pack(state_dict, ckpt_id(iteration, self.rank))
-        packs = [mine, *self._replicate(mine)]
+        strategy = self._strategy()  # a lazy strategy makes its groups here, on the training thread (collective)
+        spare, self._spare = self._spare, None
+        mine = pack(state_dict, ckpt_id(iteration, self.rank), out=spare, checksum=False)
         self._found = None
-        request = LocalSaveRequest(iteration, [(self.path_of(p.id), p) for p in packs])
+        request = LocalSaveRequest(iteration, mine, strategy, self.local_dir)
         if is_async:
             request.start()
             self._pending = request
@@ -189,12 +200,13 @@ class LocalCheckpointManager:
     def _finish(self, request: LocalSaveRequest) -> None:
         """Agree the save is written everywhere; only then remove every other iteration from this rank's dir."""
         errors = [e for e in self._dist.all_gather_json(request.error) if e]
+        self._spare = request.mine.buffer  # written everywhere or abandoned: the next snapshot may reuse it
         if errors:
-            for path, _ in request.files:
+            for path in request.files:
                 path.unlink(missing_ok=True)
             raise LocalCheckpointError(f"local checkpoint of iteration {request.iteration} failed ({'; '.join(errors)}); "
                                        "the previous local checkpoint is kept")
-        keep = {path.name for path, _ in request.files}
+        keep = {path.name for path in request.files}
         for path in self.local_dir.iterdir():
             if path.name not in keep:
                 path.unlink(missing_ok=True)
