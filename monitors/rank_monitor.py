@@ -3,7 +3,7 @@
     python -m monitors.rank_monitor --rank N --state-dir DIR --socket PATH --shm PATH \
         [--timeouts-dir DIR] [--term-grace SECONDS] \
         [--token-env NVRX_MONITOR_TOKEN] [--config-json '{...FaultToleranceConfig.to_dict()...}'] \
-        [--events PATH] [--parent-pid PID]
+        [--events PATH] [--parent-pid PID] [--control-fd FD]
 
 The secret token is read from the environment variable named by ``--token-env`` (never argv), which is
 then removed from the environment. The monitor creates the heartbeat slot (``--shm``, 0600) and the
@@ -12,6 +12,12 @@ until the earliest deadline (at most ``workload_check_interval``). When a deadli
 reason (event ``hang_detected``, which the agent reads back to explain the rank's exit) and sends
 ``rank_termination_signal`` to the rank's pid; if that is not SIGKILL and the rank is still alive
 ``--term-grace`` seconds later, it sends SIGKILL (a hung rank may well ignore or block SIGTERM).
+
+Straggler detection: at most every 0.5 s the monitor also samples the slot's section durations and
+heartbeat intervals (``monitors.straggler.TimingSampler``) and writes their medians every
+``straggler_report_interval`` as a ``rank_timing`` event, which the agent reads and compares across ranks.
+Workload control (spec 001): a rank's ``workload_control`` request is passed to the agent as one JSON line on
+the pipe given as ``--control-fd``.
 
 One session at a time: while the process of the current session is alive, an attach/init from another
 pid is refused (a child process that inherited the rank's environment must not take the rank's place).
