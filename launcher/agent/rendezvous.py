@@ -56,6 +56,8 @@ MAX_POLL = 0.02  # seconds; the longest sleep between two polls
 # One blocking wait for a key. Long on purpose: every round ends with a stop record, which wakes the wait,
 # and torch logs a warning line at each timed-out wait; the thread is a daemon, so nothing waits for it.
 WAIT_SLICE = datetime.timedelta(days=1)
+# A joiner that waits for another agent to close the round looks for itself after this long (at least).
+FOLLOWER_SLICE = 30.0
 LINGER_MAX = 10.0  # how long the store host waits for peers to read the final stop record
 BAD_STOP_GRACE = 15.0  # how long a malformed stop record may stand before the claimer overwrites it
 _DETAIL_SPEC = spec_of(StopDetail)
@@ -206,6 +208,7 @@ class Rendezvous:
         self._succeeded: set[int] = set()
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()
+        self._joiner = 0  # this agent's join index in the round it is joining
 
     @property
     def node_id(self) -> str:
@@ -312,16 +315,26 @@ class Rendezvous:
         j = store.add(self.keys.r(r, "count"), 1) - 1
         info = {**asdict(self.info), "node_rank": self.settings.node_rank}
         store.set(self.keys.join(r, j), json.dumps(info))
+        self._joiner = j
         log.debug("joined round %d as joiner %d", r, j)
         self.events.emit(RdzvJoin(round=r, node_id=self.node_id))
 
     def _wait_closed(self, store: TCPStore, r: int, started: float) -> dict:
-        """Poll until round R is closed, closing it ourselves when max or the last call is reached."""
+        """Wait until round R is closed, closing it ourselves when max or the last call is reached.
+
+        One agent polls: the first joiner (it closes at the last call), and the joiner that brings the
+        round to MAX closes it at once. Every other agent blocks on the closed record, so N joining agents
+        cost the store O(1) requests per poll instead of O(N); after a slice without news (the first joiner
+        may have died) it takes one look itself and can close the round as a backup.
+        """
         s = self.settings
         closed_key = self.keys.r(r, "closed")
         min_seen: float | None = None
         backoff = _Backoff(self._closing)
+        follower = 0 < self._joiner < s.max_nodes - 1
         while True:
+            if follower and self._wait_slice(closed_key, max(s.last_call_timeout + 5.0, FOLLOWER_SLICE)):
+                return self._read(store, closed_key, parse_closed, fatal=True)
             if store.check([closed_key]):
                 return self._read(store, closed_key, parse_closed, fatal=True)
             self._raise_if_finished(store)
@@ -337,7 +350,37 @@ class Rendezvous:
                     f"rendezvous round {r} timed out after {s.join_timeout:g} s with {count} of {self._nodes_text()} "
                     f"nodes joined; start the agents on the missing nodes or raise --rdzv-conf join_timeout"
                 )
-            backoff.sleep()
+            if not follower:
+                backoff.sleep()
+
+    def _wait_slice(self, key: str, seconds: float) -> bool:
+        """True once KEY exists, False after SECONDS without it (one blocking wait: no polling).
+
+        The store's wait blocks in C++, where Python cannot run a signal handler: it runs on a helper
+        thread with its own connection while this thread waits on an Event, so a Ctrl-C or SIGTERM to
+        the agent is handled at once.
+        """
+        store = self._client("join-wait")
+        done, box = threading.Event(), []
+
+        def wait() -> None:
+            try:
+                store.wait([key], datetime.timedelta(seconds=seconds))
+                box.append(True)
+            except dist.DistStoreError as exc:
+                box.append(exc if "timeout" not in str(exc).lower() else False)
+            except BaseException as exc:  # handed to the waiting thread
+                box.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name="nvrx-rdzv-join-wait", daemon=True).start()
+        while not done.wait(0.2):
+            if self._closing.is_set():
+                raise RendezvousError("the rendezvous was closed by this agent while waiting")
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return bool(box[0])
 
     def _previous_order(self, store: TCPStore, r: int) -> list[str]:
         key = self.keys.r(r - 1, "closed")
