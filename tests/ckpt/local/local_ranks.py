@@ -1,8 +1,10 @@
 """One rank of a 4-rank job on 2 emulated nodes (ranks 0,1 on node0; 2,3 on node1), each node with its own local
 root WORK/node<N>. Args: RANK PORT WORK SCENARIO. Writes WORK/<scenario>-rank<R>.json.
 
-Scenarios: save (iterations 1 then 2), restore (find_latest + load), kill (save 1, start an async save of 2 and
-SIGKILL this rank at once), disk_full (node1's root is a tiny tmpfs: a local save fails on every rank, clearly).
+Scenarios: journey (one job, phases separated by barriers, rank 0 doing the damage between them: save 1 and 2 ->
+node 1's directory deleted, a fresh manager restores -> save 3, rank 1's own file corrupted, restore -> save 4,
+both copies of rank 1's shard deleted, restore), restore (find_latest + load), kill (save 1, start an async save
+of 2 and SIGKILL this rank at once), disk_full (node1's root is a tiny tmpfs: a save fails on every rank, clearly).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -30,20 +33,78 @@ def state(rank: int, iteration: int, big: int = 0) -> dict:
             "iteration": iteration, "big": torch.ones(big, dtype=torch.uint8)}
 
 
+def restore(mgr: LocalCheckpointManager) -> dict:
+    """find_latest + load; what was restored (values, id, source) or the NoReplicasAvailableError message."""
+    out: dict = {"found": mgr.find_latest()}
+    try:
+        sd, id_ = mgr.load()
+        d = sd.state_dict
+        out.update(id=id_, source=mgr.last_load_source, w=d["model"]["w"].tolist(), b=d["model"]["b"].tolist(),
+                   step=int(d["optimizer"]["state"][0]["step"]), betas=list(d["optimizer"]["param_groups"][0]["betas"]),
+                   iteration=d["iteration"])
+    except NoReplicasAvailableError as exc:
+        out["no_replicas"] = str(exc)
+    return out
+
+
+def manager(work: Path, rank: int) -> LocalCheckpointManager:
+    return LocalCheckpointManager(work / f"node{rank // PER_NODE}", session_id="job",
+                                  repl_strategy=LazyCliqueReplicationStrategy())
+
+
+def damage(work: Path, fn) -> None:
+    """Rank 0 damages the files while every rank waits (barriers on both sides)."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        fn()
+    dist.barrier()
+
+
+def shard_file(work: Path, holder: int, owner: int, iteration: int) -> Path:
+    return work / f"node{holder // PER_NODE}" / "job" / f"rank{holder}" / f"iter_{iteration:09d}_{owner}_local.nvrxl"
+
+
+def flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # in the payload: only the checksum can tell
+    path.write_bytes(bytes(data))
+
+
+def journey(work: Path, rank: int) -> dict:
+    mgr = manager(work, rank)
+    out: dict = {"clique": mgr._strategy().group_ranks}
+    mgr.save(state(rank, 1), iteration=1)
+    mgr.save(state(rank, 2), iteration=2, is_async=True)
+    mgr.wait()
+    out["files"] = sorted(p.name for p in mgr.local_dir.iterdir())
+    out["modes"] = [oct(p.stat().st_mode & 0o777) for p in (mgr.local_dir, mgr.session_dir)]
+    damage(work, lambda: shutil.rmtree(work / "node1"))
+    mgr = manager(work, rank)  # node 1 came back empty (or a standby took its place)
+    out["lost_node"] = restore(mgr)
+    mgr.save(state(rank, 3), iteration=3)
+    damage(work, lambda: flip_last_byte(shard_file(work, 1, 1, 3)))
+    out["corrupt"] = restore(mgr)
+    out["corrupt_moved_aside"] = [p.name for p in mgr.local_dir.iterdir() if p.name.startswith(".corrupt-")]
+    mgr.save(state(rank, 4), iteration=4)
+    damage(work, lambda: (shard_file(work, 1, 1, 4).unlink(), shard_file(work, 3, 1, 4).unlink()))
+    out["both_gone"] = restore(mgr)
+    return out
+
+
 def main() -> None:
     rank, port, work, scenario = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4]
     logging.basicConfig(level=logging.WARNING, format=f"rank{rank} %(levelname)s %(message)s")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank % PER_NODE),
                       LOCAL_WORLD_SIZE=str(PER_NODE), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo")
-    mgr = LocalCheckpointManager(work / f"node{rank // PER_NODE}", session_id="job",
-                                 repl_strategy=LazyCliqueReplicationStrategy())
+    if scenario == "journey":
+        (work / f"journey-rank{rank}.json").write_text(json.dumps(journey(work, rank)))
+        dist.destroy_process_group()
+        return
+    mgr = manager(work, rank)
     out: dict = {"clique": mgr._strategy().group_ranks}
-    if scenario in ("save", "kill", "disk_full"):
+    if scenario in ("kill", "disk_full"):
         mgr.save(state(rank, 1), iteration=1)
-    if scenario == "save":
-        mgr.save(state(rank, 2), iteration=2, is_async=True)
-        mgr.wait()
     if scenario == "kill":
         mgr.save(state(rank, 2, big=64 << 20), iteration=2, is_async=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -54,15 +115,7 @@ def main() -> None:
             out["error"] = str(exc)
         out["found_after_failure"] = mgr.find_latest()
     if scenario == "restore":
-        out["found"] = mgr.find_latest()
-        try:
-            sd, id_ = mgr.load()
-            d = sd.state_dict
-            out.update(id=id_, source=mgr.last_load_source, w=d["model"]["w"].tolist(), b=d["model"]["b"].tolist(),
-                       step=int(d["optimizer"]["state"][0]["step"]), betas=list(d["optimizer"]["param_groups"][0]["betas"]),
-                       iteration=d["iteration"])
-        except NoReplicasAvailableError as exc:
-            out["no_replicas"] = str(exc)
+        out.update(restore(mgr))
     (work / f"{scenario}-rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 

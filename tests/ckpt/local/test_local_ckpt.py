@@ -5,7 +5,6 @@ shard has a copy on the other node."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -64,55 +63,43 @@ def assert_restored(res: list[dict], iteration: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A pristine copy of both nodes' roots after saving iterations 1 and 2 (each test works on its own copy)."""
-    work = tmp_path_factory.mktemp("saved")
-    res = run_ranks(work, "save")
-    assert [r["clique"] for r in res] == [[0, 2], [1, 3], [0, 2], [1, 3]]
-    return work
+def journey(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """One 4-rank job through every phase (processes are the expensive part on a loaded machine)."""
+    return run_ranks(tmp_path_factory.mktemp("journey"), "journey")
 
 
-@pytest.fixture
-def work(saved: Path, tmp_path: Path) -> Path:
-    for node in ("node0", "node1"):
-        shutil.copytree(saved / node, tmp_path / node)
-    return tmp_path
+def test_cliques_span_the_two_nodes(journey: list[dict]) -> None:
+    assert [r["clique"] for r in journey] == [[0, 2], [1, 3], [0, 2], [1, 3]]
 
 
-def test_each_node_holds_its_shards_and_the_other_nodes_replicas_of_the_newest_iteration_only(work: Path) -> None:
+def test_each_rank_holds_its_shard_and_its_partners_replica_of_the_newest_iteration_only(journey: list[dict]) -> None:
     for rank, partner in ((0, 2), (1, 3), (2, 0), (3, 1)):
-        assert files_of(work, rank) == {ckpt_id(2, rank) + SUFFIX, ckpt_id(2, partner) + SUFFIX}
-        assert oct(holder_dir(work, rank).stat().st_mode & 0o777) == "0o700"
-        assert oct(holder_dir(work, rank).parent.stat().st_mode & 0o777) == "0o700"
+        assert journey[rank]["files"] == sorted([ckpt_id(2, rank) + SUFFIX, ckpt_id(2, partner) + SUFFIX])
+        assert journey[rank]["modes"] == ["0o700", "0o700"]
 
 
-def test_a_lost_node_directory_is_restored_from_replicas(work: Path) -> None:
-    shutil.rmtree(work / "node1")
-    res = run_ranks(work, "restore")
+def test_a_lost_node_directory_is_restored_from_replicas(journey: list[dict]) -> None:
+    res = [r["lost_node"] for r in journey]
     assert_restored(res, 2)
     assert [r["source"] for r in res] == ["own file", "own file", "replica", "replica"]
 
 
-def test_both_copies_gone_raises_no_replicas_available(work: Path) -> None:
-    (holder_dir(work, 1) / (ckpt_id(2, 1) + SUFFIX)).unlink()
-    (holder_dir(work, 3) / (ckpt_id(2, 1) + SUFFIX)).unlink()
-    res = run_ranks(work, "restore")
-    for r in res:
-        assert r["found"] == -1
-        assert "shard of rank(s) [1]" in r["no_replicas"] and "global checkpoint tier" in r["no_replicas"]
-
-
-def test_a_corrupted_file_is_detected_and_the_replica_used(work: Path) -> None:
-    victim = holder_dir(work, 1) / (ckpt_id(2, 1) + SUFFIX)
-    data = bytearray(victim.read_bytes())
-    data[-10] ^= 0xFF  # a flipped bit in the payload: only the checksum can tell
-    victim.write_bytes(bytes(data))
-    res = run_ranks(work, "restore")
-    assert_restored(res, 2)
+def test_a_corrupted_file_is_detected_and_the_replica_used(journey: list[dict]) -> None:
+    res = [r["corrupt"] for r in journey]
+    assert_restored(res, 3)
     assert [r["source"] for r in res] == ["own file", "replica", "own file", "own file"]
-    assert not victim.exists() and (victim.parent / f".corrupt-{victim.name}").exists()
+    assert journey[1]["corrupt_moved_aside"] == [f".corrupt-{ckpt_id(3, 1)}{SUFFIX}"]
 
 
+def test_both_copies_gone_raises_no_replicas_available(journey: list[dict]) -> None:
+    for r in journey:
+        r = r["both_gone"]
+        assert r["found"] == -1  # iteration 3 was removed once 4 was complete everywhere
+        assert "iteration 4" in r["no_replicas"] and "shard of rank(s) [1]" in r["no_replicas"]
+        assert "global checkpoint tier" in r["no_replicas"]
+
+
+@pytest.mark.slow
 def test_sigkill_during_a_local_save_restores_the_previous_iteration(tmp_path: Path) -> None:
     run_ranks(tmp_path, "kill", expect_rc=-signal.SIGKILL)
     # every rank wrote iteration 1 completely; iteration 2 was being written (64 MiB per shard) when each rank died
