@@ -161,6 +161,13 @@ class LocalCheckpointManager:
     def path_of(self, id_: str) -> Path:
         return self.local_dir / f"{id_}{SUFFIX}"
 
+    def _read(self, id_: str) -> Packed:
+        """The verified file of ID_; a vanished or unreadable file is a LocalCheckpointError like a damaged one."""
+        try:
+            return read_file(self.path_of(id_))
+        except OSError as exc:
+            raise LocalCheckpointError(f"cannot read {self.path_of(id_)}: {exc.strerror or exc}") from None
+
     def save(self, state_dict: TensorAwareStateDict | dict[str, Any], iteration: int,
              is_async: bool = False) -> LocalSaveRequest | None:
         """Save this rank's STATE_DICT as ITERATION. The tensors are copied before this returns (later changes do
@@ -266,11 +273,11 @@ class LocalCheckpointManager:
         id_ = ckpt_id(iteration, self.rank)
         strategy = self._strategy()
         if strategy is None:
-            packed = read_file(self.path_of(id_))
+            packed = self._read(id_)
         else:
             wanted = [ckpt_id(iteration, r) for r in strategy.group_ranks]
             plan = strategy.retrieve_plan(available, wanted)
-            packed = strategy.retrieve_execute(plan, lambda i: read_file(self.path_of(i)))
+            packed = strategy.retrieve_execute(plan, self._read)
         self.last_load_source = "own file" if id_ in available.get(self.rank, ()) else "replica"
         state = unpack(packed, verify=False)
         if torch.cuda.is_available():

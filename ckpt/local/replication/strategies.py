@@ -64,9 +64,19 @@ def _send_or_receive(packed: Packed | None, src: int, group: Any, device: str) -
     if me == src:
         return packed
     header = json.loads(bytes(byte_view(head.cpu().contiguous())))
+    if "error" in header:
+        raise LocalCheckpointError(f"rank {src} could not send {header.get('id')}: {header['error']}")
     received = Packed(header, payload.cpu())
     check_payload(header, received.payload, f"replica {header.get('id')} from rank {src}")
     return received
+
+
+def _load_or_error(load_local: Callable[[str], Packed], id_: str) -> Packed:
+    """The packed checkpoint ID_, or a header carrying the error, so the receiver learns why instead of waiting."""
+    try:
+        return load_local(id_)
+    except LocalCheckpointError as exc:
+        return Packed({"id": id_, "error": str(exc)}, torch.empty(0, dtype=torch.uint8))
 
 
 class CliqueReplicationStrategy(ReplicationStrategy):
@@ -122,12 +132,22 @@ class CliqueReplicationStrategy(ReplicationStrategy):
         """Run PLAN: members send what they hold (LOAD_LOCAL reads it), and this rank returns the packed checkpoint
         it wanted (own file or received), or None if it wanted nothing."""
         me = dist.get_rank()
-        result = load_local(plan.local[me]) if me in plan.local else None
+        result, failure = None, None
+        if me in plan.local:
+            try:
+                result = load_local(plan.local[me])
+            except LocalCheckpointError as exc:
+                failure = exc  # raised after the transfers, so no peer waits for this rank forever
         for sender, receiver, id_ in plan.transfers:  # every member takes part in every broadcast, in order
-            got = _send_or_receive(load_local(id_) if me == sender else None, sender, self.local_group,
-                                   self.target_device)
+            try:
+                got = _send_or_receive(_load_or_error(load_local, id_) if me == sender else None, sender,
+                                       self.local_group, self.target_device)
+            except LocalCheckpointError as exc:
+                got, failure = None, failure or exc
             if me == receiver:
                 result = got
+        if failure is not None:
+            raise failure
         return result
 
 

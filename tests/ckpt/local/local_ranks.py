@@ -3,7 +3,8 @@ root WORK/node<N>. Args: RANK PORT WORK SCENARIO. Writes WORK/<scenario>-rank<R>
 
 Scenarios: journey (one job, phases separated by barriers, rank 0 doing the damage between them: save 1 and 2 ->
 node 1's directory deleted, a fresh manager restores -> save 3, rank 1's own file corrupted, restore -> save 4,
-both copies of rank 1's shard deleted, restore), restore (find_latest + load), kill (save 1, start an async save
+node 1 lost again and, after find_latest, the replica rank 0 must send breaks -> save 5, both copies of rank 1's
+shard deleted, restore), restore (find_latest + load), kill (save 1, start an async save
 of 2 and SIGKILL this rank at once), disk_full (node1's root is a tiny tmpfs: a save fails on every rank, clearly).
 """
 
@@ -86,7 +87,17 @@ def journey(work: Path, rank: int) -> dict:
     out["corrupt"] = restore(mgr)
     out["corrupt_moved_aside"] = [p.name for p in mgr.local_dir.iterdir() if p.name.startswith(".corrupt-")]
     mgr.save(state(rank, 4), iteration=4)
-    damage(work, lambda: (shard_file(work, 1, 1, 4).unlink(), shard_file(work, 3, 1, 4).unlink()))
+    damage(work, lambda: shutil.rmtree(work / "node1"))
+    mgr = manager(work, rank)
+    out["late_found"] = mgr.find_latest()  # then rank 0's replica of rank 2's shard breaks before it is sent
+    damage(work, lambda: shard_file(work, 0, 2, 4).write_bytes(b"torn"))
+    try:
+        mgr.load()
+        out["late_error"] = None
+    except LocalCheckpointError as exc:
+        out["late_error"] = str(exc)
+    mgr.save(state(rank, 5), iteration=5)
+    damage(work, lambda: (shard_file(work, 1, 1, 5).unlink(), shard_file(work, 3, 1, 5).unlink()))
     out["both_gone"] = restore(mgr)
     return out
 

@@ -94,9 +94,16 @@ def test_a_corrupted_file_is_detected_and_the_replica_used(journey: list[dict]) 
 def test_both_copies_gone_raises_no_replicas_available(journey: list[dict]) -> None:
     for r in journey:
         r = r["both_gone"]
-        assert r["found"] == -1  # iteration 3 was removed once 4 was complete everywhere
-        assert "iteration 4" in r["no_replicas"] and "shard of rank(s) [1]" in r["no_replicas"]
+        assert r["found"] == -1  # iteration 4 was removed once 5 was complete everywhere
+        assert "iteration 5" in r["no_replicas"] and "shard of rank(s) [1]" in r["no_replicas"]
         assert "global checkpoint tier" in r["no_replicas"]
+
+
+def test_a_copy_that_breaks_between_find_and_load_is_an_error_for_its_receiver_not_a_hang(journey: list[dict]) -> None:
+    assert [r["late_found"] for r in journey] == [4] * 4
+    assert [r["late_error"] is None for r in journey] == [True, True, False, True]
+    assert "rank 0 could not send iter_000000004_2_local" in journey[2]["late_error"]
+    assert "bad magic or truncated" in journey[2]["late_error"]
 
 
 @pytest.mark.slow
