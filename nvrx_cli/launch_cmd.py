@@ -63,6 +63,8 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                                                                         "used when active ranks are lost.")),
     (("--async-ckpt",), dict(is_flag=True, help="Start each rank's persistent checkpoint writer process at rank start "
                                                 "(used by ckpt.async_save; README: Asynchronous checkpointing).")),
+    (("--local-ckpt-dir",), dict(default=None, help="Node-local directory for ckpt.local checkpoints, passed to ranks as "
+                                                    "NVRX_LOCAL_CKPT_DIR (README: Local checkpoints with replication).")),
     (("--fault-tol-cfg-path", "--ft-cfg-path"), dict(default=None, help="YAML with FaultToleranceConfig fields "
                                                                          "(a `fault_tolerance:` key or bare fields).")),
     (("--log-level",), dict(default="WARNING", show_default=True, help="Agent log level on stderr.")),

@@ -116,6 +116,18 @@ class LaunchConfig:
 # ---------------------------------------------------------------- parsing helpers
 
 
+def local_ckpt_dir(value: str) -> str:
+    """--local-ckpt-dir as an absolute path whose nearest existing ancestor is a directory we can write."""
+    path = Path(value).expanduser().resolve()
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"--local-ckpt-dir {value}: {probe} is not a writable directory; choose node-local space "
+                          "you can write (e.g. /dev/shm/$USER or $SLURM_TMPDIR)")
+    return str(path)
+
+
 def parse_nnodes(value: str) -> tuple[int, int]:
     """'N' or 'MIN:MAX' -> (min, max)."""
     text = str(value).strip()
@@ -415,6 +427,8 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str],
         base_env["OMP_NUM_THREADS"] = "1"
     if raw.get("async_ckpt"):
         base_env["NVRX_ASYNC_CKPT"] = "1"  # read by the rank bootstrap (ckpt.async_ckpt.writer_process)
+    if raw.get("local_ckpt_dir"):
+        base_env["NVRX_LOCAL_CKPT_DIR"] = local_ckpt_dir(raw["local_ckpt_dir"])  # read by ckpt.local.default_root()
     workers = WorkerSettings(
         entrypoint=str(entry),
         args=tuple(raw.get("training_script_args") or ()),

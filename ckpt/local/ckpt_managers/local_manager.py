@@ -283,3 +283,16 @@ class LocalCheckpointManager:
         if torch.cuda.is_available():
             state.restore_tensor_device()
         return state, id_
+
+
+LOCAL_CKPT_DIR_ENV = "NVRX_LOCAL_CKPT_DIR"
+
+
+def default_root() -> Path:
+    """Where local checkpoints go when the script does not say: ``nvrx launch --local-ckpt-dir`` (NVRX_LOCAL_CKPT_DIR),
+    else ``$SLURM_TMPDIR/nvrx-local-ckpt``, else ``/dev/shm/nvrx-local-ckpt-<uid>`` (node-local, memory speed)."""
+    if os.environ.get(LOCAL_CKPT_DIR_ENV):
+        return Path(os.environ[LOCAL_CKPT_DIR_ENV])
+    if os.environ.get("SLURM_TMPDIR"):
+        return Path(os.environ["SLURM_TMPDIR"]) / "nvrx-local-ckpt"
+    return Path("/dev/shm") / f"nvrx-local-ckpt-{os.getuid()}"
