@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ckpt.local import LazyCliqueReplicationStrategy, LocalCheckpointManager, NoReplicasAvailableError
+from ckpt.local import (BasicTensorAwareStateDict, LazyCliqueReplicationStrategy, LocalCheckpointManager,
+                        NoReplicasAvailableError)
 from ckpt.local.errors import LocalCheckpointError
 
 WORLD, PER_NODE = 4, 2
@@ -74,6 +75,8 @@ def flip_last_byte(path: Path) -> None:
 def journey(work: Path, rank: int) -> dict:
     mgr = manager(work, rank)
     out: dict = {"clique": mgr._strategy().group_ranks}
+    got, ids = mgr.repl_strategy.replicate(BasicTensorAwareStateDict(state(rank, 9)), f"probe_{rank}")
+    out["replicate_api"] = [ids, [float(g.state_dict["model"]["w"][0, 0]) for g in got]]
     mgr.save(state(rank, 1), iteration=1)
     mgr.save(state(rank, 2), iteration=2, is_async=True)
     mgr.wait()

@@ -70,6 +70,9 @@ def journey(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 def test_cliques_span_the_two_nodes(journey: list[dict]) -> None:
     assert [r["clique"] for r in journey] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    # the spec's replicate(): each rank gets its partner's state dict, by id
+    for rank, partner in ((0, 2), (1, 3), (2, 0), (3, 1)):
+        assert journey[rank]["replicate_api"] == [[f"probe_{partner}"], [900.0 + partner]]
 
 
 def test_each_rank_holds_its_shard_and_its_partners_replica_of_the_newest_iteration_only(journey: list[dict]) -> None:
