@@ -1,6 +1,7 @@
 """A rank under `nvrx launch --async-ckpt` training with ``ckpt.PeriodicCheckpointer`` (every 5 steps).
 
-usage: periodic_train.py OUT STEPS CRASH_AT   (CRASH_AT < 0: no crash)
+usage: periodic_train.py OUT STEPS CRASH_AT [EVERY_SECONDS]   (CRASH_AT < 0: no crash; EVERY_SECONDS: save by
+time instead of every 5 steps)
 
 Attempt 0, at step CRASH_AT: the pending saves are published (``wait``), one more save is started and left
 unpublished, both ranks meet at a barrier (no publish can be in progress after it), rank 1 records the newest
@@ -48,7 +49,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    saver = ckpt.PeriodicCheckpointer(os.path.join(out, "ckpts"), model=model, optimizer=opt, every_steps=5)
+    pace = {"every_seconds": float(sys.argv[4])} if len(sys.argv) > 4 else {"every_steps": 5}
+    saver = ckpt.PeriodicCheckpointer(os.path.join(out, "ckpts"), model=model, optimizer=opt, **pace)
     start = saver.resume()
     record(out, f"start-a{attempt}-r{rank}.json", {"start": start, "zero_steps": len(ZERO_STEPS)})
     gen = torch.Generator()

@@ -49,6 +49,17 @@ def test_a_crashed_job_resumes_from_the_newest_complete_checkpoint(launcher, tmp
     assert launcher.leftovers() == []
 
 
+def test_saving_by_time_is_agreed_by_the_ranks(launcher, tmp_path: Path) -> None:
+    """every_seconds: each rank's clock says "due" at its own moment; the ranks must still save together."""
+    done = launcher.run("--standalone", "--nproc-per-node", "2", "--async-ckpt", str(HERE / "periodic_train.py"),
+                        str(tmp_path), str(STEPS), "-1", "0.000001")
+    assert done.returncode == 0, done.stderr[-3000:]  # a disagreement would deadlock or fail a collective
+    saved = sorted(p.name for p in (tmp_path / "ckpts").iterdir() if p.name.startswith("step_"))
+    assert saved and saved[-1] == f"step_{STEPS:09d}", saved  # saves happened, the last one by close()
+    ckpt.verify_checkpoint(tmp_path / "ckpts" / saved[-1])
+    assert launcher.leftovers() == []
+
+
 def test_a_fresh_start_loads_nothing_and_leaves_the_optimizer_alone(tmp_path: Path) -> None:
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.Adam(model.parameters())
