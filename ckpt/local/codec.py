@@ -196,21 +196,32 @@ def _read_header(f: BinaryIO, path: Path) -> dict[str, Any]:
     return header
 
 
-def read_file(path: Path) -> Packed:
-    """The verified contents of PATH (LocalCheckpointCorruptError if any check fails)."""
+def file_identity(fd_or_path: int | Path) -> tuple[int, int, int, int]:
+    """(device, inode, size, mtime_ns): a file that kept these since its payload was checked need not be checked again."""
+    st = os.fstat(fd_or_path) if isinstance(fd_or_path, int) else os.stat(fd_or_path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def read_file(path: Path, trusted: tuple[int, int, int, int] | None = None) -> Packed:
+    """The verified contents of PATH (LocalCheckpointCorruptError if any check fails). The payload's CRC-32 is
+    skipped when the open file still has the identity TRUSTED (``file_identity`` taken when it was verified);
+    header, sizes and CRC of the header are always checked."""
     with open(path, "rb") as f:
+        unchanged = trusted is not None and file_identity(f.fileno()) == trusted
         header = _read_header(f, path)
         payload = torch.empty(header["payload_nbytes"], dtype=torch.uint8)
         got = f.readinto(byte_view(payload)) if payload.numel() else 0
         if got != payload.numel() or f.read(1):
             raise LocalCheckpointCorruptError(f"{path}: payload is not {payload.numel()} bytes (truncated or padded)")
-    check_payload(header, payload, str(path))
+    if not unchanged:
+        check_payload(header, payload, str(path))
     return Packed(header, payload)
 
 
-def verify_file(path: Path) -> dict[str, Any]:
-    """Check PATH whole (header and payload CRC-32, size) reading it in chunks; returns its header."""
+def verify_file(path: Path) -> tuple[dict[str, Any], tuple[int, int, int, int]]:
+    """Check PATH whole (header and payload CRC-32, size) reading it in chunks; its header and ``file_identity``."""
     with open(path, "rb") as f:
+        identity = file_identity(f.fileno())
         header = _read_header(f, path)
         crc, size = 0, 0
         while chunk := f.read(_CHUNK):
@@ -218,4 +229,4 @@ def verify_file(path: Path) -> dict[str, Any]:
             size += len(chunk)
     if size != header["payload_nbytes"] or crc != header["payload_crc32"]:
         raise LocalCheckpointCorruptError(f"{path}: payload size/CRC-32 mismatch (corrupted or truncated)")
-    return header
+    return header, identity

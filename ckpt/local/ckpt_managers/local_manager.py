@@ -150,6 +150,7 @@ class LocalCheckpointManager:
         self._found: tuple[int, dict[int, list[str]], list[str]] | None = None
         self._sources: list[list[int]] | None = None
         self._spare: torch.Tensor | None = None
+        self._verified: dict[str, tuple[int, int, int, int]] = {}  # id -> file identity when find_latest checked it
         self.last_load_source: str | None = None
 
     # --- save ------------------------------------------------------------------------------------------------
@@ -164,7 +165,7 @@ class LocalCheckpointManager:
     def _read(self, id_: str) -> Packed:
         """The verified file of ID_; a vanished or unreadable file is a LocalCheckpointError like a damaged one."""
         try:
-            return read_file(self.path_of(id_))
+            return read_file(self.path_of(id_), trusted=self._verified.get(id_))
         except OSError as exc:
             raise LocalCheckpointError(f"cannot read {self.path_of(id_)}: {exc.strerror or exc}") from None
 
@@ -225,6 +226,7 @@ class LocalCheckpointManager:
         """Ids of this rank's intact files (every byte checked); removes leftovers of interrupted writes and
         moves corrupt files aside (logged) so no plan counts on them."""
         ids = []
+        self._verified = {}
         for path in sorted(self.local_dir.iterdir()):
             if ".tmp-" in path.name and path.name.startswith("."):
                 path.unlink(missing_ok=True)
@@ -232,12 +234,13 @@ class LocalCheckpointManager:
             if not path.name.endswith(SUFFIX) or parse_id(path.name[: -len(SUFFIX)]) is None:
                 continue
             try:
-                verify_file(path)
+                _, identity = verify_file(path)
             except (LocalCheckpointCorruptError, OSError, ValueError) as exc:
                 log.warning("local checkpoint file is damaged, not used: %s", exc)
                 path.rename(path.with_name(f".corrupt-{path.name}"))
                 continue
             ids.append(path.name[: -len(SUFFIX)])
+            self._verified[ids[-1]] = identity
         return ids
 
     def _restore_sources(self) -> list[list[int]]:

@@ -86,14 +86,20 @@ def test_file_round_trip_and_every_kind_of_damage_is_detected(tmp_path: Path) ->
     assert torch.equal(back["w"], _state()["w"]) and back["h"].dtype == torch.bfloat16
     assert back["opt"] == {"state": {0: {"step": torch.tensor(7)}}, "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}
     assert back["empty"].shape == (0, 2) and back["name"] == "run" and back["nothing"] is None
+    _, identity = verify_file(path)
+    assert torch.equal(unpack(read_file(path, trusted=identity)).state_dict["w"], _state()["w"])
     good = path.read_bytes()
+    payload_bit_flip = lambda d: d[:-3] + bytes([d[-3] ^ 1]) + d[-2:]  # noqa: E731
     for damage in (lambda d: d[:-1], lambda d: d + b"x", lambda d: d[:20], lambda d: b"X" + d[1:],
-                   lambda d: d[:-3] + bytes([d[-3] ^ 1]) + d[-2:], lambda d: d[:30] + b"{" + d[31:]):
+                   payload_bit_flip, lambda d: d[:30] + b"{" + d[31:]):
         path.write_bytes(damage(good))
         with pytest.raises(LocalCheckpointCorruptError):
             read_file(path)
         with pytest.raises(LocalCheckpointCorruptError):
             verify_file(path)
+        if damage is not payload_bit_flip:  # header and size checks run even for a file trusted since find_latest
+            with pytest.raises(LocalCheckpointCorruptError):
+                read_file(path, trusted=identity)
 
 
 def test_tensor_aware_state_dict_pop_init_insert() -> None:
