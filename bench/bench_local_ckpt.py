@@ -109,7 +109,9 @@ def rank_main(rank: int, world: int, port: int, work: Path, local_root: Path, gl
                                    repl_strategy=LazyCliqueReplicationStrategy())
     fresh.repl_strategy.replication_strategy  # make the clique groups outside the timing (done once per job)
     holder: dict[str, Any] = {}
-    out["restore_local_s"] = _timed(lambda: (fresh.find_latest(), holder.update(sd=fresh.load()[0])))
+    out["restore_local_find_s"] = _timed(fresh.find_latest)  # verifies every local file (CRC-32)
+    out["restore_local_load_s"] = _timed(lambda: holder.update(sd=fresh.load()[0]))
+    out["restore_local_s"] = out["restore_local_find_s"] + out["restore_local_load_s"]
     restored = holder["sd"].state_dict
     out["restore_local_source"] = fresh.last_load_source
     out["restore_local_ok"] = bool(torch.equal(restored[f"w_rank{rank}"], state[f"w_rank{rank}"]))
@@ -149,7 +151,8 @@ def run_world(world: int, size_mib: int, saves: int, local_dir: Path, global_dir
         if any(codes):
             raise SystemExit(f"bench ranks exited {codes}")
         ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(world)]
-    worst = {k: max(r[k] for r in ranks) for k in ("copy_floor_s", "restore_local_s", "restore_global_s")}
+    worst = {k: max(r[k] for r in ranks) for k in ("copy_floor_s", "restore_local_s", "restore_local_find_s",
+                                                   "restore_local_load_s", "restore_global_s")}
     for tier in ("local", "global", "dcp_async"):
         worst[tier] = {k: max(r[tier][k] for r in ranks) for k in ("blocked_s", "durable_s")}
     worst["restore_sources"] = [r["restore_local_source"] for r in ranks]
@@ -164,7 +167,8 @@ def table(results: dict[str, Any], size_mib: int) -> str:
     for world, r in results.items():
         rows.append(f"{world:>2} {'copy floor':<10} {r['copy_floor_s']:8.3f}")
         rows.append(f"{world:>2} {'local':<10} {r['local']['blocked_s']:8.3f} {r['local']['durable_s']:8.3f}   "
-                    f"{r['restore_local_s']:8.3f}  (node 1 lost: {r['restore_sources'].count('replica')} shards from replicas)")
+                    f"{r['restore_local_s']:8.3f}  (node 1 lost: {r['restore_sources'].count('replica')} shards from "
+                    f"replicas; find_latest {r['restore_local_find_s']:.3f} + load {r['restore_local_load_s']:.3f})")
         rows.append(f"{world:>2} {'global':<10} {r['global']['blocked_s']:8.3f} {r['global']['durable_s']:8.3f}   "
                     f"{r['restore_global_s']:8.3f}")
         rows.append(f"{world:>2} {'dcp_async':<10} {r['dcp_async']['blocked_s']:8.3f} {r['dcp_async']['durable_s']:8.3f}")

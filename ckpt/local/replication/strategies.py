@@ -47,8 +47,9 @@ class ReplicationStrategy(ABC):
 
 def _send_or_receive(packed: Packed | None, src: int, group: Any, device: str, verify: bool = True) -> Packed:
     """Broadcast PACKED from global rank SRC within GROUP (sizes, header JSON, payload); every member returns it.
-    With VERIFY a receiver checks the payload's CRC-32 against the header, so a shard damaged on the way is not
-    used. Replication skips it: the sender's CRC-32 goes into the replica's file and is checked when it is read."""
+    With VERIFY a receiver checks the payload's CRC-32 against the header. Replication and retrieval skip it:
+    a replica's file carries the sender's CRC-32 and is checked when read, and a retrieved shard comes from a file
+    the sender has just verified; the transport (TCP / NCCL) guards the way between."""
     me = dist.get_rank()
     if me == src:
         head = torch.frombuffer(bytearray(packed.header_bytes()), dtype=torch.uint8)
@@ -144,7 +145,7 @@ class CliqueReplicationStrategy(ReplicationStrategy):
         for sender, receiver, id_ in plan.transfers:  # every member takes part in every broadcast, in order
             try:
                 got = _send_or_receive(_load_or_error(load_local, id_) if me == sender else None, sender,
-                                       self.local_group, self.target_device)
+                                       self.local_group, self.target_device, verify=False)
             except LocalCheckpointError as exc:
                 got, failure = None, failure or exc
             if me == receiver:
