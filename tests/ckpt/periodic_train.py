@@ -4,7 +4,7 @@ usage: periodic_train.py OUT STEPS CRASH_AT [EVERY_SECONDS]   (CRASH_AT < 0: no 
 time instead of every 5 steps)
 
 Attempt 0, at step CRASH_AT: the pending saves are published (``wait``), one more save is started and left
-unpublished, both ranks meet at a barrier (no publish can be in progress after it), rank 1 records the newest
+unpublished (on the checkpointer directly: no publishing thread), both ranks meet at a barrier (no publish can be in progress after it), rank 1 records the newest
 complete checkpoint and kills itself with SIGKILL. Every attempt records the step it resumed at;
 rank 0 writes the final parameters so a crashed run can be compared with a fault-free one.
 """
@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict as dcp_state_dict
 
 import ckpt
+from ckpt.periodic import STEP_KEY
 
 ZERO_STEPS = []  # optimizers torch had to initialise with a zero step (the resume should spare it that)
 _init_optim_state = dcp_state_dict._init_optim_state
@@ -51,8 +52,10 @@ def main() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     pace = {"every_seconds": float(sys.argv[4])} if len(sys.argv) > 4 else {"every_steps": 5}
     saver = ckpt.PeriodicCheckpointer(os.path.join(out, "ckpts"), model=model, optimizer=opt, **pace)
+    newest = ckpt.find_latest_checkpoint(os.path.join(out, "ckpts"))  # what resume() must load
     start = saver.resume()
-    record(out, f"start-a{attempt}-r{rank}.json", {"start": start, "zero_steps": len(ZERO_STEPS)})
+    record(out, f"start-a{attempt}-r{rank}.json", {"start": start, "zero_steps": len(ZERO_STEPS),
+                                                   "newest": newest.path.name if newest else None})
     gen = torch.Generator()
     for step in range(start, steps):
         gen.manual_seed(step * 10 + rank)
@@ -64,7 +67,11 @@ def main() -> None:
         saver.step(step)
         if attempt == 0 and step == crash_at:
             saver.wait()
-            saver.save(step + 1)  # in flight when the rank dies: never complete
+            # A save in flight when the rank dies: started on the checkpointer itself, so no publishing thread
+            # runs for it and nothing can complete it.
+            model_sd, optim_sd = dcp_state_dict.get_state_dict(model, opt)
+            saver.checkpointer.async_save({"model": model_sd, "optim": optim_sd, STEP_KEY: step + 1},
+                                          os.path.join(out, "ckpts", f"step_{step + 1:09d}"))
             dist.barrier()
             if rank == 1:
                 newest = ckpt.find_latest_checkpoint(os.path.join(out, "ckpts"))

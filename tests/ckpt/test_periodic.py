@@ -38,6 +38,7 @@ def test_a_crashed_job_resumes_from_the_newest_complete_checkpoint(launcher, tmp
         assert _read(crashed / f"start-a0-r{rank}.json")["start"] == 0
         # the save started right before the crash (step CRASH_AT + 1) never completed: not resumed from
         resumed = _read(crashed / f"start-a1-r{rank}.json")
+        assert resumed["newest"] == newest  # the unfinished save never became a complete checkpoint
         assert resumed["start"] == steps_in_newest
         assert resumed["zero_steps"] == 0  # Adam's state was allocated from the checkpoint, not by a zero step
     left = sorted(p.name for p in (crashed / "ckpts").iterdir())
