@@ -185,11 +185,6 @@ class LazyReplicationStrategyBuilder(ReplicationStrategy, ABC, Generic[EagerT]):
     def retrieve_execute(self, *args: Any, **kwargs: Any) -> Any:
         return self.replication_strategy.retrieve_execute(*args, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.replication_strategy, name)
-
 
 class LazyCliqueReplicationStrategy(LazyReplicationStrategyBuilder[CliqueReplicationStrategy]):
     """``CliqueReplicationStrategy.from_replication_params`` deferred to first use."""
