@@ -63,9 +63,9 @@ rl = inprocess.rank_assignment
     terminate=Terminated(),
     monitor_thread_interval=datetime.timedelta(milliseconds=50),
     monitor_process_interval=datetime.timedelta(milliseconds=200),
-    heartbeat_timeout=datetime.timedelta(seconds=4),
-    soft_timeout=datetime.timedelta(seconds=20),
-    hard_timeout=datetime.timedelta(seconds=30),
+    heartbeat_timeout=datetime.timedelta(seconds=10),
+    soft_timeout=datetime.timedelta(seconds=30),
+    hard_timeout=datetime.timedelta(seconds=60),
     barrier_timeout=datetime.timedelta(seconds=30),
     completion_timeout=datetime.timedelta(seconds=30),
 )
