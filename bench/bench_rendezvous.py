@@ -70,7 +70,7 @@ class SimAgent:
         self.rs = open_rendezvous_store(settings) if host else _join(settings.host, settings.port, settings, False)
         self.rdzv = Rendezvous(self.rs, settings, max_restarts=100,
                                events=EventLog(log_dir / f"agent-{name}.jsonl", source="agent"), node_id=name)
-        for purpose in ("watch", "keepalive"):  # connections a running agent already has
+        for purpose in ("watch", "keepalive", "join-wait"):  # connections an agent has after its first round
             self.rdzv._client(purpose)
         self.t: dict[str, float] = {}
 
