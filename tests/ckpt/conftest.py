@@ -52,25 +52,33 @@ def child_env(**extra: str) -> dict[str, str]:
     return dict(os.environ, **extra, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
 
 
-def run_two_ranks(script: Path, work: Path, timeout: float) -> tuple[list[dict], str]:
-    """Run SCRIPT as ranks 0 and 1 (args: RANK PORT WORK), tagged with a fresh token; each must exit 0 within
-    TIMEOUT. Returns what they wrote to WORK/rank<R>.json and the token (to look for leftover processes)."""
+def run_rank_procs(script: Path, work: Path, timeout: float, *extra: str, world: int = 2, expect_rc: int = 0) -> str:
+    """Run SCRIPT as ranks 0..WORLD-1 (args: RANK PORT WORK *EXTRA), tagged with a fresh token; each must exit
+    EXPECT_RC within TIMEOUT. Returns the token (to look for leftover processes)."""
     token = uuid.uuid4().hex
     env = child_env(NVRX_TEST_TOKEN=token)
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(work)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(work), *extra], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    what = " ".join((script.name, *extra))
     try:
         for rank, p in enumerate(procs):
             try:
                 _, err = p.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"rank {rank} of {script.name} did not finish within {timeout:.0f}s (hung?)")
-            assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{err[-3000:]}"
+                pytest.fail(f"rank {rank} of {what} did not finish within {timeout:.0f}s (hung?)")
+            assert p.returncode == expect_rc, f"rank {rank} exited {p.returncode}:\n{err[-3000:]}"
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
     assert all(p.poll() is not None for p in procs)
+    return token
+
+
+def run_two_ranks(script: Path, work: Path, timeout: float) -> tuple[list[dict], str]:
+    """Run SCRIPT as ranks 0 and 1 (args: RANK PORT WORK); each must exit 0 within TIMEOUT. Returns what they
+    wrote to WORK/rank<R>.json and the token (to look for leftover processes)."""
+    token = run_rank_procs(script, work, timeout)
     return [json.loads((work / f"rank{r}.json").read_text()) for r in (0, 1)], token

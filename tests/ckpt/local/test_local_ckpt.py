@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
 from ckpt.local.ckpt_managers.local_manager import SUFFIX, ckpt_id
-from tests.ckpt.conftest import child_env
-from tests.conftest import free_port, tagged_processes
+from tests.ckpt.conftest import run_rank_procs
+from tests.conftest import tagged_processes
 
 HERE = Path(__file__).resolve().parent
 WORLD = 4
@@ -24,22 +21,7 @@ WORLD = 4
 def run_ranks(work: Path, scenario: str, expect_rc: int = 0, timeout: float = 90) -> list[dict]:
     """Run the 4 ranks of SCENARIO; each must exit EXPECT_RC. Returns what each wrote (none for a killed run);
     asserts that no process of the run is left."""
-    token = uuid.uuid4().hex
-    env, port = child_env(NVRX_TEST_TOKEN=token), str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(HERE / "local_ranks.py"), str(r), port, str(work), scenario],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(WORLD)]
-    try:
-        for rank, p in enumerate(procs):
-            try:
-                _, err = p.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"rank {rank} of {scenario} did not finish within {timeout:.0f}s")
-            assert p.returncode == expect_rc, f"rank {rank} exited {p.returncode}:\n{err[-3000:]}"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    token = run_rank_procs(HERE / "local_ranks.py", work, timeout, scenario, world=WORLD, expect_rc=expect_rc)
     assert tagged_processes(token) == []
     if expect_rc:
         return []

@@ -5,37 +5,19 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
 from ckpt.local.ckpt_managers.local_manager import SUFFIX, ckpt_id
-from tests.ckpt.conftest import child_env
-from tests.conftest import free_port, tagged_processes
+from tests.ckpt.conftest import run_rank_procs
+from tests.conftest import tagged_processes
 
 HERE = Path(__file__).resolve().parent
 
 
 def run2(work: Path, scenario: str, *extra: str, timeout: float = 90) -> list[dict]:
-    token = uuid.uuid4().hex
-    env, port = child_env(NVRX_TEST_TOKEN=token), str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(HERE / "tier_ranks.py"), str(r), port, str(work), scenario, *extra],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    try:
-        for rank, p in enumerate(procs):
-            try:
-                _, err = p.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"rank {rank} of {scenario} did not finish within {timeout:.0f}s")
-            assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{err[-3000:]}"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    token = run_rank_procs(HERE / "tier_ranks.py", work, timeout, scenario, *extra)
     assert tagged_processes(token) == []
     return [json.loads((work / f"{scenario}-rank{r}.json").read_text()) for r in (0, 1)]
 
