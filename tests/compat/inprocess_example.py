@@ -68,6 +68,7 @@ rl = inprocess.rank_assignment
     hard_timeout=datetime.timedelta(seconds=60),
     barrier_timeout=datetime.timedelta(seconds=30),
     completion_timeout=datetime.timedelta(seconds=30),
+    monitor_process_logfile=os.environ.get("NVRX_EXAMPLE_MONITOR_LOG"),
 )
 def train(base_store, model, opt, call_wrapper: inprocess.CallWrapper = None):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -86,8 +87,7 @@ def train(base_store, model, opt, call_wrapper: inprocess.CallWrapper = None):
     with call_wrapper.atomic():
         weights = float(sum(p.detach().sum() for p in model.parameters()))
     record(event="done", iteration=call_wrapper.iteration, rank=rank, weights=weights)
-    torch.distributed.destroy_process_group()
-    return weights
+    return weights  # as in NVRx's examples: the process group is left to the Wrapper (its abort destroys it)
 
 
 def main() -> int:
