@@ -20,8 +20,7 @@ Names are imported lazily: importing ``ckpt`` (as the rank bootstrap does) does 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from nvrx_common.lazy import lazy_getattr
 
 _EXPORTS = {
     "AsyncCheckpointer": "ckpt.api", "configure": "ckpt.api", "checkpointer": "ckpt.api", "async_save": "ckpt.api",
@@ -36,10 +35,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

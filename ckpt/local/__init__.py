@@ -11,8 +11,7 @@ Names are imported lazily, like ``ckpt``'s.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from nvrx_common.lazy import lazy_getattr
 
 _EXPORTS = {
     "TensorAwareStateDict": "ckpt.local.base_state_dict",
@@ -36,10 +35,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ckpt.local' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
