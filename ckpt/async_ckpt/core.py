@@ -152,7 +152,8 @@ class WriterJob:
             return
         if self.on_discard:
             self.on_discard(True)
-        raise _write_failed(f"checkpoint {self.description} was not saved: {reply.get('error')}", [reply.get("error")])
+        raise _write_failed(f"checkpoint {self.description} was not saved: {reply.get('error')}; the previous "
+                            "checkpoint is intact", [reply.get("error")])  # the write failed: nothing was published
 
 
 class _ForkedCall:
