@@ -82,6 +82,10 @@ class Writer:
                     wait = self._waiter(job["id"]) if job.get("progressive") else None
                     files = file_writer.write_files(view, job["dir"], job["files"], fsync=job.get("fsync", True),
                                                     wait_staged=wait)
+                elif job["op"] == "local":  # the local checkpoint tier (ckpt.local): its files, replicas announced on a pipe
+                    from ckpt.local import writer_job
+
+                    files = writer_job.run(job, self.buffers[job["buf"]][1], job.get("_fd"))
                 else:  # "copy": a whole file staged in the memfd that came with the message
                     files = [file_writer.copy_to_file(job["_fd"], job["nbytes"], job["path"], fsync=job.get("fsync", True))]
                 self.reply({"op": "done", "id": job["id"], "ok": True, "files": files,
@@ -117,8 +121,10 @@ class Writer:
             op = message.get("op")
             if op == "attach":
                 self.attach(message["buf"], message["size"], self.channel.take_fd())
-            elif op == "copy":
+            elif op == "copy" or (op == "local" and message.get("pipe")):
                 message["_fd"] = self.channel.take_fd()
+                self.jobs.put(message)
+            elif op == "local":  # a retry: no pipe came with it
                 self.jobs.put(message)
             elif op in ("write", "detach"):
                 self.jobs.put(message)

@@ -91,11 +91,9 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def pack(state: BasicTensorAwareStateDict | dict[str, Any], id_: str, *, out: torch.Tensor | None = None,
-         checksum: bool = True) -> Packed:
-    """Encode STATE as header + payload. The payload is a copy of the tensors taken now (a snapshot), into OUT
-    (a uint8 buffer from an earlier save, reused when large enough: no page faults) else a new buffer.
-    CHECKSUM=False leaves the CRC-32 to ``seal`` (off the training thread)."""
+def layout(state: BasicTensorAwareStateDict | dict[str, Any], id_: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The header of STATE (without the payload's CRC-32) and its tensors in payload order, nothing copied yet:
+    ``header["payload_nbytes"]`` says how much memory the snapshot needs before it is taken."""
     sd = state.to_state_dict() if isinstance(state, BasicTensorAwareStateDict) else state
     if not isinstance(sd, dict):
         raise LocalCheckpointError(f"a local checkpoint saves a dict or a BasicTensorAwareStateDict, got "
@@ -108,12 +106,27 @@ def pack(state: BasicTensorAwareStateDict | dict[str, Any], id_: str, *, out: to
         table.append({"dtype": str(t.dtype), "shape": list(t.shape), "device": str(t.device), "offset": offset,
                       "nbytes": nbytes})
         offset += -(-nbytes // ALIGN) * ALIGN
-    buffer = out if out is not None and out.numel() >= offset else torch.empty(offset, dtype=torch.uint8)
-    payload = buffer[:offset]
-    for t, entry in zip(tensors, table):
-        payload[entry["offset"]: entry["offset"] + entry["nbytes"]].copy_(as_bytes(t))
     header = {"format": FORMAT, "id": id_, "hollow": hollow, "tensors": table, "payload_nbytes": offset,
               "payload_crc32": None}
+    return header, tensors
+
+
+def fill(header: dict[str, Any], tensors: list[torch.Tensor], payload: torch.Tensor) -> None:
+    """Copy TENSORS into PAYLOAD (a uint8 tensor of ``header["payload_nbytes"]`` bytes) where HEADER puts them."""
+    for t, entry in zip(tensors, header["tensors"]):
+        payload[entry["offset"]: entry["offset"] + entry["nbytes"]].copy_(as_bytes(t))
+
+
+def pack(state: BasicTensorAwareStateDict | dict[str, Any], id_: str, *, out: torch.Tensor | None = None,
+         checksum: bool = True) -> Packed:
+    """Encode STATE as header + payload. The payload is a copy of the tensors taken now (a snapshot), into OUT
+    (a uint8 buffer from an earlier save, reused when large enough: no page faults) else a new buffer.
+    CHECKSUM=False leaves the CRC-32 to ``seal`` (off the training thread)."""
+    header, tensors = layout(state, id_)
+    offset = header["payload_nbytes"]
+    buffer = out if out is not None and out.numel() >= offset else torch.empty(offset, dtype=torch.uint8)
+    payload = buffer[:offset]
+    fill(header, tensors, payload)
     packed = Packed(header, payload, buffer)
     return seal(packed) if checksum else packed
 
@@ -160,16 +173,20 @@ def check_payload(header: dict[str, Any], payload: torch.Tensor, where: str) -> 
 
 
 def write_file(path: Path, packed: Packed) -> None:
-    """Write PACKED to PATH atomically and durably: a 0600 temporary file in the same directory, fsync, rename,
-    fsync the directory. A crash leaves either the old state or the complete new file (plus a temporary the
-    next sweep removes)."""
+    """Write PACKED to PATH atomically and durably (``write_raw``)."""
+    write_raw(path, packed.header_bytes(), byte_view(packed.payload))
+
+
+def write_raw(path: Path, head: bytes, payload: memoryview) -> None:
+    """Write header bytes HEAD and PAYLOAD to PATH atomically and durably: a 0600 temporary file in the same
+    directory, fsync, rename, fsync the directory. A crash leaves either the old state or the complete new file
+    (plus a temporary the next scan removes). Also run by the checkpoint writer process (``writer_job``)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    head = packed.header_bytes()
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(MAGIC + struct.pack("<Q", len(head)) + head + struct.pack("<I", zlib.crc32(head)))
-            f.write(byte_view(packed.payload))
+            f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -4,7 +4,8 @@ on other nodes, so losing a node's files loses no shard.
 Layout: ``<root>/<session_id>/rank<R>/iter_<I:09d>_<owner>_local.nvrxl``: what rank R holds, its own shard and the
 replicas of its clique's other members. Files are written atomically with CRC-32s (``codec``) in 0700
 directories; nothing is pickled. Save: snapshot (pack) -> replicate (collective in the clique) -> write (here or
-in a thread for ``is_async``) -> one all-gather "written everywhere?" -> only then are other iterations removed,
+on this process's persistent checkpoint writer process for ``is_async``, see ``_AsyncLocalSave``) -> one
+all-gather "written everywhere?" -> only then are other iterations removed,
 so a crash at any point leaves the previous complete iteration. ``find_latest`` verifies every file, gathers
 what each rank holds and picks the newest iteration whose every shard has an intact copy somewhere it can come
 from; ``load`` fetches the shards that are not local from a replica holder.
@@ -14,41 +15,34 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import stat
 import threading
+import json
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ckpt.async_ckpt.dist_wrapper import DistWrapper
+from ckpt.async_ckpt.staging import StagingBuffer, StagingPool
 from ckpt.local.base_state_dict import TensorAwareStateDict
 from ckpt.local.basic_state_dict import BasicTensorAwareStateDict
-from ckpt.local.codec import Packed, pack, read_file, seal, unpack, verify_file, write_file
+from ckpt.local.codec import ALIGN, Packed, fill, layout, pack, read_file, seal, unpack, verify_file, write_file
 from ckpt.local.errors import LocalCheckpointCorruptError, LocalCheckpointError, NoReplicasAvailableError
+from ckpt.local.naming import SUFFIX, ckpt_id, parse_id
 from ckpt.local.replication.strategies import CliqueReplicationStrategy, ReplicationStrategy
 from nvrx_common.files import private_dir
 
+if TYPE_CHECKING:
+    from ckpt.async_ckpt.core import AsyncRequest, WriterJob
+
 log = logging.getLogger(__name__)
 
-SUFFIX = ".nvrxl"
-_ID = re.compile(r"^iter_(\d{9})_(\d+)_local$")
 _HEADROOM = 1 << 20
-
-
-def ckpt_id(iteration: int, rank: int) -> str:
-    """The id of rank RANK's shard of ITERATION (also its file name, without the suffix)."""
-    return f"iter_{iteration:09d}_{rank}_local"
-
-
-def parse_id(id_: str) -> tuple[int, int] | None:
-    """(iteration, owner rank) of ID_, or None if it is not a local checkpoint id."""
-    m = _ID.match(id_)
-    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def newest_restorable(available: Mapping[int, Sequence[str]], sources: Sequence[Sequence[int]]) -> tuple[int, list[str]]:
@@ -65,6 +59,14 @@ def newest_restorable(available: Mapping[int, Sequence[str]], sources: Sequence[
     return -1, skipped
 
 
+def _announce(pipe: Any, item: dict[str, Any]) -> None:
+    """One JSON line to the writer's job; a writer that stopped reading (its job failed) is not an error here."""
+    try:
+        pipe.write(json.dumps(item, separators=(",", ":")).encode() + b"\n")
+    except OSError:
+        pass
+
+
 def _check_private(path: Path) -> None:
     """Refuse a directory another user could write or read: our files there are loaded back."""
     st = path.stat()
@@ -76,9 +78,8 @@ def _check_private(path: Path) -> None:
 
 @dataclass
 class LocalSaveRequest:
-    """A local save after its snapshot: checksum, replication exchange (the clique's own process group) and file
-    writes, run inline or by a thread (``is_async``). The manager finalizes it (a collective on the world group)
-    at its next ``save`` / ``find_latest`` / ``wait``; errors are recorded, not raised, so every rank agrees."""
+    """A synchronous local save after its snapshot: checksum, replication exchange (the clique's own process
+    group) and file writes; errors are recorded, not raised, so every rank agrees on the outcome (``_finish``)."""
 
     iteration: int
     mine: Packed
@@ -86,7 +87,6 @@ class LocalSaveRequest:
     directory: Path
     files: list[Path] = field(default_factory=list)
     error: str | None = None
-    _thread: threading.Thread | None = field(default=None, repr=False)
 
     def _replicas(self) -> list[Packed]:
         if self.strategy is None:
@@ -114,16 +114,37 @@ class LocalSaveRequest:
         except Exception as exc:  # noqa: BLE001 - a thread must hand every failure to the agreement, not die
             self.error = f"rank {rank}: {type(exc).__name__}: {exc}"
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self.run, name="nvrx-local-ckpt-write", daemon=False)
-        self._thread.start()
 
-    def is_done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
 
-    def wait_local(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
+@dataclass
+class _AsyncLocalSave:
+    """An asynchronous local save after its snapshot (``save(is_async=True)``).
+
+    Its files are written by this process's persistent checkpoint writer (the one DCP async saves use; job op
+    ``local``, ``ckpt.local.writer_job``) from STAGING, a memfd holding this rank's shard at offset 0 and room
+    for the clique's replicas. The replication exchange runs on THREAD: replicas are received in place into
+    STAGING and announced to the writer on a pipe. It is finalized either by an ``AsyncCallsQueue`` the caller
+    scheduled the returned ``AsyncRequest`` on, or by the manager (``wait``, the next ``save``, ``find_latest``).
+    """
+
+    iteration: int
+    staging: StagingBuffer
+    job: "WriterJob | None" = None
+    thread: threading.Thread | None = field(default=None, repr=False)
+    files: list[str] = field(default_factory=list)
+    error: str | None = None
+    scheduled: bool = False  # taken by an AsyncCallsQueue (its preload hook ran)
+    finalized: bool = False
+
+    def mark_scheduled(self) -> None:
+        self.scheduled = True
+
+    def record(self, reply: dict[str, Any]) -> None:
+        self.files = [f["name"] for f in reply.get("files", [])]
+
+    def fail(self, reason: str) -> None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.error = self.error or f"rank {rank}: {reason}"
 
 
 class LocalCheckpointManager:
@@ -146,7 +167,8 @@ class LocalCheckpointManager:
         _check_private(self.session_dir)
         _check_private(self.local_dir)
         self.repl_strategy = repl_strategy
-        self._pending: LocalSaveRequest | None = None
+        self._pending_async: _AsyncLocalSave | None = None
+        self._pool = StagingPool(keep_free=1)  # staging memfds of asynchronous saves, reused save after save
         self._found: tuple[int, dict[int, list[str]], list[str]] | None = None
         self._sources: list[list[int]] | None = None
         self._spare: torch.Tensor | None = None
@@ -170,12 +192,14 @@ class LocalCheckpointManager:
             raise LocalCheckpointError(f"cannot read {self.path_of(id_)}: {exc.strerror or exc}") from None
 
     def save(self, state_dict: TensorAwareStateDict | dict[str, Any], iteration: int,
-             is_async: bool = False) -> LocalSaveRequest | None:
+             is_async: bool = False) -> "AsyncRequest | None":
         """Save this rank's STATE_DICT as ITERATION. The tensors are copied before this returns (later changes do
-        not leak into the checkpoint); with IS_ASYNC the files are written in the background and the save is
-        finalized at the next call; the checksum and the replication exchange run there too, so training is
-        blocked only for the copy. Raises LocalCheckpointError on every rank if any rank failed to write
-        (the previous local checkpoint is kept, training can go on)."""
+        not leak into the checkpoint). Synchronous: checksum, replication exchange and writes happen here; raises
+        LocalCheckpointError on every rank if any rank failed to write (the previous local checkpoint is kept,
+        training can go on). IS_ASYNC: returns an ``AsyncRequest`` whose files the persistent checkpoint writer
+        process writes while the replication exchange runs on a thread; schedule it on an ``AsyncCallsQueue``
+        (finalized there, collectively) or leave it to this manager (finalized by ``wait``, the next ``save`` or
+        ``find_latest``). Training is blocked only for the copy (and a small size exchange in the clique)."""
         if iteration < 0:
             raise LocalCheckpointError(f"iteration must be >= 0, got {iteration}")
         self._finalize_pending()
@@ -183,27 +207,155 @@ class LocalCheckpointManager:
             raise LocalCheckpointError(f"{type(state_dict).__name__} cannot be saved without pickling; pass a dict or "
                                        "a BasicTensorAwareStateDict")
         strategy = self._strategy()  # a lazy strategy makes its groups here, on the training thread (collective)
+        self._found = None
+        if is_async:
+            return self._save_async(state_dict, iteration, strategy)
         spare, self._spare = self._spare, None
         mine = pack(state_dict, ckpt_id(iteration, self.rank), out=spare, checksum=False)
-        self._found = None
         request = LocalSaveRequest(iteration, mine, strategy, self.local_dir)
-        if is_async:
-            request.start()
-            self._pending = request
-            return request
         request.run()
         self._finish(request)
         return None
 
+    # --- asynchronous saves (the persistent writer process) -----------------------------------------------
+
+    def _save_async(self, state_dict: Any, iteration: int, strategy: ReplicationStrategy | None) -> "AsyncRequest":
+        from ckpt.async_ckpt.core import AsyncRequest, WriterJob
+        from ckpt.async_ckpt.writer_process import default_writer
+
+        id_ = ckpt_id(iteration, self.rank)
+        header, tensors = layout(state_dict, id_)
+        replicas: list[Packed] = []
+        clique = isinstance(strategy, CliqueReplicationStrategy)
+        if strategy is not None and not clique:  # a strategy of the user's: its own replicate(), here
+            got, ids = strategy.replicate(BasicTensorAwareStateDict(state_dict) if isinstance(state_dict, dict)
+                                          else state_dict, id_)
+            replicas = [pack(sd, i, checksum=False) for sd, i in zip(got, ids)]
+        head = json.dumps(header, separators=(",", ":")).encode()
+        sizes = strategy.exchange_sizes(len(head), header["payload_nbytes"]) if clique else [(len(head), header["payload_nbytes"])]
+        me = strategy.group_ranks.index(self.rank) if clique else 0
+        nbytes = [n for _, n in sizes] + [p.payload.numel() for p in replicas]
+        offsets, total = [0] * len(nbytes), 0
+        for i in [me] + [i for i in range(len(nbytes)) if i != me]:  # this rank's shard first, at offset 0
+            offsets[i], total = total, total + -(-nbytes[i] // ALIGN) * ALIGN
+        staging = self._pool.acquire(max(total, 1))
+        view = staging.bytes_view()
+        fill(header, tensors, view[: header["payload_nbytes"]])  # the snapshot: training may go on after this
+        given = []  # replicas a user's strategy returned: staged now, announced before the exchange starts
+        for j, p in enumerate(replicas):
+            off = offsets[len(sizes) + j]
+            view[off: off + p.payload.numel()].copy_(p.payload)
+            given.append({"header": p.header, "off": off, "nbytes": p.payload.numel()})
+        save = _AsyncLocalSave(iteration, staging)
+        job = {"op": "local", "dir": str(self.local_dir), "need": total + _HEADROOM,
+               "own": {"header": header, "off": 0, "nbytes": header["payload_nbytes"]},
+               "replicas": len(nbytes) - 1}
+        read_end, write_end = os.pipe2(os.O_CLOEXEC)
+        writer, job_id = default_writer(), 0
+        try:
+            job_id = writer.submit(dict(job, pipe=True), buffer=staging, fd=read_end)
+        except (RuntimeError, OSError) as exc:
+            save.fail(f"checkpoint writer unreachable: {exc}")
+        finally:
+            os.close(read_end)
+        announce = os.fdopen(write_end, "wb", buffering=0)
+        for item in given:
+            _announce(announce, item)
+        save.thread = threading.Thread(target=self._exchange, args=(strategy if clique else None, head, view, sizes,
+                                                                    offsets, me, announce, save),
+                                       name="nvrx-local-ckpt-exchange", daemon=True)
+        save.thread.start()
+        save.job = WriterJob(job=job, buffer=staging, job_id=job_id, submitted_to=writer if job_id else None,
+                             dist_wrapper=self._dist, on_result=save.record, on_failure=save.fail,
+                             on_discard=partial(self._discard_async, save),
+                             description=f"local iteration {iteration} in {self.local_dir}")
+        if not job_id:
+            save.job.deliver({"ok": False, "error": save.error})
+        self._pending_async = save
+        return AsyncRequest(save.job, (self.rank, None), [partial(self._finish_async, save)],
+                            preload_fn=save.mark_scheduled)
+
+    @staticmethod
+    def _exchange(strategy: CliqueReplicationStrategy | None, head: bytes, view: torch.Tensor,
+                  sizes: list[tuple[int, int]], offsets: list[int], me: int, announce: Any,
+                  save: _AsyncLocalSave) -> None:
+        """The replication exchange (thread): receive the clique's shards into the staging buffer, announcing each
+        to the writer. Runs to the end whatever the writer does: the peers take part in every broadcast."""
+        try:
+            if strategy is not None:
+                slots = [None if i == me else view[offsets[i]: offsets[i] + n] for i, (_, n) in enumerate(sizes)]
+                own = view[: sizes[me][1]]
+                strategy.exchange_into(head, own, slots, sizes,
+                                       lambda h, i: _announce(announce, {"header": h, "off": offsets[i], "nbytes": sizes[i][1]}))
+        except Exception as exc:  # noqa: BLE001 - handed to the writer (the job fails) and to the agreement
+            save.fail(f"replication exchange: {type(exc).__name__}: {exc}")
+            _announce(announce, {"error": str(exc)})
+        finally:
+            announce.close()
+
+    def _finish_async(self, save: _AsyncLocalSave) -> None:
+        """Finalize an asynchronous save (collective): agree it is written everywhere, then remove older files."""
+        if save.finalized:
+            return
+        save.finalized = True
+        if self._pending_async is save:
+            self._pending_async = None
+        if save.thread is not None:
+            save.thread.join()
+        errors = [e for e in self._dist.all_gather_json(save.error) if e]
+        self._pool.release(save.staging)
+        if errors:
+            self._remove_iteration(save.iteration)
+            raise LocalCheckpointError(f"local checkpoint of iteration {save.iteration} failed ({'; '.join(errors)}); "
+                                       "the previous local checkpoint is kept")
+        self._keep_only(set(save.files))
+        log.debug("local checkpoint %d complete on all ranks", save.iteration)
+
+    def _discard_async(self, save: _AsyncLocalSave, remove_files: bool) -> None:
+        """A queue dropped the save (its write failed on some rank): free the staging, remove its files."""
+        if save.finalized:
+            return
+        save.finalized = True
+        if self._pending_async is save:
+            self._pending_async = None
+        if save.thread is not None:
+            save.thread.join()
+        self._pool.release(save.staging)
+        if remove_files:
+            self._remove_iteration(save.iteration)
+
+    def _remove_iteration(self, iteration: int) -> None:
+        for path in self.local_dir.iterdir():
+            parsed = parse_id(path.name[: -len(SUFFIX)]) if path.name.endswith(SUFFIX) else None
+            if parsed is not None and parsed[0] == iteration:
+                path.unlink(missing_ok=True)
+
+    def _keep_only(self, names: set[str]) -> None:
+        for path in self.local_dir.iterdir():
+            if path.name not in names:
+                path.unlink(missing_ok=True)
+
     def _finalize_pending(self) -> None:
-        request, self._pending = self._pending, None
-        if request is not None:
-            request.wait_local()
-            self._finish(request)
+        save = self._pending_async
+        if save is not None and not save.finalized:
+            if save.scheduled:
+                raise LocalCheckpointError(f"the local save of iteration {save.iteration} was scheduled on an "
+                                           "AsyncCallsQueue and is not finalized yet: call "
+                                           "maybe_finalize_async_calls(blocking=True) on that queue first")
+            save.scheduled = True
+            assert save.job is not None
+            save.job()  # this rank's write (the writer's answer; a failure is recorded, not raised)
+            self._finish_async(save)
+        self._pending_async = None
 
     def wait(self) -> None:
         """Finalize a pending asynchronous save (collective)."""
         self._finalize_pending()
+
+    def close(self) -> None:
+        """Finalize a pending save and free the staging memory (collective)."""
+        self._finalize_pending()
+        self._pool.close()
 
     def _finish(self, request: LocalSaveRequest) -> None:
         """Agree the save is written everywhere; only then remove every other iteration from this rank's dir."""
@@ -214,10 +366,7 @@ class LocalCheckpointManager:
                 path.unlink(missing_ok=True)
             raise LocalCheckpointError(f"local checkpoint of iteration {request.iteration} failed ({'; '.join(errors)}); "
                                        "the previous local checkpoint is kept")
-        keep = {path.name for path in request.files}
-        for path in self.local_dir.iterdir():
-            if path.name not in keep:
-                path.unlink(missing_ok=True)
+        self._keep_only({path.name for path in request.files})
         log.debug("local checkpoint %d complete on all ranks", request.iteration)
 
     # --- find / load -----------------------------------------------------------------------------------------

@@ -119,6 +119,39 @@ class CliqueReplicationStrategy(ReplicationStrategy):
                 out.append(got)
         return out
 
+    def exchange_sizes(self, header_nbytes: int, payload_nbytes: int) -> list[tuple[int, int]]:
+        """(header, payload) sizes of every member's checkpoint, in group order (one small all-gather in the
+        clique), so receivers can stage replicas in place before the exchange starts."""
+        mine = torch.tensor([header_nbytes, payload_nbytes], dtype=torch.int64, device=self.target_device)
+        out = [torch.zeros(2, dtype=torch.int64, device=self.target_device) for _ in self.group_ranks]
+        dist.all_gather(out, mine, group=self.local_group)
+        return [(int(t[0]), int(t[1])) for t in (o.cpu() for o in out)]
+
+    def exchange_into(self, head: bytes, payload: torch.Tensor, slots: Sequence[torch.Tensor | None],
+                      sizes: Sequence[tuple[int, int]], on_received: Callable[[dict[str, Any], int], None]) -> None:
+        """Send this rank's HEAD + PAYLOAD to the clique and receive every other member's payload straight into
+        SLOTS[i] (a uint8 CPU view, e.g. of a staging buffer; None for this rank), with SIZES from
+        ``exchange_sizes``. ON_RECEIVED(header, i) is called as each one lands. Every member must call it."""
+        me = dist.get_rank()
+        on_device = not self.target_device.startswith("cpu")
+        for i, src in enumerate(self.group_ranks):
+            n_head, n_payload = sizes[i]
+            if src == me:
+                h = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(self.target_device)
+                p = payload.to(self.target_device) if on_device else payload
+            else:
+                h = torch.empty(n_head, dtype=torch.uint8, device=self.target_device)
+                slot = slots[i]
+                assert slot is not None and slot.numel() == n_payload
+                p = torch.empty(n_payload, dtype=torch.uint8, device=self.target_device) if on_device else slot
+            dist.broadcast(h, src=src, group=self.local_group)
+            if n_payload:
+                dist.broadcast(p, src=src, group=self.local_group)
+            if src != me:
+                if on_device:
+                    slots[i].copy_(p)  # type: ignore[union-attr]
+                on_received(json.loads(bytes(byte_view(h.cpu().contiguous()))), i)
+
     def replicate_packed(self, mine: Packed) -> list[Packed]:
         """``replicate`` without decoding: what the manager writes to files as is."""
         return self._exchange(mine)

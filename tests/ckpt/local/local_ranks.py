@@ -5,7 +5,9 @@ Scenarios: journey (one job, phases separated by barriers, rank 0 doing the dama
 node 1's directory deleted, a fresh manager restores -> save 3, rank 1's own file corrupted, restore -> save 4,
 node 1 lost again and, after find_latest, the replica rank 0 must send breaks -> save 5, both copies of rank 1's
 shard deleted, restore), restore (find_latest + load), kill (save 1, start an async save
-of 2 and SIGKILL this rank at once), disk_full (node1's root is a tiny tmpfs: a save fails on every rank, clearly).
+of 2 and SIGKILL this rank at once), disk_full (node1's root is a tiny tmpfs: a save fails on every rank, clearly),
+queue (NVRx's pattern: save(is_async=True) -> AsyncCallsQueue.schedule_async_request -> maybe_finalize_async_calls;
+the files are written by the persistent writer process), queue_disk_full (the same with node1's root full).
 """
 
 from __future__ import annotations
@@ -105,6 +107,42 @@ def journey(work: Path, rank: int) -> dict:
     return out
 
 
+def through_queue(work: Path, rank: int, big: int = 0) -> dict:
+    """Two asynchronous saves finalized by an AsyncCallsQueue; the state changes right after each save returns."""
+    from ckpt.async_ckpt.core import AsyncCallsQueue, WriterJob
+    from ckpt.async_ckpt.writer_process import default_writer
+
+    mgr, queue, out = manager(work, rank), AsyncCallsQueue(), {}
+    sd = state(rank, 1, big)
+    writer = default_writer()
+    try:
+        for it in (1, 2):
+            sd["model"]["w"].fill_(float(100 * it + rank))
+            sd["optimizer"]["state"][0]["step"].fill_(it)
+            sd["iteration"] = it
+            request = mgr.save(sd, iteration=it, is_async=True)
+            sd["model"]["w"].fill_(-1.0)  # after the snapshot: must not reach the checkpoint
+            job = request.async_fn
+            out[f"job{it}"] = {"writer_job": isinstance(job, WriterJob) and job.job.get("op") == "local",
+                               "same_writer": job.submitted_to is writer and writer.pid is not None and writer.running(),
+                               "writer_pid_is_child": writer.pid != os.getpid()}
+            queue.schedule_async_request(request)
+            if it == 1:
+                try:
+                    mgr.save(sd, iteration=9, is_async=True)
+                except LocalCheckpointError as exc:
+                    out["unfinalized_error"] = str(exc)
+            queue.maybe_finalize_async_calls(blocking=True)
+            out[f"files{it}"] = sorted(p.name for p in mgr.local_dir.iterdir())
+    except Exception as exc:  # the queue raises the write failure on every rank
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["files_after_error"] = sorted(p.name for p in mgr.local_dir.iterdir())
+    out["threads"] = sorted(t.name for t in __import__("threading").enumerate())
+    mgr.close()
+    queue.close()
+    return out
+
+
 def main() -> None:
     rank, port, work, scenario = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4]
     logging.basicConfig(level=logging.WARNING, format=f"rank{rank} %(levelname)s %(message)s")
@@ -130,6 +168,11 @@ def main() -> None:
         out["found_after_failure"] = mgr.find_latest()
     if scenario == "restore":
         out.update(restore(mgr))
+    if scenario == "queue":
+        out.update(through_queue(work, rank))
+        out["restored"] = restore(manager(work, rank))
+    if scenario == "queue_disk_full":
+        out.update(through_queue(work, rank, big=8 << 20))
     (work / f"{scenario}-rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 

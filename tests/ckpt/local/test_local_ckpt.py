@@ -113,3 +113,24 @@ def test_disk_full_on_one_node_is_one_clear_error_and_the_previous_iteration_sta
         assert "rank 2" in r["error"] and "previous local checkpoint is kept" in r["error"]
         assert "\n" not in r["error"]
         assert r["found_after_failure"] == 1
+
+
+def test_async_saves_through_nvrx_queue_are_written_by_the_persistent_writer_process(tmp_path: Path) -> None:
+    res = run_ranks(tmp_path, "queue")
+    for rank, partner in ((0, 2), (1, 3), (2, 0), (3, 1)):
+        r = res[rank]
+        for it in (1, 2):
+            assert r[f"job{it}"] == {"writer_job": True, "same_writer": True, "writer_pid_is_child": True}
+            assert r[f"files{it}"] == sorted([ckpt_id(it, rank) + SUFFIX, ckpt_id(it, partner) + SUFFIX])
+        assert "scheduled on an AsyncCallsQueue and is not finalized yet" in r["unfinalized_error"]
+        assert not [t for t in r["threads"] if "local-ckpt" in t]  # no writer thread left in the rank
+    assert_restored([r["restored"] for r in res], 2)  # values as at save time, not the -1 written right after
+
+
+def test_an_async_save_that_fails_on_one_node_fails_on_every_rank_through_the_queue(tmp_path: Path, tmpfs) -> None:
+    tmpfs("4m", name="node1")
+    res = run_ranks(tmp_path, "queue_disk_full")
+    for rank, r in enumerate(res):
+        assert r["error"].startswith("CheckpointWriteFailed") and "local iteration 1" in r["error"], r
+        assert "not enough space" in r["error"] and "previous checkpoint is intact" in r["error"]
+        assert r["files_after_error"] == []  # the failed iteration's files are removed on every rank
