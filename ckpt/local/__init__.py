@@ -19,6 +19,7 @@ _EXPORTS = {
     "LocalCheckpointManager": "ckpt.local.ckpt_managers.local_manager",
     "LocalSaveRequest": "ckpt.local.ckpt_managers.local_manager",
     "default_root": "ckpt.local.ckpt_managers.local_manager",
+    "default_session": "ckpt.local.ckpt_managers.local_manager",
     "ReplicationStrategy": "ckpt.local.replication.strategies",
     "CliqueReplicationStrategy": "ckpt.local.replication.strategies",
     "LazyCliqueReplicationStrategy": "ckpt.local.replication.strategies",

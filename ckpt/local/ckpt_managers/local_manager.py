@@ -157,7 +157,7 @@ class LocalCheckpointManager:
                  repl_strategy: ReplicationStrategy | None = None) -> None:
         self._dist = DistWrapper()
         self.rank, self.world_size = self._dist.rank, self._dist.world_size
-        self.session_dir = Path(root_local_ckpt_dir) / (session_id or "default")
+        self.session_dir = Path(root_local_ckpt_dir) / (session_id or default_session())
         self.local_dir = self.session_dir / f"rank{self.rank}"
         try:
             private_dir(self.local_dir)
@@ -448,3 +448,11 @@ def default_root() -> Path:
     if os.environ.get("SLURM_TMPDIR"):
         return Path(os.environ["SLURM_TMPDIR"]) / "nvrx-local-ckpt"
     return Path("/dev/shm") / f"nvrx-local-ckpt-{os.getuid()}"
+
+
+def default_session() -> str:
+    """The session when the script names none: the job's run id under a launcher (``TORCHELASTIC_RUN_ID``: the
+    same in every attempt of the job, so a restart finds its checkpoints; ``nvrx launch`` removes that directory
+    when the job succeeds), else ``default``."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return run_id if run_id and "/" not in run_id and run_id not in (".", "..") else "default"
