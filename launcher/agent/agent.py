@@ -22,6 +22,7 @@ from nvrx_common.errors import NvrxError
 from launcher.agent.config import LaunchConfig, visible_device
 from launcher.agent.error_file import ErrorFiles, read_error_file
 from launcher.agent.node_health import NodeHealthChecks
+from launcher.agent.local_ckpt_dir import LOCAL_CKPT_DIR_ENV, remove_job_session
 from launcher.agent.rank_monitors import RankMonitorGroup
 from launcher.agent.rdzv_errors import RendezvousError
 from launcher.agent.rdzv_records import FAULT_KINDS, RoundResult, StopKind, StopRecord
@@ -456,6 +457,8 @@ class Agent:
         """Act on the round's stop record: finish, give up, or stop ranks for the next round."""
         if record.kind is StopKind.SUCCEEDED:
             self.workers.stop()  # nothing should be left; bounded anyway
+            # the job's own local checkpoints (--local-ckpt-dir) will not be restored any more; kept on failure
+            remove_job_session(self.cfg.workers.base_env.get(LOCAL_CKPT_DIR_ENV), self.cfg.rdzv.run_id)
             return exit_codes.OK
         if record.kind is StopKind.INTERRUPTED:
             signum = int(record.detail.get("signum") or signal.SIGTERM)
