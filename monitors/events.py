@@ -219,6 +219,12 @@ class FtConfigInfo(Record):
     straggler_threshold: float | None = None
     straggler_sustain_reports: int | None = None
     straggler_exclude_after_reports: int | None = None
+    heartbeat_timeout_auto: str | None = None
+    heartbeat_timeout_auto_multiple: float | None = None
+    heartbeat_timeout_auto_min: float | None = None
+    heartbeat_timeout_auto_warmup_beats: int | None = None
+    heartbeat_timeout_auto_warmup_seconds: float | None = None
+    heartbeat_timeout_auto_settle_seconds: float | None = None
 
 
 @_finish
@@ -229,7 +235,7 @@ class _Hang(Record):
     global_rank: int | None = None
     pid: int | None = None
     generation: int | None = None
-    reason: str | None = None            # section_timeout | heartbeat_timeout | no_first_heartbeat | out_of_section_timeout
+    reason: str | None = None            # section_timeout | heartbeat_timeout | auto_heartbeat_timeout | no_first_heartbeat | out_of_section_timeout
     section: str | None = None
     elapsed: float | None = None         # seconds since the last progress
     timeout: float | None = None
@@ -279,6 +285,7 @@ class StopDetail(Record):
     monitor_failed: bool | None = None   # a rank monitor kept dying
     node: str | None = None              # node_left / scale_up / interrupted: the node
     nodes: int | None = None             # succeeded: how many nodes finished
+    leaves: list[str] | None = None      # failed, steer 16: the node(s) leaving; the others go on in place
 
 
 @nested
@@ -654,6 +661,42 @@ class TimeoutsLoaded(Event):
     global_rank: int | None = None
     path: str | None = None               # loaded from this state file ...
     source: str | None = None             # ... or given by the rank ("rank")
+
+
+@event("heartbeat_timeout_auto", "monitor")
+class HeartbeatTimeoutAuto(Event):
+    """The automatic heartbeat timeout was derived or widened (``monitors.auto_timeout``), and from what."""
+
+    rank: int
+    global_rank: int | None = None
+    mode: str                             # suggest (reported only) | set (enforced)
+    timeout: float                        # the new automatic timeout (seconds)
+    previous: float | None = None         # the one it replaces (None: the first after warm-up)
+    reason: str                           # warm-up done | longer gap observed
+    longest_gap: float                    # the longest steady gap between heartbeats (its bucket's upper edge)
+    p50: float
+    p99: float
+    gaps: int                             # steady gaps observed
+    observed_s: float                     # over this many seconds (settling phases after a start left out)
+    multiple: float
+    floor: float
+    configured: float | None = None       # rank_heartbeat_timeout: the bound never goes above it
+    capped: bool = False                  # the bound reached the configured timeout, which stays in force
+
+
+@event("heartbeat_timeout_auto_deferred", "monitor")
+class HeartbeatTimeoutAutoDeferred(Event):
+    """A rank passed its automatic timeout busy (main thread on the CPU or in disk wait): not a hang yet;
+    the configured timeout applies to this gap."""
+
+    rank: int
+    global_rank: int | None = None
+    pid: int
+    elapsed: float                        # seconds since its last liveness mark
+    timeout: float                        # the automatic timeout it passed
+    state: str                            # the main thread's scheduler state (R, S, D)
+    cpu_fraction: float | None = None     # of the gap spent on the CPU by the main thread
+    fallback: float | None = None         # the configured timeout now in force for this gap
 
 
 @event("timeouts_state_ignored", "monitor")

@@ -37,6 +37,8 @@ from nvrx_common.errors import ConfigError
 from nvrx_common.signals import SIGNAL_HINT, parse_signal
 from monitors.heartbeat import MAX_SECTIONS
 from monitors.sections import validate_section_name
+from monitors.auto_timeout import MODES as AUTO_TIMEOUT_MODES
+from monitors.auto_timeout import AutoTimeoutSettings
 from monitors.timeouts import MAX_TIMEOUT_SECONDS
 
 log = logging.getLogger(__name__)
@@ -295,6 +297,21 @@ def _parse_text(value: Any, where: str) -> str | None:
     return value
 
 
+def _choice_kind(choices: tuple[str, ...]) -> ValueKind:
+    """One of CHOICES (case-insensitive)."""
+    hint = "use " + ", ".join(choices[:-1]) + f" or {choices[-1]}"
+
+    def parse(value: Any, where: str) -> str:
+        text = value.strip().lower() if isinstance(value, str) else None
+        if text not in choices:
+            guess = closest(str(value), choices) if isinstance(value, str) else None
+            tip = f"did you mean {guess}? " if guess else ""
+            raise one_line_error(f"{where}: {value!r} is not a valid choice; {tip}{hint}")
+        return text
+
+    return ValueKind(label="one of " + ", ".join(choices), parse=parse, dump=lambda v: v, show=lambda v: v)
+
+
 OPTIONAL_TEXT = ValueKind(label="text or path, or null", parse=_parse_text, dump=lambda v: v,
                           show=lambda v: "unset" if v is None else v)
 COUNT = _int_kind(0, 1_000_000)
@@ -518,6 +535,29 @@ class FaultToleranceConfig:
     straggler_exclude_after_reports: int = _setting(
         COUNT, "nvrx: a node with a rank flagged as a straggler for this many consecutive reports sits out the next "
         "rendezvous round (exit 16, like a failed health check; nvrx resume excludes it). 0 = off.", 0)
+    heartbeat_timeout_auto: str = _setting(
+        _choice_kind(AUTO_TIMEOUT_MODES), "nvrx: automatic heartbeat timeout derived from the rank's own gaps "
+        "between heartbeats after warm-up: multiple x the longest steady gap, at least heartbeat_timeout_auto_min, "
+        "never above rank_heartbeat_timeout; widened when the rank slows; a rank whose main thread is busy (CPU, "
+        "disk) when it passes gets rank_heartbeat_timeout instead. suggest = derive and report it (nvrx inspect), "
+        "enforce rank_heartbeat_timeout; set = enforce it; off.", "suggest")
+    heartbeat_timeout_auto_multiple: float = _setting(
+        _float_kind(optional=False, unit="times", low=1.0, high=1000.0, example="4"),
+        "nvrx: the automatic heartbeat timeout is this many times the longest steady gap between heartbeats.", 4.0)
+    heartbeat_timeout_auto_min: float = _setting(
+        _float_kind(optional=False, unit="seconds", low=0.01, low_inclusive=True, example="0.25"),
+        "nvrx: the automatic heartbeat timeout is never below this (seconds).", 0.25)
+    heartbeat_timeout_auto_warmup_beats: int = _setting(
+        _int_kind(1, 1_000_000), "nvrx: steady gaps between heartbeats observed before the automatic timeout is "
+        "derived (and heartbeat_timeout_auto_warmup_seconds).", 100)
+    heartbeat_timeout_auto_warmup_seconds: float = _setting(
+        _float_kind(optional=False, unit="seconds", low=0.0, low_inclusive=True, example="20"),
+        "nvrx: seconds of steady heartbeats observed before the automatic timeout is derived (over the rank's "
+        "restarts; cover the rare regular pauses, e.g. one checkpoint interval).", 20.0)
+    heartbeat_timeout_auto_settle_seconds: float = _setting(
+        _float_kind(optional=False, unit="seconds", low=0.0, low_inclusive=True, example="5"),
+        "nvrx: after each (re)start of a rank, seconds from its first heartbeat during which the configured "
+        "timeout applies and gaps are not counted (process-group set-up, checkpoint load, first steps).", 5.0)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -530,6 +570,14 @@ class FaultToleranceConfig:
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict: signal by name, log level by name (a number if it has no standard name)."""
         return {spec.name: spec.kind.dump(getattr(self, spec.name)) for spec in SCHEMA}
+
+    @property
+    def auto_timeout(self) -> AutoTimeoutSettings:
+        """The heartbeat_timeout_auto* settings as one value (monitors.auto_timeout)."""
+        return AutoTimeoutSettings(self.heartbeat_timeout_auto, self.heartbeat_timeout_auto_multiple,
+                                   self.heartbeat_timeout_auto_min, self.heartbeat_timeout_auto_warmup_beats,
+                                   self.heartbeat_timeout_auto_warmup_seconds,
+                                   self.heartbeat_timeout_auto_settle_seconds)
 
     @property
     def is_progress_tracking_enabled(self) -> bool:

@@ -18,16 +18,24 @@ Layout (word index -> meaning)::
    12 run start        13 generation       14 auto heartbeat time   15 reserved
    16 + i: start time of section i          48 + i: max duration of section i
    80 + i: last duration of section i      112 + i: close count of section i   (i < MAX_SECTIONS)
+  144 + b: liveness gaps in bucket b (b < GAP_BUCKETS; see gap_bucket)
 
 Word 14 is written outside the seqlock, by the progress watchdog (one 8-byte store of the time the
 main thread last ran Python bytecode); a single aligned store cannot tear.
 
 Heartbeat intervals are measured from the later of the last heartbeat and the last moment all sections
 were closed, the same reference the monitor uses for the heartbeat deadline.
+
+Liveness gaps (the histogram at 144): every beat, explicit or automatic, counts the time since the previous
+liveness mark (explicit beat, automatic beat or the end of the last section, whichever is latest) in a
+log-spaced bucket, 8 per octave. The monitor derives its automatic heartbeat timeout from them
+(``monitors.auto_timeout``). The automatic beat's increments are plain stores from the watchdog thread; a
+rare increment lost to a race with an explicit beat only drops one sample.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import stat
@@ -48,10 +56,27 @@ W_SEC_START = 16
 W_SEC_MAX = W_SEC_START + MAX_SECTIONS
 W_SEC_LAST = W_SEC_MAX + MAX_SECTIONS
 W_SEC_CLOSES = W_SEC_LAST + MAX_SECTIONS
-USED_WORDS = W_SEC_CLOSES + MAX_SECTIONS
+W_GAP_HIST = W_SEC_CLOSES + MAX_SECTIONS
+GAP_BUCKETS = 160            # 8 per octave from GAP_BASE: 0.1 ms .. ~105 s (the last bucket holds the rest)
+GAP_BASE = 1e-4
+GAP_PER_OCTAVE = 8
+USED_WORDS = W_GAP_HIST + GAP_BUCKETS
 USED_BYTES = USED_WORDS * 8
 
 _monotonic = time.monotonic
+_log2 = math.log2
+
+
+def gap_bucket(gap: float) -> int:
+    """The histogram bucket of a liveness gap of GAP seconds."""
+    if gap <= GAP_BASE:
+        return 0
+    return min(GAP_BUCKETS - 1, int(_log2(gap / GAP_BASE) * GAP_PER_OCTAVE))
+
+
+def gap_bucket_upper(bucket: int) -> float:
+    """The upper edge (seconds) of BUCKET: no gap counted in it was longer (except in the last bucket)."""
+    return GAP_BASE * 2.0 ** ((bucket + 1) / GAP_PER_OCTAVE)
 
 
 class SlotError(NvrxError, RuntimeError):
@@ -79,6 +104,7 @@ class SlotSnapshot:
     section_max: tuple[float, ...]
     section_last: tuple[float, ...]
     section_closes: tuple[int, ...]
+    gap_hist: tuple[int, ...] = ()  # liveness gaps per bucket (gap_bucket)
 
     def open_ids(self) -> list[int]:
         return [i for i in range(MAX_SECTIONS) if self.open_mask >> i & 1]
@@ -173,6 +199,7 @@ def _decode(raw: bytes) -> SlotSnapshot:
         max_out_of_section=dv[W_MAX_OOS], run_start=dv[W_RUN_START], generation=qv[W_GENERATION], auto_hb=dv[W_AUTO_HB],
         section_start=tuple(dv[W_SEC_START:W_SEC_START + n]), section_max=tuple(dv[W_SEC_MAX:W_SEC_MAX + n]),
         section_last=tuple(dv[W_SEC_LAST:W_SEC_LAST + n]), section_closes=tuple(qv[W_SEC_CLOSES:W_SEC_CLOSES + n]),
+        gap_hist=tuple(qv[W_GAP_HIST:W_GAP_HIST + GAP_BUCKETS]),
     )
 
 
@@ -196,8 +223,12 @@ class SlotWriter:
         q[W_SEQ] = seq
         n = q[W_HB_COUNT]
         end = d[W_LAST_SEC_END]
+        last = d[W_LAST_HB]
+        auto = d[W_AUTO_HB]
+        if n or auto:
+            mark = max(last, auto, end)
+            q[W_GAP_HIST + gap_bucket(now - mark)] += 1
         if n:
-            last = d[W_LAST_HB]
             interval = now - (last if last > end else end)
             if interval > d[W_MAX_INTERVAL]:
                 d[W_MAX_INTERVAL] = interval
@@ -261,7 +292,13 @@ class SlotWriter:
 
     def auto_beat(self) -> None:
         """Record that the main thread ran Python bytecode just now (the progress watchdog's beat)."""
-        self._d[W_AUTO_HB] = _monotonic()
+        now = _monotonic()
+        d = self._d
+        auto = d[W_AUTO_HB]
+        if auto or self._q[W_HB_COUNT]:
+            last, end = d[W_LAST_HB], d[W_LAST_SEC_END]
+            self._q[W_GAP_HIST + gap_bucket(now - max(auto, last, end))] += 1
+        d[W_AUTO_HB] = now
 
     def rebind(self, slot: Slot) -> None:
         """Continue in the slot of a restarted monitor, carrying this run's record over.

@@ -55,6 +55,9 @@ from monitors.events import (EventLog, FirstHeartbeat, HangDetected, MonitorAtta
                              RankKilled, RankTerminated, SectionClose, SectionOpen, TimeoutsInfo, TimeoutsLoaded,
                              TimeoutsSet, TimeoutsStateIgnored)
 from monitors.events import RankTiming, TimingInfo, WorkloadControl
+from monitors.events import HeartbeatTimeoutAuto, HeartbeatTimeoutAutoDeferred
+from monitors.auto_timeout import AutoTimeout, AutoTimeoutChange
+from monitors.rank_activity import ActivityWatch
 from monitors.straggler import TimingSampler
 from monitors.heartbeat import Slot, SlotSnapshot
 from monitors.sections import SectionRegistry, SectionStats
@@ -96,8 +99,18 @@ class Deadline:
     section: str | None = None
 
 
-def next_deadline(snap: SlotSnapshot, timeouts: Timeouts, name_of: Callable[[int], str]) -> Deadline | None:
-    """The earliest deadline implied by SNAP. Heartbeat checks pause while a timed section is open."""
+def liveness_since(snap: SlotSnapshot) -> float:
+    """The rank's last liveness mark: the latest of its beats (explicit, automatic) and its last section end."""
+    return max(snap.last_hb, snap.auto_hb, snap.last_section_end)
+
+
+def next_deadline(snap: SlotSnapshot, timeouts: Timeouts, name_of: Callable[[int], str],
+                  auto: float | None = None) -> Deadline | None:
+    """The earliest deadline implied by SNAP. Heartbeat checks pause while a timed section is open.
+
+    AUTO, the automatic heartbeat timeout in force (``monitors.auto_timeout``), replaces the heartbeat timeout
+    when it is shorter (reason ``auto_heartbeat_timeout``).
+    """
     found: list[Deadline] = []
     open_ids = snap.open_ids()
     timed_open = False
@@ -115,8 +128,11 @@ def next_deadline(snap: SlotSnapshot, timeouts: Timeouts, name_of: Callable[[int
             since = max(snap.run_start, end)
             found.append(Deadline(since + timeouts.initial_heartbeat, "no_first_heartbeat",
                                   timeouts.initial_heartbeat, since))
+        elif beaten and auto is not None and (timeouts.heartbeat is None or auto < timeouts.heartbeat):
+            since = liveness_since(snap)
+            found.append(Deadline(since + auto, "auto_heartbeat_timeout", auto, since))
         elif beaten and timeouts.heartbeat is not None:
-            since = max(snap.last_hb, snap.auto_hb, end)
+            since = liveness_since(snap)
             found.append(Deadline(since + timeouts.heartbeat, "heartbeat_timeout", timeouts.heartbeat, since))
     if not open_ids and timeouts.out_of_section is not None:
         since = snap.last_section_end
@@ -180,6 +196,8 @@ class AttachedRank:
     section_next_event: dict[tuple[str, int], float] = field(default_factory=dict)
     next_sample: float = 0.0  # straggler detection: the next look at the slot's timings
     window_start: float = 0.0  # ... and the start of the current report window
+    activity: ActivityWatch | None = None  # automatic timeout: the rank's main thread, sampled at wake-ups
+    deferred_since: float | None = None  # the gap (by its start) that passed the automatic timeout busy
 
 
 class RankMonitor:
@@ -204,6 +222,7 @@ class RankMonitor:
         self.parent_pid = parent_pid
         self.registry = SectionRegistry(settings.rank_section_timeouts)
         self.tracker = TimeoutTracker(timeouts_from_config(settings), settings.safety_factor)
+        self.auto = AutoTimeout(settings.auto_timeout, self.tracker.in_force().heartbeat)
         self.session: AttachedRank | None = None
         self.generation = 0
         self.stopping: str | None = None
@@ -229,6 +248,7 @@ class RankMonitor:
             return
         if self._state_key is not None:  # another rank's learning must not carry over
             self.tracker = TimeoutTracker(timeouts_from_config(self.settings), self.settings.safety_factor)
+            self.auto.reset()
         self._state_key = key
         path = state_file(self.timeouts_dir, key)
         try:
@@ -334,16 +354,60 @@ class RankMonitor:
         self._emit_progress(sess, snap, now)
         next_timing = self._sample_timing(sess, snap, now)
         timeouts = self.tracker.in_force()
-        deadline = next_deadline(snap, timeouts, self.registry.name_of)
+        auto = self._auto_timeout(sess, snap, now, timeouts.heartbeat)
+        deadline = next_deadline(snap, timeouts, self.registry.name_of, auto)
+        if deadline is not None and deadline.at <= now and deadline.reason == "auto_heartbeat_timeout" \
+                and self._busy(sess, deadline, now, timeouts.heartbeat):
+            deadline = next_deadline(snap, timeouts, self.registry.name_of)
         if deadline is not None and deadline.at <= now:
             self._on_hang(sess, deadline, now, timeouts)
             return interval
         # The rank changes the slot without telling us (a beat, a section); any deadline such a change
         # creates lies >= (now + the shortest timeout), so waking by then keeps detection on time.
-        wake = min(interval, timeouts.smallest() or interval, next_timing - now)
+        wake = min(interval, min(x for x in (timeouts.smallest(), auto, interval) if x is not None), next_timing - now)
         if deadline is not None:
             wake = min(wake, deadline.at - now)
         return max(0.0005, wake)
+
+    def _auto_timeout(self, sess: AttachedRank, snap: SlotSnapshot, now: float, configured: float | None) -> float | None:
+        """Fold the slot's gaps into the automatic timeout (reporting a change); the one to enforce now, if any."""
+        self.auto.configured = configured
+        beaten = snap.hb_count > 0 or snap.auto_hb > 0
+        change = self.auto.observe(snap.gap_hist, beaten, now)
+        if change is not None:
+            self._emit_auto(sess, change, configured)
+        auto = self.auto.enforced(now)
+        if auto is None or sess.deferred_since == liveness_since(snap):
+            return None  # off, suggesting only, settling, or this gap was found busy: the configured timeout
+        if sess.activity is None:
+            sess.activity = ActivityWatch(sess.proc.pid)
+        sess.activity.sample(now)
+        return auto
+
+    def _emit_auto(self, sess: AttachedRank, change: AutoTimeoutChange, configured: float | None) -> None:
+        s = self.auto.settings
+        self.events.emit(HeartbeatTimeoutAuto(
+            rank=self.rank, global_rank=sess.global_rank, mode=s.mode, timeout=change.timeout,
+            previous=change.previous, reason=change.reason, longest_gap=round(change.longest_gap, 6),
+            p50=round(change.p50, 6), p99=round(change.p99, 6), gaps=change.gaps, observed_s=change.observed_s,
+            multiple=s.multiple, floor=s.floor, configured=configured, capped=change.capped))
+        log.info("rank %d: automatic heartbeat timeout %s %.3f s (%s: %g x the longest of %d gaps, %.4f s; p99 "
+                 "%.4f s; floor %g s)", self.rank, "set to" if s.mode == "set" else "suggested:", change.timeout,
+                 change.reason, s.multiple, change.gaps, change.longest_gap, change.p99, s.floor)
+
+    def _busy(self, sess: AttachedRank, deadline: Deadline, now: float, configured: float | None) -> bool:
+        """The rank passed its automatic timeout: busy (not hung) if its main thread works; see rank_activity."""
+        verdict = (sess.activity or ActivityWatch(sess.proc.pid)).judge(deadline.since, now)
+        if not verdict.busy:
+            return False
+        sess.deferred_since = deadline.since
+        self.events.emit(HeartbeatTimeoutAutoDeferred(
+            rank=self.rank, global_rank=sess.global_rank, pid=sess.proc.pid, elapsed=round(now - deadline.since, 6),
+            timeout=deadline.timeout, state=verdict.state, cpu_fraction=verdict.cpu_fraction, fallback=configured))
+        log.info("rank %d passed its automatic heartbeat timeout (%.3f s) busy (state %s, CPU %s of the gap): "
+                 "not a hang; the configured timeout applies to this gap", self.rank, deadline.timeout,
+                 verdict.state, verdict.cpu_fraction)
+        return True
 
     def _escalate(self, sess: AttachedRank, now: float, interval: float) -> float:
         """SIGKILL a hung rank that is still alive term_grace seconds after the termination signal.
@@ -594,6 +658,7 @@ class RankMonitor:
         self.slot.reset(self.generation, start)
         self.timing.reset()
         self._use_state_of(global_rank)
+        self.auto.start_run()
         self.tracker.reset_run()
         conn.authed = True
         self.session = AttachedRank(conn, proc, self.generation, armed=armed, global_rank=global_rank)
@@ -738,6 +803,7 @@ class RankMonitor:
         sess, self.session = self.session, None
         if sess is None:
             return
+        self.auto.end_run()
         try:
             snap = self.slot.snapshot()
             self.tracker.set_run_observations(*run_observations(snap, self.registry))

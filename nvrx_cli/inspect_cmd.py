@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import click
 
-from monitors.events import FtConfigInfo, TimeoutsInfo
+from monitors.events import FtConfigInfo, HeartbeatTimeoutAuto, TimeoutsInfo
 from monitors.inspection.event_files import NotARun, discover
 from monitors.inspection.run_report import Report, build_report, make_report
 from monitors.inspection.timeline import CKPT_SECTION, Filters, Timeline
@@ -321,17 +321,31 @@ def _configured(cfg: dict[str, Any] | None) -> str:
             f"safety factor {_num(cfg.get(c.safety_factor))}, kill with {cfg.get(c.rank_termination_signal)}{auto}")
 
 
+def _fmt_auto(a: dict[str, Any] | None) -> str:
+    """The automatic heartbeat timeout of a rank: value, enforced or suggested, and what it came from."""
+    if not a:
+        return "-"
+    f = HeartbeatTimeoutAuto.F
+    how = "set" if a.get(f.mode) == "set" and not a.get(f.capped) else "suggested"
+    busy = f"; {a['deferred']} busy gap(s) let through" if a.get("deferred") else ""
+    return (f"hb {_num(a.get(f.timeout))} {how} ({_num(a.get(f.multiple))} x longest gap {_num(a.get(f.longest_gap))}, "
+            f"p99 {_num(a.get(f.p99))}, {a.get(f.gaps)} gaps{busy})")
+
+
 def _timeout_rows(report: Report) -> list[list[str]]:
     to = report.timeouts
-    keys = sorted(set(to["in_force"]) | set(to["computed"]), key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else k))
+    auto = to.get("auto") or {}
+    keys = sorted(set(to["in_force"]) | set(to["computed"]) | set(auto),
+                  key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else k))
     return [[k, _fmt_timeouts(to["in_force"].get(k)),
-             _fmt_timeouts((to["computed"].get(k) or {}).get("timeouts")) if k in to["computed"] else "-"]
+             _fmt_timeouts((to["computed"].get(k) or {}).get("timeouts")) if k in to["computed"] else "-",
+             _fmt_auto(auto.get(k))]
             for k in keys]
 
 
 FAULT_HEAD = ["job", "round", "at", "kind", "rank", "cause", "time lost"]
 RANK_HEAD = ["rank", "node", "runs", "heartbeats", "max hb gap", "first hb", "hangs", "sections: closes, max, ~total"]
-TIMEOUT_HEAD = ["rank", "in force (s)", "computed (s)"]
+TIMEOUT_HEAD = ["rank", "in force (s)", "computed (s)", "automatic (s)"]
 
 
 def render_text(report: Report, tail_lines: int = 10) -> str:
@@ -412,7 +426,7 @@ def _render_rich(report: Report, tail_lines: int) -> None:
     console.print(tbl)
     for title, headers, rows in (("Faults and stops", FAULT_HEAD, _fault_rows(report, with_date)),
                                  ("Ranks", RANK_HEAD, _rank_rows(report)),
-                                 ("Timeouts in force and computed", TIMEOUT_HEAD, _timeout_rows(report))):
+                                 ("Timeouts in force, computed and automatic", TIMEOUT_HEAD, _timeout_rows(report))):
         if not rows:
             continue
         t = Table(title=title, title_justify="left")

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
 
-from nvrx_common import exit_codes
+from nvrx_common import exit_codes, rerun_exit
 from nvrx_common.errors import NvrxError
 from launcher.agent.config import LaunchConfig, visible_device
 from launcher.agent.error_file import ErrorFiles, read_error_file
@@ -45,6 +45,9 @@ GRACEFUL_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
 DUPLICATE_SIGNAL_WINDOW = 2.0
 # bound on closing store connections at exit: the store host's linger for peers (10 s) plus a margin
 STORE_CLOSE_GRACE = 15.0
+# A node whose ranks exited 16 for a re-run elsewhere of ANOTHER node waits this long (beyond the grace the
+# suspected node's ranks get to exit) for that node's agent to end the round before ending it itself.
+RERUN_HOLD = 30.0
 
 
 def _end_status(code: int) -> str:
@@ -160,6 +163,11 @@ class Agent:
         self._rs: RendezvousStore | None = None
         self._monitor_failure_round: int | None = None  # the round in which a given-up monitor was reported
         self._stragglers: StragglerAggregator | None = None  # straggler detection (with rank monitors only)
+        self._rerun_notes: dict[int, str] = {}  # local rank -> where it notes the suspected nodes when exiting 16
+        self._hold: tuple[float, RankExit] | None = None  # exited 16 for another node's re-run: (deadline, exit)
+        self._end_detail: str | None = None  # why the job ended for this node, when a round says more than a code
+        # this node as its ranks name it in a re-run note (launcher.rank.rerun: SLURMD_NODENAME, else the host)
+        self._node = cfg.workers.base_env.get("SLURMD_NODENAME") or cfg.node_name
 
     # ------------------------------------------------------------ entry point
 
@@ -217,7 +225,7 @@ class Agent:
                 return exit_codes.OK
             code = self._run_round(result)
             if code is not None:
-                self.events.emit(JobEnd(status=_end_status(code), exit_code=code,
+                self.events.emit(JobEnd(status=_end_status(code), exit_code=code, detail=self._end_detail,
                                         seconds=round(time.monotonic() - t0, 3),
                                         failures=[JobFailure.of(f) for f in self.failures]))
                 return code
@@ -249,8 +257,15 @@ class Agent:
         """Start and supervise the ranks of one round. None means: go to the next round."""
         nproc = self.cfg.workers.nproc_per_node
         self._round_error_files = {lr: self.error_files.path_for(result.restart_count, lr) for lr in range(nproc)}
+        self._rerun_notes = {lr: os.path.join(os.path.dirname(path), "rerun_exit.json")
+                             for lr, path in self._round_error_files.items()}
+        for path in self._rerun_notes.values():
+            rerun_exit.remove_note(path)
+        self._hold = None
         specs = [RankSpec(lr, result.rank_offset + lr,
-                          build_rank_env(self.cfg, result, lr, self._monitor_env(lr), self._round_error_files[lr]))
+                          build_rank_env(self.cfg, result, lr, {**self._monitor_env(lr),
+                                                                rerun_exit.ENV: self._rerun_notes[lr]},
+                                         self._round_error_files[lr]))
                  for lr in range(nproc)]
         self._drop_stale_requests()
         self.workers.start(specs, attempt=result.restart_count)
@@ -301,6 +316,9 @@ class Agent:
             while True:
                 monitor_fds = self.monitors.fds() if self.monitors is not None else []
                 wake_in = self.monitors.wake_in() if self.monitors is not None else None
+                if self._hold is not None:  # waiting for the suspected node to end the round: bounded
+                    left = max(0.0, self._hold[0] - time.monotonic())
+                    wake_in = left if wake_in is None else min(wake_in, left)
                 exits = self.workers.wait([wake_fd, self._sig_r, *monitor_fds], timeout=wake_in)
                 self._step(result, exits)
                 if watch.done.is_set():
@@ -329,11 +347,65 @@ class Agent:
         if failed and self._state is not RoundState.INTERRUPTED:
             # RUNNING/FAILED -> FAILED: a local rank failed; the first stop record of the round stands
             self._transition(result, RoundState.FAILED)
-            self._rdzv.report_stop(result.round, StopKind.FAILED, self._failure_detail(result, failed[0]))
+            if not self._resume_elsewhere(result, failed):
+                self._rdzv.report_stop(result.round, StopKind.FAILED, self._failure_detail(result, failed[0]))
+        elif self._hold is not None and time.monotonic() >= self._hold[0]:
+            # the suspected node never ended the round: end it as a plain exit 16 (the job ends, resume elsewhere)
+            log.warning("no stop record from the suspected node after %.0f s: ending the job with %d",
+                        RERUN_HOLD, exit_codes.RESUME_ELSEWHERE)
+            ex, self._hold = self._hold[1], None
+            self._rdzv.report_stop(result.round, StopKind.FAILED, self._failure_detail(result, ex))
         elif self._state is RoundState.RUNNING and not self.workers.unreported():
             # RUNNING -> SUCCEEDED: every local rank exited 0; the last node to say so ends the round
             self._transition(result, RoundState.SUCCEEDED)
             self._rdzv.node_succeeded(result.round)
+
+    def _resume_elsewhere(self, result: RoundResult, failed: list[RankExit]) -> bool:
+        """Local ranks exited 16 (resume on other hardware): let only the suspected node leave, if the job can
+        go on without it. True when handled here; False for the usual stop (the job ends with the code).
+
+        The rank's re-run note names the suspected node(s); without one, this node is the one asking. A node
+        that is not suspected does not end the round: the suspected node's agent decides (below), within
+        RERUN_HOLD. The suspected node ends the round with ``leaves`` when a standby or the remaining nodes
+        keep the job within --nnodes MIN:MAX: it then exits 16 alone (`_conclude`), as a node failing its
+        health check does, and the others start the next round in place (not a restart of the budget).
+        """
+        if any(ex.exitcode != exit_codes.RESUME_ELSEWHERE for ex in failed):
+            return False
+        ex = failed[0]
+        note = rerun_exit.read_note(self._rerun_notes.get(ex.local_rank))
+        suspects = sorted(set(note.nodes)) if note is not None else [self._node]
+        if self._node not in suspects:
+            if self._hold is None:
+                log.info("rank %d exited %d to re-run step %s on other hardware than %s: waiting for that node to "
+                         "end the round", ex.global_rank, ex.exitcode, note.step if note else "?", ", ".join(suspects))
+                self._hold = (time.monotonic() + self.cfg.workers.term_timeout + RERUN_HOLD, ex)
+            return True
+        detail = self._failure_detail(result, ex)
+        why = self._swap_refused(result, len(suspects))
+        if why is not None:
+            log.warning("node %s cannot leave the job for a standby (%s): the job ends with %d", self._node,
+                        why, exit_codes.RESUME_ELSEWHERE)
+        else:
+            detail.pop("no_restart", None)
+            step = f" to re-run step {note.step} on other hardware" if note is not None else ""
+            detail.update(leaves=suspects, describe=f"{detail['describe']}: node(s) {', '.join(suspects)} leave the "
+                                                    f"job{step}; the other nodes go on in place")
+        self._rdzv.report_stop(result.round, StopKind.FAILED, detail)
+        return True
+
+    def _swap_refused(self, result: RoundResult, leaving: int) -> str | None:
+        """Why LEAVING nodes cannot leave the running job (None: they can): too few nodes would be left, or
+        this node hosts the rendezvous store the others need."""
+        if self._rs is not None and self._rs.is_host:
+            return "it hosts the rendezvous store"
+        if leaving >= len(result.nodes):
+            return "every node of the round is suspected"
+        standbys = self._rdzv.standbys(result.round)
+        if len(result.nodes) - leaving + standbys < self.cfg.rdzv.min_nodes:
+            return (f"{len(result.nodes) - leaving} node(s) and {standbys} standby would be left, "
+                    f"--nnodes needs at least {self.cfg.rdzv.min_nodes}")
+        return None
 
     def _drop_stale_requests(self) -> None:
         """Workload control requests that arrived after the previous round ended must not end the new one."""
@@ -359,9 +431,12 @@ class Agent:
         describe = f"rank {rank} (local {lr}) asked to {what} through its monitor: {req.get('description')}"
         log.error("%s", describe)
         self._transition(result, RoundState.FAILED)  # RUNNING -> FAILED: the job ends with the rank's steering code
-        self._rdzv.report_stop(result.round, StopKind.FAILED, {
-            "rank": rank, "local_rank": lr, "group_rank": result.group_rank, "pid": req.get("pid"),
-            "describe": describe, "round": result.round, "steer": steer, "no_restart": True})
+        detail = {"rank": rank, "local_rank": lr, "group_rank": result.group_rank, "pid": req.get("pid"),
+                  "describe": describe, "round": result.round, "steer": steer, "no_restart": True}
+        if steer == exit_codes.RESUME_ELSEWHERE and self._swap_refused(result, 1) is None:
+            detail.pop("no_restart")  # only this node leaves: a standby or the remaining nodes go on (_conclude)
+            detail["leaves"] = [self._node]
+        self._rdzv.report_stop(result.round, StopKind.FAILED, detail)
 
     def _transition(self, result: RoundResult, new: RoundState) -> None:
         """Enter NEW; logged (debug) so a round's path through the states can be followed in the agent log."""
@@ -474,6 +549,15 @@ class Agent:
         if record.give_up:
             steer = record.detail.get("steer")
             return steer if steer in exit_codes.STEERING_CODES else exit_codes.FAILED
+        leaves = record.detail.get("leaves") or []
+        if record.kind is StopKind.FAILED and self._node in leaves:
+            if self._rs is not None and self._rs.is_host:  # the others need its store: it stays (and re-runs here)
+                log.warning("node %s is suspected but hosts the rendezvous store: it stays in the job", self._node)
+                return None
+            self._end_detail = "left the job: its rank exited 16 (resume on other hardware); the others go on"
+            log.error("node %s leaves the job (exit %d): %s", self._node, exit_codes.RESUME_ELSEWHERE,
+                      record.detail.get("describe"))
+            return exit_codes.RESUME_ELSEWHERE
         return None
 
     def _let_ranks_finish(self, grace: float) -> None:

@@ -512,8 +512,9 @@ class Rendezvous:
             raise ValueError(f"unknown stop kind {kind!r}; expected one of {', '.join(StopKind)}") from None
         stop_key = self.keys.r(r, "stop")
         if store.add(self.keys.r(r, "stop_claim"), 1) == 1:
-            count = int(store.add(self.keys.restarts, 1 if kind in FAULT_KINDS else 0))
-            give_up = kind in FAULT_KINDS and (count > self.max_restarts or bool(detail.get("no_restart")))
+            spends = kind in FAULT_KINDS and not detail.get("leaves")  # a node leaving for a standby: no restart
+            count = int(store.add(self.keys.restarts, 1 if spends else 0))
+            give_up = kind in FAULT_KINDS and ((spends and count > self.max_restarts) or bool(detail.get("no_restart")))
             rec = StopRecord(r, kind, self.node_id, dict(detail), count, give_up)
             if give_up or kind is StopKind.SUCCEEDED:
                 store.set(self.keys.finished, rec.to_json())  # before the stop: whoever sees it sees this
@@ -582,6 +583,14 @@ class Rendezvous:
             except dist.DistStoreError as exc:
                 if "timeout" not in str(exc).lower():
                     raise
+
+    def standbys(self, round: int) -> int:
+        """How many agents joined ROUND after it closed full: the standbys waiting for it to end."""
+        with self._store_errors():
+            store = self._client()
+            joined = int(store.add(self.keys.r(round, "count"), 0))
+            closed = self._read(store, self.keys.r(round, "closed"), parse_closed, fatal=False)
+        return max(0, joined - len(closed["nodes"])) if closed else 0
 
     def node_succeeded(self, round: int) -> None:
         """All ranks of this node exited 0 in ROUND; the last node to say so ends the round."""

@@ -36,6 +36,7 @@ CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGABRT", "SIGFPE", "SIGILL", "
 HANG_TEXT = {
     "section_timeout": "hung in section {section!r} after {elapsed:.1f} s, timeout {timeout:g} s",
     "heartbeat_timeout": "hung: no heartbeat for {elapsed:.1f} s, timeout {timeout:g} s",
+    "auto_heartbeat_timeout": "hung: no heartbeat for {elapsed:.2f} s, automatic timeout {timeout:g} s",
     "no_first_heartbeat": "hung: no first heartbeat after {elapsed:.1f} s, timeout {timeout:g} s",
     "out_of_section_timeout": "hung outside any section for {elapsed:.1f} s, timeout {timeout:g} s",
 }
@@ -330,7 +331,10 @@ class _ReportBuilder:
         recovered = self._recovered_at(rd)
         f.update(cause=cause, t=fault_t, time=iso(fault_t), recovered_at=recovered,
                  lost_s=rounded(recovered - fault_t) if recovered is not None and fault_t is not None else None)
-        if kind == "failed" and d.get(D.steer) in exit_codes.STEERING_CODES:
+        if kind == "failed" and d.get(D.leaves) and not f["give_up"]:
+            what = (f"node(s) {', '.join(map(str, d[D.leaves]))} leave the job (exit {d.get(D.steer)}); the others "
+                    "go on in place, a standby taking the place")
+        elif kind == "failed" and d.get(D.steer) in exit_codes.STEERING_CODES:
             what = f"no restart in place: the job ends with code {d[D.steer]} for the resume logic"
         elif kind in ("failed", "node_left"):
             what = "giving up: restarts used up" if f["give_up"] else f"restart {stop.get(S.restart_count)}"
@@ -530,7 +534,7 @@ class _ReportBuilder:
 
     def _timeouts(self, sessions: list) -> dict[str, Any]:
         configured = next((job.ft_config for job in self.tl.jobs if job.ft_config), None)
-        in_force, computed = {}, {}
+        in_force, computed, auto = {}, {}, {}
         rank_of_monitor: dict[int, Any] = {}
         for s, rank, _, m in sessions:
             rank_of_monitor[id(m)] = rank
@@ -544,7 +548,9 @@ class _ReportBuilder:
                 in_force[key] = last
             if m.computed is not None:
                 computed[key] = {"t": m.computed_t, "time": iso(m.computed_t), "timeouts": m.computed}
-        return {"configured": configured, "in_force": in_force, "computed": computed}
+            if m.auto is not None:
+                auto[key] = {**m.auto, "time": iso(m.auto.get("t")), "deferred": m.auto_deferred}
+        return {"configured": configured, "in_force": in_force, "computed": computed, "auto": auto}
 
 
 # ------------------------------------------------------------------ helpers

@@ -61,7 +61,8 @@ from typing import Any, Callable, Iterable
 
 from monitors.events import (
     AgentKilledRank, AgentSignal, AgentStart, Event, FirstHeartbeat, ForkServerFallback, ForkServerReady, FtConfig,
-    HangDetected, HeartbeatStats, InprocessRankLost, JobEnd, MonitorAttach, MonitorAuthFailed, MonitorConnect,
+    HangDetected, HeartbeatStats, HeartbeatTimeoutAuto, HeartbeatTimeoutAutoDeferred, InprocessRankLost, JobEnd,
+    MonitorAttach, MonitorAuthFailed, MonitorConnect,
     MonitorDied, MonitorDisconnect, MonitorExit, MonitorGaveUp, MonitorSpawned, MonitorStart, MonitorStuck,
     MonitorTakeoverRefused, RankExit, RankKilled, RankStart, RankStuck, RankTerminated, RdzvBadRecord, RdzvJoin,
     RdzvRound, RdzvStandby, RdzvStop, ResumeAttemptEnd, ResumeAttemptStart, ResumeDecision, ResumeEnd, ResumeReset,
@@ -223,6 +224,8 @@ class MonitorFile:
     loaded: dict[str, Any] | None = None
     computed: dict[str, Any] | None = None     # the last timeouts_set
     computed_t: float | None = None
+    auto: dict[str, Any] | None = None         # the last heartbeat_timeout_auto (fields + t)
+    auto_deferred: int = 0                     # gaps that passed the automatic timeout busy
     restarts: int = 0
     last_t: float = 0.0
     deferred_hb: tuple[int, bytes] | None = None                       # see _defer()
@@ -709,6 +712,34 @@ class Timeline:
     def _on_timeouts_set(self, m: MonitorFile, e: dict[str, Any]) -> None:
         m.computed, m.computed_t = e.get(TimeoutsSet.F.timeouts), e["t"]
 
+    def _on_heartbeat_timeout_auto(self, m: MonitorFile, e: dict[str, Any]) -> None:
+        f = HeartbeatTimeoutAuto.F
+        m.auto = {k: v for k, v in e.items() if k not in ("v", "src", "ev")}
+        rank = e.get(f.global_rank)
+        who = f"rank {rank}" if rank is not None else f"local rank {m.ef.local_rank}"
+        enforced = e.get(f.mode) == "set" and not e.get(f.capped)
+        verb = "set to" if enforced else "suggested:"
+        previous = f" (was {e[f.previous]:g} s)" if isinstance(e.get(f.previous), (int, float)) else ""
+        capped = "; not below the configured timeout, which stays" if e.get(f.capped) else ""
+        self._note(("hb_auto", m.ef.path, e["t"]), e["t"], "heartbeat_timeout_auto",
+                   f"{who} on node {m.ef.node}: automatic heartbeat timeout {verb} {e.get(f.timeout)} s{previous} "
+                   f"({e.get(f.reason)}: {e.get(f.multiple)} x the longest of {e.get(f.gaps)} steady gaps, "
+                   f"{e.get(f.longest_gap)} s; p50 {e.get(f.p50)} s, p99 {e.get(f.p99)} s, over "
+                   f"{e.get(f.observed_s)} s; floor {e.get(f.floor)} s, configured {e.get(f.configured)} s{capped})",
+                   rank=rank)
+
+    def _on_heartbeat_timeout_auto_deferred(self, m: MonitorFile, e: dict[str, Any]) -> None:
+        f = HeartbeatTimeoutAutoDeferred.F
+        m.auto_deferred += 1
+        rank = e.get(f.global_rank)
+        who = f"rank {rank}" if rank is not None else f"local rank {m.ef.local_rank}"
+        cpu = e.get(f.cpu_fraction)
+        cpu_text = f", main thread on the CPU for {cpu} of the gap" if isinstance(cpu, (int, float)) else ""
+        self._note(("hb_auto_deferred", m.ef.path, e["t"]), e["t"], "heartbeat_timeout_auto_deferred",
+                   f"{who} (pid {e.get(f.pid)}) passed its automatic heartbeat timeout {e.get(f.timeout)} s busy "
+                   f"(no beat for {e.get(f.elapsed)} s, state {e.get(f.state)}{cpu_text}): not a hang; the configured "
+                   f"timeout {e.get(f.fallback)} s applies to this gap", rank=rank)
+
     def _on_timeouts_loaded(self, m: MonitorFile, e: dict[str, Any]) -> None:
         m.loaded = e.get(TimeoutsLoaded.F.timeouts)
 
@@ -849,6 +880,8 @@ MONITOR_HANDLERS: dict[type[Event], Callable[..., None]] = {
     RankTerminated: Timeline._on_rank_terminated,
     RankKilled: Timeline._on_rank_killed,
     TimeoutsSet: Timeline._on_timeouts_set,
+    HeartbeatTimeoutAuto: Timeline._on_heartbeat_timeout_auto,
+    HeartbeatTimeoutAutoDeferred: Timeline._on_heartbeat_timeout_auto_deferred,
     TimeoutsLoaded: Timeline._on_timeouts_loaded,
     TimeoutsStateIgnored: Timeline._on_timeouts_state_ignored,
     WorkloadControl: Timeline._on_workload_control,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, Launcher
+from tests.conftest import REPO, Launcher, free_port, run_events, wait_for
 
 TRAIN = Path(__file__).with_name("train_rerun.py")
 pytestmark = pytest.mark.slow
@@ -123,3 +123,50 @@ def test_transient_then_node_fault_then_persistent_elsewhere_and_a_deterministic
     (verdict,) = [it for it in report["timeline"] if it["kind"] == "rerun:rerun_verdict"
                   and "correct result" in it["text"]]
     assert verdict["level"] == "error" and "exit with code 17" in verdict["text"]
+
+
+def test_a_node_fault_swaps_in_the_standby_within_the_same_job(job, clean_weights):
+    """Two emulated nodes and a standby agent under one `nvrx launch` job (no new job): the NaN reproduces
+    only on nvrx-n1 -> only that node's agent leaves (exit 16), the standby takes its place in a new round,
+    the step re-runs there from the checkpoint -> persistent_error of nvrx-n1; training finishes."""
+    work, gate = job.tmp_path / "work", job.tmp_path / "gate"
+    work.mkdir()
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+              "--rdzv-id", "swap", "--rdzv-conf", "join_timeout=90,last_call_timeout=1", "--log-dir", str(job.logs)]
+    run_dir = job.logs / "swap"
+
+    def agent(node: str, node_rank: int):
+        return job.start(*common, "--node-rank", str(node_rank), str(TRAIN), str(work), "node",
+                         env={"SLURMD_NODENAME": node, "RERUN_GATE": str(gate)})
+
+    def seen(ev: str, n: int) -> bool:
+        return run_dir.exists() and sum(e["ev"] == ev for e in run_events(run_dir, "agent-")) >= n
+
+    n0 = agent("nvrx-n0", 0)                          # first: it hosts the rendezvous store
+    assert wait_for(lambda: seen("rdzv_join", 1), 60)
+    n1 = agent("nvrx-n1", 1)
+    assert wait_for(lambda: seen("rdzv_round", 2), 60)
+    n2 = agent("nvrx-n2", 1)                          # the round is full: a standby
+    assert wait_for(lambda: seen("rdzv_standby", 1), 60)
+    gate.touch()                                      # now the ranks may reach the bad step
+
+    _, err1 = n1.communicate(timeout=120)
+    assert n1.returncode == 16, err1
+    assert "node nvrx-n1 leaves the job (exit 16)" in err1
+    out0, err0 = n0.communicate(timeout=120)
+    out2, err2 = n2.communicate(timeout=120)
+    assert (n0.returncode, n2.returncode) == (0, 0), err0 + err2
+    assert job.leftovers() == []
+
+    out = weights(work)
+    assert out["verdicts"] == ["transient_error", "persistent_error"]
+    assert out["weights"] == clean_weights            # bitwise, across the swap
+    assert loss_hex(work, "nvrx-n2", 0) == loss_hex(work, "nvrx-n1", 0)  # the step re-ran exactly on the standby
+    evs = run_events(run_dir, "agent-")
+    stops = [e for e in evs if e["ev"] == "rdzv_stop" and e["kind"] == "failed"]
+    assert stops and all(s["detail"]["leaves"] == ["nvrx-n1"] and not s["give_up"] for s in stops)
+    assert {s["restart_count"] for s in stops} == {0}  # a swap does not spend the restart budget
+    text = job.inspect().stdout
+    assert "nvrx-n1 leave the job (exit 16); the others go on in place" in text, text
+    assert "re-run verdict for step 3: persistent error of the suspected node" in text
+    assert "rank 1 on node nvrx-n1: loss is NaN or Inf (call 1) = nan, re-run on nvrx-n2" in text

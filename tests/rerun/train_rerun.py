@@ -9,6 +9,7 @@ Each step draws its batch (a function of rank and step, so a resumed job can sta
 dropout mask from the global RNG. The state (model, step, machine) is saved with `ckpt` only when the
 machine asks for it. Writes WORKDIR/weights.json (rank 0: the final weights as float.hex) and
 WORKDIR/loss-<node>-<n>.json (rank 1: the clean loss of step 3 each time it is computed, as float.hex).
+With RERUN_GATE=PATH the ranks wait before step 3 until PATH exists.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -53,8 +55,11 @@ def main() -> None:
     data = RerunDataIterator(batches(rank, start))
     node = os.environ.get("SLURMD_NODENAME", "")
     glitched = []
+    gate = os.environ.get("RERUN_GATE")
     for step in range(start, steps):
         state["meta"]["step"] = step
+        while gate and step == BAD_STEP and not os.path.exists(gate):
+            time.sleep(0.05)                     # the test starts the standby agent before the bad step
         while rsm.should_run_forward_backward(data):
             opt.zero_grad()
             x = next(data)

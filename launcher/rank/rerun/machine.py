@@ -40,7 +40,7 @@ from launcher.rank.rerun.modes import (RerunDiagnostic, RerunError, RerunMode, R
 from launcher.rank.rerun.report import Reporter, node_name, suspect_records
 from launcher.rank.rerun.validators import SpikeDetector, as_float, relative_difference, shown
 from monitors.events import RerunAttempt, RerunStats, RerunSuspected, RerunVerdict
-from nvrx_common import exit_codes
+from nvrx_common import exit_codes, rerun_exit
 
 log = logging.getLogger("launcher.rank.rerun")
 
@@ -381,6 +381,7 @@ class RerunStateMachine:
         self._events().emit(RerunAttempt(step=self.current_iteration, where="in_place", reproduced=True,
                                 next="checkpoint_and_exit", suspects=suspect_records(self._suspects)))
         self._resume_record(None, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
+        self._note_exit()
         return False
 
     def _start_checkpoint_rerun(self, iters: list[RerunDataIterator]) -> bool:
@@ -445,9 +446,15 @@ class RerunStateMachine:
         self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
         self._exit = (False, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
         self._resume_record(None, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
+        self._note_exit()
         return False
 
     # ------------------------------------------------------------------ helpers
+
+    def _note_exit(self) -> None:
+        """Tell this rank's agent which node(s) the coming exit 16 is about (every rank exits 16; only the
+        suspected nodes should leave the job: nvrx_common.rerun_exit)."""
+        rerun_exit.write_note(self.current_iteration, [s["node"] for s in self._suspects])
 
     def _begin_pass(self) -> None:
         self._calls = {}
