@@ -79,6 +79,8 @@ class Settings:
     kinds: tuple[str, ...]
     launchers: tuple[str, ...]
     run_timeout: float
+    auto_timeout: str = "off"  # nvrx's heartbeat_timeout_auto (off | suggest | set; off: runs before it existed)
+    auto_timeout_min: float = 0.1  # ... and its floor (heartbeat_timeout_auto_min)
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ class RunResult:
     progress: list[tuple[float, int]] = field(default_factory=list)  # (s since launch, steps done), rank 0
     log_tail: list[str] | None = None
     run_dir: str | None = None
+    monitor: dict[str, Any] | None = None  # nvrx: what its rank monitors logged (hangs, automatic timeouts)
 
 
 # ------------------------------------------------------------------------------------------ schedule and runs
@@ -149,7 +152,9 @@ def command(spec: RunSpec, settings: Settings, dirs: bl.RunDirs, run_id: str, la
     flags = ["--standalone", "--nproc-per-node", str(WORLD), "--max-restarts", str(settings.faults + 3),
              "--rdzv-id", run_id, "--log-dir", str(dirs.logs)]
     if spec.launcher == "nvrx":  # set once by the user; the same for every nvrx run
-        flags += ["--ft-param-auto-heartbeat", "true", "--ft-param-rank-heartbeat-timeout", f"{settings.hang_timeout:g}"]
+        flags += ["--ft-param-auto-heartbeat", "true", "--ft-param-rank-heartbeat-timeout", f"{settings.hang_timeout:g}",
+                  "--ft-param-heartbeat-timeout-auto", settings.auto_timeout,
+                  "--ft-param-heartbeat-timeout-auto-min", f"{settings.auto_timeout_min:g}"]
         if spec.ckpt == "nvrx":
             flags.append("--async-ckpt")
     ckpt_dir = dirs.root / "ckpt"
@@ -347,6 +352,30 @@ def recovered_in(out: Path, first: int, step: int) -> int | None:
     return next((b for b in attempts(out) if b >= first and step_done_at(out, b, step) is not None), None)
 
 
+def monitor_facts(logs: Path) -> dict[str, Any] | None:
+    """nvrx's rank monitor events of a run: each hang detected (reason, timeout; in a run without hangs a false
+    alarm), the automatic heartbeat timeouts set (heartbeat_timeout_auto), busy gaps let through."""
+    files = sorted(logs.rglob("monitor-*.jsonl"))
+    if not files:
+        return None
+    hangs, autos, deferred = [], [], 0
+    for path in files:
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if e.get("ev") == "hang_detected":
+                hangs.append({k: e.get(k) for k in ("t", "rank", "global_rank", "reason", "timeout", "elapsed")})
+            elif e.get("ev") == "heartbeat_timeout_auto":
+                autos.append({k: e.get(k) for k in ("t", "rank", "mode", "timeout", "reason", "longest_gap", "p99",
+                                                     "gaps", "observed_s")})
+            elif e.get("ev") == "heartbeat_timeout_auto_deferred":
+                deferred += 1
+    return {"hangs": sorted(hangs, key=lambda h: h["t"] or 0), "auto_timeouts": sorted(autos, key=lambda a: a["t"]),
+            "busy_gaps_let_through": deferred}
+
+
 def rank0_progress(out: Path, t0: float) -> list[tuple[float, int]]:
     points = sorted((t - t0, s + 1) for a in attempts(out) for s, t in progress(out, a, 0))
     return points[::5] + points[-1:] if points else []
@@ -381,6 +410,8 @@ def execute(spec: RunSpec, settings: Settings, schedule: list[Fault], table: dic
             result.error = f"not finished within {settings.run_timeout:.0f} s"
         result.exit_s = time.time() - t0
         collect(result, dirs.out, t0, fired, len(schedule) if spec.kind != "none" else 0)
+        if spec.launcher == "nvrx":
+            result.monitor = monitor_facts(dirs.logs)
     finally:
         bl.kill_leftovers(proc, run_id)
         console.close()
@@ -442,6 +473,8 @@ def summarize(results: list[RunResult]) -> list[dict[str, Any]]:
             if r.spec.kind == "none" and r.spec.ckpt != "none" and r.spec.variant == "every10":
                 row["ckpt_cost_of_wall"] = r.wall_s / ref.wall_s - 1  # type: ignore[operator]
                 row["ckpt_blocked_of_wall"] = (r.ckpt_blocked_s or 0) / ref.wall_s
+        if r.monitor is not None:
+            row.update(hang_figures(r))
         if r.ok and ref is not None and ref.wall_s and r.spec.kind != "none":
             row["goodput_from_lost"] = goodput_from_lost(r, ref.wall_s)
         for c in COMPONENTS:
@@ -450,6 +483,24 @@ def summarize(results: list[RunResult]) -> list[dict[str, Any]]:
             row["lost_minus_recompute"] = med([f["lost"] - f["recompute"] for f in r.faults if "lost" in f])
         rows.append(row)
     return rows
+
+
+def hang_figures(run: RunResult) -> dict[str, Any]:
+    """nvrx's hang detection in one run: what caught each hang, the automatic timeout, false alarms.
+
+    A hang detected in a run without injected hangs is a false alarm. In a hang run, the rank waiting for the
+    stopped one in a collective may be caught too (after it), which is not counted as one.
+    """
+    m = run.monitor or {}
+    hangs = m.get("hangs") or []
+    reasons: dict[str, int] = {}
+    for h in hangs:
+        reasons[str(h.get("reason"))] = reasons.get(str(h.get("reason")), 0) + 1
+    autos = [a["timeout"] for a in m.get("auto_timeouts") or [] if a.get("mode") == "set"]
+    return {"hangs_detected": len(hangs), "hang_reasons": reasons,
+            "false_alarms": len(hangs) if run.spec.kind != "hang" else None,
+            "auto_timeout_s": med(autos), "auto_timeout_max_s": max(autos) if autos else None,
+            "busy_gaps_let_through": m.get("busy_gaps_let_through")}
 
 
 def goodput_from_lost(run: RunResult, reference_wall: float) -> float:
@@ -577,6 +628,10 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     p.add_argument("--save-every", type=int, help="the save200 variant's torch.save interval in steps (default 200)")
     p.add_argument("--pause", type=float, default=0.01, help="seconds slept per step after its compute (default 0.01)")
     p.add_argument("--hang-timeout", type=float, default=1.0, help="nvrx automatic-heartbeat timeout (default 1)")
+    p.add_argument("--auto-timeout", choices=("off", "suggest", "set"), default="set",
+                   help="nvrx's automatic heartbeat timeout (--ft-param-heartbeat-timeout-auto; default set)")
+    p.add_argument("--auto-timeout-min", type=float, default=0.1,
+                   help="its floor in seconds (--ft-param-heartbeat-timeout-auto-min; default 0.1)")
     p.add_argument("--pg-timeout", type=float, default=10.0, help="the script's gloo timeout (default 10)")
     p.add_argument("--big", action="store_true", help="~21 M parameters instead of ~2.1 M")
     p.add_argument("--variants", default=None, help="comma list: save200,every10 (default both; --quick save200)")
@@ -599,7 +654,8 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     settings = Settings(
         steps=steps, faults=pick(args.faults, 4, 2), interval=pick(args.interval, 28.0, 7.0),
         jitter=pick(args.jitter, 6.0, 2.0), seed=args.seed, save_every=pick(args.save_every, 200, 100),
-        pause=args.pause, hang_timeout=args.hang_timeout, pg_timeout=args.pg_timeout, big=args.big,
+        pause=args.pause, hang_timeout=args.hang_timeout, auto_timeout=args.auto_timeout,
+        auto_timeout_min=args.auto_timeout_min, pg_timeout=args.pg_timeout, big=args.big,
         variants=tuple(bl.parse_list(args.variants or ("save200" if quick else "save200,every10"), VARIANTS,
                                      "--variants")),
         kinds=tuple(bl.parse_list(args.kinds, KINDS, "--kinds")), launchers=tuple(wanted),
@@ -634,6 +690,13 @@ def report(results: list[RunResult], settings: Settings, schedule: list[Fault], 
     bl.print_table(header, body, f"goodput (peer: {peer}): {WORLD} ranks gloo, {settings.steps} steps, "
                                  f"{settings.faults} faults per run, schedule "
                                  f"{', '.join(f'{f.after_s:g}s/r{f.rank}' for f in schedule)}")
+    for row in rows:
+        if row["launcher"] == "nvrx" and "hangs_detected" in row:
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(row["hang_reasons"].items())) or "none"
+            print(f"  nvrx {row['variant']}/{row['kind']}/{row['ckpt']}: hangs detected {row['hangs_detected']} "
+                  f"({reasons}); automatic timeout median {fmt(row['auto_timeout_s'])}, max "
+                  f"{fmt(row['auto_timeout_max_s'])}; busy gaps let through {row['busy_gaps_let_through']}"
+                  + (f"; FALSE ALARMS {row['false_alarms']}" if row.get("false_alarms") else ""))
     for goal in goals:
         value = goal["value"]
         percent = "cost" in goal["target"] or "blocked" in goal["target"]
