@@ -1,6 +1,7 @@
 """The re-run state machine (spec 003, sections 5-6): tell a transient fault from bad hardware from a
 real divergence by re-running a step whose result was rejected, in place and then from a checkpoint on
-other hardware. Names follow Megatron-Core's ``megatron.core.rerun_state_machine``.
+other hardware. Names and signatures follow Megatron-Core's ``megatron.core.rerun_state_machine``
+(differences: docs/porting.md).
 
     from launcher.rank.rerun import RerunStateMachine, RerunDataIterator, is_nan_or_inf
     rsm = RerunStateMachine(mode="validate_results")
@@ -16,13 +17,16 @@ other hardware. Names follow Megatron-Core's ``megatron.core.rerun_state_machine
 """
 
 from launcher.rank.rerun.data import RerunDataIterator
+from launcher.rank.rerun.injector import COMPARISON_MATCH, COMPARISON_MISMATCH, RerunErrorInjector
 from launcher.rank.rerun.machine import (EXIT_CODE_FAILED_ON_RESULT_VALIDATION, EXIT_CODE_RESUME_TO_DISAMBIGUATE,
                                          RerunStateMachine, destroy_rerun_state_machine, get_rerun_state_machine,
                                          initialize_rerun_state_machine)
 from launcher.rank.rerun.modes import RerunDiagnostic, RerunError, RerunMode, RerunState, ResultRejected
+from launcher.rank.rerun.tracker import RerunValidationStatus
 from launcher.rank.rerun.validators import SpikeDetector, is_nan_or_inf, relative_difference
 
 __all__ = [
+    "COMPARISON_MATCH", "COMPARISON_MISMATCH", "RerunErrorInjector", "RerunValidationStatus",
     "EXIT_CODE_FAILED_ON_RESULT_VALIDATION", "EXIT_CODE_RESUME_TO_DISAMBIGUATE", "RerunDataIterator",
     "RerunDiagnostic", "RerunError", "RerunMode", "RerunState", "RerunStateMachine", "ResultRejected",
     "SpikeDetector", "destroy_rerun_state_machine", "get_rerun_state_machine", "initialize_rerun_state_machine",

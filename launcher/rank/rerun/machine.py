@@ -35,9 +35,11 @@ import torch
 from launcher.rank.rerun import rng
 from launcher.rank.rerun.collective import all_gather_json, rank_and_world, reduce_max
 from launcher.rank.rerun.data import RerunDataIterator, fingerprint
+from launcher.rank.rerun.injector import RerunErrorInjector
 from launcher.rank.rerun.modes import (RerunDiagnostic, RerunError, RerunMode, RerunState, ResultRejected,
                                        parse_mode)
 from launcher.rank.rerun.report import Reporter, node_name, suspect_records
+from launcher.rank.rerun.tracker import RerunValidationStatus, Tracker, skipped_iterations
 from launcher.rank.rerun.validators import SpikeDetector, as_float, relative_difference, shown
 from monitors.events import RerunAttempt, RerunStats, RerunSuspected, RerunVerdict
 from nvrx_common import exit_codes, rerun_exit
@@ -110,6 +112,9 @@ class RerunStateMachine:
             that a re-run needs back (RNG states and RerunDataIterator positions are handled already).
         state_restore_func: optional; puts back what state_save_func returned.
         mode: ``"disabled"`` (default), ``"validate_results"`` or ``"report_determinism_stats"``.
+        error_injector: a ``RerunErrorInjector`` to rehearse the diagnoses (default: none injected).
+        result_rejected_tracker_filename: optional text file every rank appends its rejected results and
+            re-run outcomes to (Megatron's format; ``get_skipped_iterations_from_tracker_file`` reads it).
         event_dir: where rank 0 writes ``rerun-<node>-<rank>.jsonl`` (default: ``NVRX_RUN_LOG_DIR``, set by
             `nvrx launch`; none outside it).
         resume_state_dir: where rank 0 writes ``rerun.json`` for `nvrx resume` (default:
@@ -120,9 +125,15 @@ class RerunStateMachine:
 
     def __init__(self, state_save_func: Callable[[], Any] | None = None,
                  state_restore_func: Callable[[Any], None] | None = None,
-                 mode: RerunMode | str = RerunMode.DISABLED, *, event_dir: Any = None,
+                 mode: RerunMode | str = RerunMode.DISABLED, error_injector: RerunErrorInjector | None = None,
+                 result_rejected_tracker_filename: str | None = None, *, event_dir: Any = None,
                  resume_state_dir: Any = None, process_group: Any = None, stats_interval: int = 100) -> None:
         self.mode = parse_mode(mode)
+        if error_injector is not None and not isinstance(error_injector, RerunErrorInjector):
+            raise RerunError(f"error_injector must be a RerunErrorInjector or None, not {type(error_injector).__name__}")
+        self.error_injector = error_injector or RerunErrorInjector()
+        self.result_rejected_tracker_filename = result_rejected_tracker_filename
+        self._tracker = Tracker(result_rejected_tracker_filename) if result_rejected_tracker_filename else None
         for name, fn in (("state_save_func", state_save_func), ("state_restore_func", state_restore_func)):
             if fn is not None and not callable(fn):
                 raise RerunError(f"{name} must be a function or None, not {type(fn).__name__}")
@@ -246,15 +257,48 @@ class RerunStateMachine:
             self._record_for_stats(message, seq, result, comparison_func)
             return
         if self.state is RerunState.INITIAL_RUN:
-            if self._failed is None and self._rejects(rejection_func, result, message):
+            if self._failed is None and (self._injected() or self._rejects(rejection_func, result, message)):
                 self._failed = _Call(message, seq, as_float(result), bool(fatal))
                 log.error("step %d: rank %d on %s: unexpected result %s (%s, call %d); re-running the step",
                           self.current_iteration, self._rank(), node_name(), shown(self._failed.value), message, seq)
+                self._track(RerunValidationStatus.INITIAL_RUN, self._failed.value, message)
             return
         failed = self._failed
         if failed is not None and (failed.message, failed.seq) == (message, seq):
             self._rerun_value = as_float(result)
-            self._reproduced = self._compare(comparison_func, failed.value, self._rerun_value, message) <= tolerance
+            diff = self.error_injector.maybe_miscompare(
+                lambda a, b: self._compare(comparison_func, a, b, message), _like(failed.value, result), result,
+                self.state)
+            self._reproduced = diff <= tolerance
+            self._track_rerun(message)
+
+    def _injected(self) -> bool:
+        self.error_injector.rank = self._rank()
+        return self.error_injector.maybe_inject()
+
+    def _track(self, status: RerunValidationStatus, value: float | None, message: str) -> None:
+        if self._tracker is not None:
+            self._tracker.record(status, node=node_name(), device=_device(), rank=self._rank(),
+                                 iteration=self.current_iteration, result=shown(value), message=message)
+
+    def _track_rerun(self, message: str) -> None:
+        """The tracker line of a re-run's outcome at the rejected call (none when it landed on the same node)."""
+        if self._tracker is None:
+            return
+        S = RerunValidationStatus
+        if self.state is RerunState.RERUNNING_IN_PLACE:
+            status = S.FIRST_RERUN_REPRODUCIBLE if self._reproduced else S.FIRST_RERUN_NOT_REPRODUCIBLE
+        else:
+            mine = next((s for s in self._suspects if s["rank"] == self._rank()), None)
+            if mine is not None and (node_name(), _device()) == (mine["node"], mine.get("device")):
+                return
+            status = S.SECOND_RERUN_REPRODUCIBLE if self._reproduced else S.SECOND_RERUN_NOT_REPRODUCIBLE
+        self._track(status, self._rerun_value, message)
+
+    @classmethod
+    def get_skipped_iterations_from_tracker_file(cls, tracker_file_name: str) -> list[int]:
+        """The steps to skip according to a tracker file (launcher.rank.rerun.tracker.skipped_iterations)."""
+        return skipped_iterations(tracker_file_name)
 
     def is_unexpectedly_large(self, result: Any, threshold: float, context: str, num_samples: int = 100,
                               resample: bool = False) -> bool:
@@ -282,8 +326,16 @@ class RerunStateMachine:
                 "current_iteration": self.current_iteration, "transient_errors": self.transient_errors,
                 "suspects": self._suspects, "fingerprints": self._fingerprints, "rng": self._ckpt_rng,
                 "world_size": rank_and_world(self.group)[1], "verdicts": self.verdicts[-20:],
-                "detectors": {k: d.state_dict() for k, d in self._detectors.items()}}
+                "detectors": {k: d.state_dict() for k, d in self._detectors.items()},
+                "injector": self.error_injector.state_dict()}
         return {"json": json.dumps(snap, separators=(",", ":"))}
+
+    def validate_state_dict(self, state_dict: Any) -> bool:
+        """Whether STATE_DICT (what state_dict() gave) holds a step to re-run (Megatron's check before loading)."""
+        try:
+            return json.loads(state_dict["json"])["state"] != RerunState.NOT_RUNNING_YET.value
+        except (KeyError, TypeError, ValueError):
+            return False
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take the machine back from a checkpoint (what state_dict() gave); mode ``disabled`` ignores it."""
@@ -300,6 +352,9 @@ class RerunStateMachine:
                 det = detectors[k] = SpikeDetector()
                 det.load_state_dict(d)
             rng_states = snap.get("rng")
+            injector = RerunErrorInjector()
+            if snap.get("injector"):
+                injector.load_state_dict(snap["injector"])
             if state is RerunState.WILL_RERUN_FROM_CHECKPOINT and not rng_states:
                 raise ValueError("no RNG states for the step to re-run")
         except (KeyError, TypeError, ValueError) as exc:
@@ -308,6 +363,8 @@ class RerunStateMachine:
         self.transient_errors = int(snap.get("transient_errors", 0))
         self.verdicts = list(snap.get("verdicts", []))
         self._detectors = detectors
+        if injector.should_inject_errors or not self.error_injector.should_inject_errors:
+            self.error_injector = injector  # an injection under diagnosis comes back with the machine
         self.state = state if state is RerunState.WILL_RERUN_FROM_CHECKPOINT else RerunState.NOT_RUNNING_YET
         if self.state is RerunState.WILL_RERUN_FROM_CHECKPOINT:
             self._suspects, self._fingerprints, self._ckpt_rng = snap["suspects"], snap.get("fingerprints"), rng_states
@@ -575,10 +632,11 @@ class RerunStateMachine:
             raise RerunError(f"rejection_func {name} raised {type(exc).__name__}: {text} "
                              f"(validate_result {message!r}, step {self.current_iteration})") from None
 
-    def _compare(self, comparison_func: ComparisonFunc | None, first: float, again: float, message: str) -> float:
-        """COMPARISON_FUNC(first, again) as a float (default: the relative difference); RerunError if it fails."""
+    def _compare(self, comparison_func: ComparisonFunc | None, first: Any, again: Any, message: str) -> float:
+        """COMPARISON_FUNC(first, again) as a float (default: the relative difference); RerunError if it fails.
+        Both are of the result's type (a tensor result: tensors, as Megatron's comparison functions expect)."""
         if comparison_func is None:
-            return relative_difference(first, again)
+            return relative_difference(as_float(first), as_float(again))
         try:
             return float(comparison_func(first, again))
         except Exception as exc:
@@ -592,6 +650,7 @@ class RerunStateMachine:
             return
         text = (f"rank {self._rank()}, node {node_name()}, step {self.current_iteration}: unexpected result "
                 f"{shown(as_float(result))} ({message})")
+        self._track(RerunValidationStatus.RERUN_DISABLED, as_float(result), message)
         if fatal:
             raise ResultRejected(text)
         log.warning("%s", text)
@@ -605,7 +664,8 @@ class RerunStateMachine:
         if first is None:
             raise RerunError(f"step {self.current_iteration}: the re-run made a validate_result call ({message!r} "
                              f"#{seq}) the first run did not: the step's control flow must be deterministic")
-        self._stats.setdefault(message, _Stat()).add(self._compare(comparison_func, first, value, message))
+        self._stats.setdefault(message, _Stat()).add(self._compare(comparison_func, _like(first, result), result,
+                                                                   message))
 
     def _maybe_report_stats(self) -> None:
         """Every stats_interval steps: combine every rank's statistics (JSON), log and emit them on rank 0."""
@@ -634,6 +694,13 @@ class RerunStateMachine:
 
 def _batches(iters: Iterable[RerunDataIterator]) -> list[Any]:
     return [b for it in iters for b in it.step_batches()]
+
+
+def _like(value: float, result: Any) -> Any:
+    """VALUE as RESULT's type: a tensor of its dtype, shape and device, or a float."""
+    if isinstance(result, torch.Tensor):
+        return torch.tensor(value, dtype=result.dtype, device=result.device).reshape(result.shape)
+    return value
 
 
 def _device() -> int | None:
