@@ -49,9 +49,30 @@ class Packed:
         return json.dumps(self.header, separators=(",", ":")).encode()
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of T: a DTensor's local shard, a ShardedTensor's (single) local shard, else T itself.
+    A local checkpoint is per rank, so it keeps exactly that (resharding is the global tier's job)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return t.to_local()
+    if isinstance(t, ShardedTensor):
+        shards = t.local_shards()
+        if len(shards) != 1:
+            raise LocalCheckpointError(f"a ShardedTensor with {len(shards)} local shards on this rank; a local "
+                                       "checkpoint keeps one shard per rank (use one shard per rank, or a DTensor)")
+        return shards[0].tensor
+    return t
+
+
+def _is_distributed(t: torch.Tensor) -> bool:
+    return type(t) is not torch.Tensor and type(t).__name__ in ("DTensor", "ShardedTensor")
+
+
 def _encode(node: Any, tensors: list[torch.Tensor], path: str) -> Any:
     if isinstance(node, torch.Tensor):
-        tensors.append(node)
+        tensors.append(local_part(node) if _is_distributed(node) else node)
         return {"s": len(tensors) - 1}
     if isinstance(node, TensorPlaceholder):
         raise LocalCheckpointError(f"{path} is a popped tensor: insert_tensors() before saving")

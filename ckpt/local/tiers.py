@@ -23,6 +23,7 @@ import ckpt
 from ckpt.async_ckpt.dist_wrapper import DistWrapper
 from ckpt.errors import CheckpointError
 from ckpt.local.ckpt_managers.local_manager import LocalCheckpointManager
+from ckpt.local.codec import local_part
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +42,13 @@ class RestoreResult:
 
 def copy_into(dst: Any, src: Any) -> Any:
     """Copy SRC's values into DST in place where DST has tensors of the same shape (so a model's parameters keep
-    their identity), else take SRC's value; returns the merged value."""
-    if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and dst.shape == src.shape:
-        with torch.no_grad():
-            dst.copy_(src)
-        return dst
+    their identity; for a DTensor / ShardedTensor, its local shard), else take SRC's value; returns the merged value."""
+    if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+        target = local_part(dst)  # a DTensor / ShardedTensor: the local checkpoint holds this rank's shard
+        if target.shape == src.shape:
+            with torch.no_grad():
+                target.copy_(src)
+            return dst
     if isinstance(dst, dict) and isinstance(src, dict):
         for key, value in src.items():
             dst[key] = copy_into(dst[key], value) if key in dst else value
@@ -121,7 +124,8 @@ class TwoTierCheckpointer:
                                                   f"global tier's ({global_it if global_it >= 0 else 'none'}) and restores faster"))
             fallback = f"local iteration {local_it} is unusable ({why}); "
         elif local_it < 0:
-            fallback = "no restorable local checkpoint; "
+            notes = self.local.find_notes
+            fallback = f"no restorable local checkpoint{f' ({notes[-1]})' if notes else ''}; "
         else:
             fallback = f"local iteration {local_it} is not newer; "
         if global_it < 0:

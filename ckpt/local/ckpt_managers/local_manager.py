@@ -174,6 +174,7 @@ class LocalCheckpointManager:
         self._spare: torch.Tensor | None = None
         self._verified: dict[str, tuple[int, int, int, int]] = {}  # id -> file identity when find_latest checked it
         self.last_load_source: str | None = None
+        self.other_world_sizes: set[int] = set()  # world sizes of files found by the last scan that are not ours
 
     # --- save ------------------------------------------------------------------------------------------------
 
@@ -212,6 +213,7 @@ class LocalCheckpointManager:
             return self._save_async(state_dict, iteration, strategy)
         spare, self._spare = self._spare, None
         mine = pack(state_dict, ckpt_id(iteration, self.rank), out=spare, checksum=False)
+        mine.header["world_size"] = self.world_size
         request = LocalSaveRequest(iteration, mine, strategy, self.local_dir)
         request.run()
         self._finish(request)
@@ -225,6 +227,7 @@ class LocalCheckpointManager:
 
         id_ = ckpt_id(iteration, self.rank)
         header, tensors = layout(state_dict, id_)
+        header["world_size"] = self.world_size  # shards of another world size are not this job's (find_latest)
         replicas: list[Packed] = []
         clique = isinstance(strategy, CliqueReplicationStrategy)
         if strategy is not None and not clique:  # a strategy of the user's: its own replicate(), here
@@ -376,6 +379,7 @@ class LocalCheckpointManager:
         moves corrupt files aside (logged) so no plan counts on them."""
         ids = []
         self._verified = {}
+        self.other_world_sizes = set()
         for path in sorted(self.local_dir.iterdir()):
             if ".tmp-" in path.name and path.name.startswith("."):
                 path.unlink(missing_ok=True)
@@ -383,10 +387,13 @@ class LocalCheckpointManager:
             if not path.name.endswith(SUFFIX) or parse_id(path.name[: -len(SUFFIX)]) is None:
                 continue
             try:
-                _, identity = verify_file(path)
+                header, identity = verify_file(path)
             except (LocalCheckpointCorruptError, OSError, ValueError) as exc:
                 log.warning("local checkpoint file is damaged, not used: %s", exc)
                 path.rename(path.with_name(f".corrupt-{path.name}"))
+                continue
+            if header.get("world_size", self.world_size) != self.world_size:
+                self.other_world_sizes.add(header["world_size"])
                 continue
             ids.append(path.name[: -len(SUFFIX)])
             self._verified[ids[-1]] = identity
@@ -403,13 +410,23 @@ class LocalCheckpointManager:
     def find_latest(self) -> int:
         """The newest iteration every rank can restore (from its files or replicas), agreed by all; -1 if none."""
         self._finalize_pending()
-        available = {r: ids for r, ids in enumerate(self._dist.all_gather_json(self._scan()))}
+        gathered = self._dist.all_gather_json([self._scan(), sorted(self.other_world_sizes)])
+        available = {r: ids for r, (ids, _) in enumerate(gathered)}
         iteration, skipped = newest_restorable(available, self._restore_sources())
+        others = sorted({w for _, ws in gathered for w in ws})
+        if others:  # an elastic job that changed size: per-rank shards do not reshard (the global tier does)
+            skipped.append(f"local checkpoints saved at world size {', '.join(map(str, others))} are not used at world "
+                           f"size {self.world_size} (per-rank shards do not reshard; the global tier does)")
         if self.rank == 0:
             for reason in skipped:
                 log.warning("local checkpoint %s; trying an older one", reason)
         self._found = (iteration, available, skipped)
         return iteration
+
+    @property
+    def find_notes(self) -> list[str]:
+        """Why the last ``find_latest`` passed over newer local checkpoints (the same on every rank)."""
+        return list(self._found[2]) if self._found is not None else []
 
     def load(self) -> tuple[TensorAwareStateDict, str]:
         """This rank's shard of the iteration ``find_latest`` found, and its id. Shards not held locally come from a
