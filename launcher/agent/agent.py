@@ -382,8 +382,8 @@ class Agent:
                 self._hold = (time.monotonic() + self.cfg.workers.term_timeout + RERUN_HOLD, ex)
             return True
         detail = self._failure_detail(result, ex)
-        why = self._swap_refused(result, len(suspects))
-        if why is not None:
+        why = self._swap_refused(result, len(suspects), same_size=note is not None)
+        if why is not None and len(result.nodes) > 1:  # (a one-node job has nobody to go on: nothing to say)
             log.warning("node %s cannot leave the job for a standby (%s): the job ends with %d", self._node,
                         why, exit_codes.RESUME_ELSEWHERE)
         else:
@@ -394,17 +394,19 @@ class Agent:
         self._rdzv.report_stop(result.round, StopKind.FAILED, detail)
         return True
 
-    def _swap_refused(self, result: RoundResult, leaving: int) -> str | None:
+    def _swap_refused(self, result: RoundResult, leaving: int, same_size: bool = False) -> str | None:
         """Why LEAVING nodes cannot leave the running job (None: they can): too few nodes would be left, or
-        this node hosts the rendezvous store the others need."""
+        this node hosts the rendezvous store the others need. SAME_SIZE (a re-run of a step): standbys must
+        fill every place, since the step is re-run by the same ranks on the same number of nodes."""
         if self._rs is not None and self._rs.is_host:
             return "it hosts the rendezvous store"
         if leaving >= len(result.nodes):
             return "every node of the round is suspected"
         standbys = self._rdzv.standbys(result.round)
-        if len(result.nodes) - leaving + standbys < self.cfg.rdzv.min_nodes:
-            return (f"{len(result.nodes) - leaving} node(s) and {standbys} standby would be left, "
-                    f"--nnodes needs at least {self.cfg.rdzv.min_nodes}")
+        need = len(result.nodes) if same_size else self.cfg.rdzv.min_nodes
+        if len(result.nodes) - leaving + standbys < need:
+            what = "the re-run needs" if same_size else "--nnodes needs at least"
+            return f"{len(result.nodes) - leaving} node(s) and {standbys} standby would be left, {what} {need}"
         return None
 
     def _drop_stale_requests(self) -> None:
