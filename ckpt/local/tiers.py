@@ -67,28 +67,39 @@ class TwoTierCheckpointer:
     """
 
     def __init__(self, local: LocalCheckpointManager, global_root: str | os.PathLike, *, local_every: int,
-                 global_every: int, validate: Callable[[dict[str, Any]], bool] | None = None) -> None:
+                 global_every: int, validate: Callable[[dict[str, Any]], bool] | None = None,
+                 local_async: bool = True) -> None:
         if local_every < 1 or global_every < 1:
             raise CheckpointError(f"local_every and global_every must be >= 1 (got {local_every}, {global_every})")
         self.local, self.global_root = local, Path(global_root)
         self.local_every, self.global_every, self.validate = local_every, global_every, validate
+        self.local_async = local_async  # local files written by the checkpoint writer process, finalized later
         self._dist = DistWrapper()
 
     def step(self, step: int, state_dict: dict[str, Any]) -> str | None:
-        """Checkpoint STEP if due: 'global' (DCP, asynchronous), 'local' (synchronous copy, replicated), or None.
-        A failed local save is logged and training goes on (the global tier still covers it)."""
+        """Checkpoint STEP if due: 'global' (DCP, asynchronous), 'local' (a copy, replicated and written in the
+        background with LOCAL_ASYNC), or None. A failed local save is logged (when it is found: at the next local
+        save or ``close``) and training goes on: the global tier still covers it."""
         ckpt.maybe_finalize()
         if step % self.global_every == 0:
             ckpt.async_save(state_dict, self.global_root / f"iter_{step:09d}")
             return "global"
         if step % self.local_every == 0:
+            self._finish_local()
             try:
-                self.local.save(state_dict, step)
+                self.local.save(state_dict, step, is_async=self.local_async)
             except CheckpointError as exc:
                 log.error("local checkpoint skipped, the global tier still covers this run: %s", exc)
                 return None
             return "local"
         return None
+
+    def _finish_local(self) -> None:
+        """Finalize the pending local save (collective); its failure is logged, not raised."""
+        try:
+            self.local.wait()
+        except CheckpointError as exc:
+            log.error("local checkpoint failed, the global tier still covers this run: %s", exc)
 
     def _global_latest(self) -> int:
         info = ckpt.find_latest_checkpoint(self.global_root) if self.global_root.is_dir() else None
@@ -140,5 +151,5 @@ class TwoTierCheckpointer:
 
     def close(self) -> None:
         """Finish pending saves of both tiers."""
-        self.local.wait()
+        self._finish_local()
         ckpt.wait()
