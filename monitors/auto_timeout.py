@@ -5,11 +5,15 @@ what a given job needs, and a hang costs all of it. The rank's slot counts every
 (beats, explicit or automatic, and section ends) in a log-spaced histogram (``monitors.heartbeat``); from it
 this module derives, per rank::
 
-    timeout = max(floor, multiple * longest steady gap)        (never above the configured timeout)
+    timeout = max(floor, multiple * percentile P of the steady gaps)   (never above the configured timeout)
 
-Why the longest gap and not a high percentile: the pauses that must not be mistaken for a hang are rare but
-regular (a save every 200 steps, an evaluation, a peer's save another rank waits for in a collective); a
-percentile leaves exactly those out. The longest gap is rounded up to its histogram bucket's upper edge.
+P is 99 by default (100 = the longest gap), rounded up to its histogram bucket's upper edge. A percentile
+leaves out the rare but regular longer pauses (a save every 200 steps, an evaluation, a peer's save another
+rank waits for in a collective, a moment without CPU on a loaded machine): those are not judged by the
+timeout alone. When a rank passes it, the monitor looks before it acts (``monitors.rank_activity``): a rank
+whose main thread is on the CPU, runnable or in disk wait is busy, and so is one whose local peers are (it
+is waiting for them); only a stopped rank, or one asleep with every local peer stuck too, is hung. A busy
+rank is looked at again one timeout later, and the configured timeout stays the absolute bound.
 
 When the timeout may be derived and enforced (false alarms are the cost to avoid):
 
@@ -18,9 +22,7 @@ When the timeout may be derived and enforced (false alarms are the cost to avoid
   restore are slower than the steady state);
 * *warm-up*: the first derivation needs ``warmup_beats`` steady gaps over ``warmup_s`` seconds; observations
   carry over the rank's restarts (the monitor outlives them), so a restarted rank is only settled again;
-* *widening*: a longer gap that ends before the timeout widens it at once; one that would pass it is judged by
-  the monitor (``monitors.rank_monitor``) before any signal: a rank whose main thread burns CPU or waits on
-  disk is busy, not hung, and gets the configured timeout for that gap (its end then widens the bound).
+* *widening*: the bound follows the percentile up as the rank slows (it never narrows).
 
 Modes: ``off``; ``suggest`` (the default: derive and report it, enforce the configured timeout); ``set``.
 Every change is reported (event ``heartbeat_timeout_auto``) with the figures it came from.
@@ -42,6 +44,7 @@ class AutoTimeoutSettings:
     mode: str = "suggest"
     multiple: float = 4.0
     floor: float = 0.25
+    percentile: float = 99.0
     warmup_beats: int = 100
     warmup_s: float = 20.0
     settle_s: float = 5.0
@@ -54,6 +57,7 @@ class AutoTimeoutChange:
     timeout: float
     previous: float | None
     reason: str             # warm-up done | longer gap observed
+    basis: float            # the percentile's gap the bound is a multiple of (its bucket's upper edge)
     longest_gap: float      # the longest steady gap, rounded up to its bucket's edge
     p50: float
     p99: float
@@ -139,7 +143,8 @@ class AutoTimeout:
         if top is None:
             return None
         top = round(top, 6)  # as reported
-        bound = round(max(s.floor, s.multiple * top), 6)
+        basis = top if s.percentile >= 100 else round(percentile(steady, s.percentile / 100) or top, 6)
+        bound = round(max(s.floor, s.multiple * basis), 6)
         capped = self.configured is not None and bound >= self.configured
         if capped:
             bound = float(self.configured)  # type: ignore[arg-type]
@@ -148,7 +153,7 @@ class AutoTimeout:
         previous, self.timeout = self.timeout, bound
         return AutoTimeoutChange(timeout=bound, previous=previous,
                                  reason="warm-up done" if previous is None else "longer gap observed",
-                                 longest_gap=top, p50=percentile(steady, 0.5) or 0.0,
+                                 basis=basis, longest_gap=top, p50=percentile(steady, 0.5) or 0.0,
                                  p99=percentile(steady, 0.99) or 0.0, gaps=gaps, observed_s=round(seconds, 3),
                                  capped=capped)
 

@@ -222,6 +222,7 @@ class FtConfigInfo(Record):
     heartbeat_timeout_auto: str | None = None
     heartbeat_timeout_auto_multiple: float | None = None
     heartbeat_timeout_auto_min: float | None = None
+    heartbeat_timeout_auto_percentile: float | None = None
     heartbeat_timeout_auto_warmup_beats: int | None = None
     heartbeat_timeout_auto_warmup_seconds: float | None = None
     heartbeat_timeout_auto_settle_seconds: float | None = None
@@ -673,6 +674,8 @@ class HeartbeatTimeoutAuto(Event):
     timeout: float                        # the new automatic timeout (seconds)
     previous: float | None = None         # the one it replaces (None: the first after warm-up)
     reason: str                           # warm-up done | longer gap observed
+    percentile: float                     # of the steady gaps the bound is a multiple of (100: the longest)
+    basis: float                          # that percentile's gap (its bucket's upper edge), seconds
     longest_gap: float                    # the longest steady gap between heartbeats (its bucket's upper edge)
     p50: float
     p99: float
@@ -686,8 +689,8 @@ class HeartbeatTimeoutAuto(Event):
 
 @event("heartbeat_timeout_auto_deferred", "monitor")
 class HeartbeatTimeoutAutoDeferred(Event):
-    """A rank passed its automatic timeout busy (main thread on the CPU or in disk wait): not a hang yet;
-    the configured timeout applies to this gap."""
+    """A rank passed its automatic timeout busy (its main thread runnable, on the CPU or in disk wait, or a local
+    peer working): not a hang yet; looked at again every automatic timeout, the configured one bounds the gap."""
 
     rank: int
     global_rank: int | None = None
@@ -696,7 +699,8 @@ class HeartbeatTimeoutAutoDeferred(Event):
     timeout: float                        # the automatic timeout it passed
     state: str                            # the main thread's scheduler state (R, S, D)
     cpu_fraction: float | None = None     # of the gap spent on the CPU by the main thread
-    fallback: float | None = None         # the configured timeout now in force for this gap
+    why: str                              # busy how, in words (runnable, on the CPU, a local peer working)
+    fallback: float | None = None         # the configured timeout: the bound of this gap
 
 
 @event("timeouts_state_ignored", "monitor")

@@ -537,13 +537,19 @@ class FaultToleranceConfig:
         "rendezvous round (exit 16, like a failed health check; nvrx resume excludes it). 0 = off.", 0)
     heartbeat_timeout_auto: str = _setting(
         _choice_kind(AUTO_TIMEOUT_MODES), "nvrx: automatic heartbeat timeout derived from the rank's own gaps "
-        "between heartbeats after warm-up: multiple x the longest steady gap, at least heartbeat_timeout_auto_min, "
-        "never above rank_heartbeat_timeout; widened when the rank slows; a rank whose main thread is busy (CPU, "
-        "disk) when it passes gets rank_heartbeat_timeout instead. suggest = derive and report it (nvrx inspect), "
-        "enforce rank_heartbeat_timeout; set = enforce it; off.", "suggest")
+        "between heartbeats after warm-up: multiple x a high percentile of the steady gaps, at least "
+        "heartbeat_timeout_auto_min, never above rank_heartbeat_timeout, widened as the rank slows. A rank that "
+        "passes it is killed only if stopped, or asleep while no local peer works; a busy one is looked at again "
+        "(rank_heartbeat_timeout stays the bound). suggest = derive and report it (nvrx inspect), enforce "
+        "rank_heartbeat_timeout; set = enforce it; off.", "suggest")
     heartbeat_timeout_auto_multiple: float = _setting(
         _float_kind(optional=False, unit="times", low=1.0, high=1000.0, example="4"),
-        "nvrx: the automatic heartbeat timeout is this many times the longest steady gap between heartbeats.", 4.0)
+        "nvrx: the automatic heartbeat timeout is this many times heartbeat_timeout_auto_percentile of the steady "
+        "gaps between heartbeats.", 4.0)
+    heartbeat_timeout_auto_percentile: float = _setting(
+        _float_kind(optional=False, unit="percent", low=50.0, high=100.0, low_inclusive=True, example="99"),
+        "nvrx: the percentile of the steady gaps between heartbeats the automatic timeout is a multiple of "
+        "(100 = the longest gap).", 99.0)
     heartbeat_timeout_auto_min: float = _setting(
         _float_kind(optional=False, unit="seconds", low=0.01, low_inclusive=True, example="0.25"),
         "nvrx: the automatic heartbeat timeout is never below this (seconds).", 0.25)
@@ -575,7 +581,8 @@ class FaultToleranceConfig:
     def auto_timeout(self) -> AutoTimeoutSettings:
         """The heartbeat_timeout_auto* settings as one value (monitors.auto_timeout)."""
         return AutoTimeoutSettings(self.heartbeat_timeout_auto, self.heartbeat_timeout_auto_multiple,
-                                   self.heartbeat_timeout_auto_min, self.heartbeat_timeout_auto_warmup_beats,
+                                   self.heartbeat_timeout_auto_min, self.heartbeat_timeout_auto_percentile,
+                                   self.heartbeat_timeout_auto_warmup_beats,
                                    self.heartbeat_timeout_auto_warmup_seconds,
                                    self.heartbeat_timeout_auto_settle_seconds)
 

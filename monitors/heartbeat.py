@@ -15,7 +15,7 @@ Layout (word index -> meaning)::
     0 magic             1 seq               2 heartbeat count     3 last heartbeat time
     4 first hb time     5 first hb delay    6 max hb interval     7 open-section bitmask
     8 sections opened   9 sections closed  10 last section end   11 max out-of-section time
-   12 run start        13 generation       14 auto heartbeat time   15 reserved
+   12 run start        13 generation       14 auto heartbeat time   15 rank pid (written by the monitor)
    16 + i: start time of section i          48 + i: max duration of section i
    80 + i: last duration of section i      112 + i: close count of section i   (i < MAX_SECTIONS)
   144 + b: liveness gaps in bucket b (b < GAP_BUCKETS; see gap_bucket)
@@ -51,7 +51,7 @@ MAX_SECTIONS = 32
 W_MAGIC, W_SEQ, W_HB_COUNT, W_LAST_HB = 0, 1, 2, 3
 W_FIRST_HB, W_FIRST_DELAY, W_MAX_INTERVAL, W_OPEN_MASK = 4, 5, 6, 7
 W_OPEN_COUNT, W_CLOSE_COUNT, W_LAST_SEC_END, W_MAX_OOS = 8, 9, 10, 11
-W_RUN_START, W_GENERATION, W_AUTO_HB = 12, 13, 14
+W_RUN_START, W_GENERATION, W_AUTO_HB, W_PID = 12, 13, 14, 15
 W_SEC_START = 16
 W_SEC_MAX = W_SEC_START + MAX_SECTIONS
 W_SEC_LAST = W_SEC_MAX + MAX_SECTIONS
@@ -105,6 +105,7 @@ class SlotSnapshot:
     section_last: tuple[float, ...]
     section_closes: tuple[int, ...]
     gap_hist: tuple[int, ...] = ()  # liveness gaps per bucket (gap_bucket)
+    pid: int = 0                    # the rank process (0: not known)
 
     def open_ids(self) -> list[int]:
         return [i for i in range(MAX_SECTIONS) if self.open_mask >> i & 1]
@@ -157,8 +158,11 @@ class Slot:
             raise SlotError(f"{path} is not a heartbeat slot (bad magic)")
         return slot
 
-    def reset(self, generation: int, now: float) -> None:
-        """Zero the per-run fields for a new rank run. Monitor side, while no rank is writing."""
+    def reset(self, generation: int, now: float, pid: int = 0) -> None:
+        """Zero the per-run fields for a new rank run. Monitor side, while no rank is writing.
+
+        PID (the rank's) lets the monitors of the node's other ranks look at this rank (monitors.rank_activity).
+        """
         q, d = self.q, self.d
         seq = q[W_SEQ]
         q[W_SEQ] = seq + 1 if seq % 2 == 0 else seq
@@ -167,6 +171,7 @@ class Slot:
         d[W_RUN_START] = now
         d[W_LAST_SEC_END] = now
         q[W_GENERATION] = generation
+        q[W_PID] = pid
         q[W_SEQ] = q[W_SEQ] + 1
 
     def snapshot(self, retries: int = 1000) -> SlotSnapshot:
@@ -199,7 +204,7 @@ def _decode(raw: bytes) -> SlotSnapshot:
         max_out_of_section=dv[W_MAX_OOS], run_start=dv[W_RUN_START], generation=qv[W_GENERATION], auto_hb=dv[W_AUTO_HB],
         section_start=tuple(dv[W_SEC_START:W_SEC_START + n]), section_max=tuple(dv[W_SEC_MAX:W_SEC_MAX + n]),
         section_last=tuple(dv[W_SEC_LAST:W_SEC_LAST + n]), section_closes=tuple(qv[W_SEC_CLOSES:W_SEC_CLOSES + n]),
-        gap_hist=tuple(qv[W_GAP_HIST:W_GAP_HIST + GAP_BUCKETS]),
+        gap_hist=tuple(qv[W_GAP_HIST:W_GAP_HIST + GAP_BUCKETS]), pid=qv[W_PID],
     )
 
 

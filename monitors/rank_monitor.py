@@ -32,6 +32,7 @@ it also removes its private socket directory once empty, since no agent is left 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hmac
 import json
 import logging
@@ -57,7 +58,7 @@ from monitors.events import (EventLog, FirstHeartbeat, HangDetected, MonitorAtta
 from monitors.events import RankTiming, TimingInfo, WorkloadControl
 from monitors.events import HeartbeatTimeoutAuto, HeartbeatTimeoutAutoDeferred
 from monitors.auto_timeout import AutoTimeout, AutoTimeoutChange
-from monitors.rank_activity import ActivityWatch
+from monitors.rank_activity import ActivityWatch, busy_peer
 from monitors.straggler import TimingSampler
 from monitors.heartbeat import Slot, SlotSnapshot
 from monitors.sections import SectionRegistry, SectionStats
@@ -99,6 +100,9 @@ class Deadline:
     section: str | None = None
 
 
+AUTO_REASON = "auto_heartbeat_timeout"
+
+
 def liveness_since(snap: SlotSnapshot) -> float:
     """The rank's last liveness mark: the latest of its beats (explicit, automatic) and its last section end."""
     return max(snap.last_hb, snap.auto_hb, snap.last_section_end)
@@ -130,7 +134,7 @@ def next_deadline(snap: SlotSnapshot, timeouts: Timeouts, name_of: Callable[[int
                                   timeouts.initial_heartbeat, since))
         elif beaten and auto is not None and (timeouts.heartbeat is None or auto < timeouts.heartbeat):
             since = liveness_since(snap)
-            found.append(Deadline(since + auto, "auto_heartbeat_timeout", auto, since))
+            found.append(Deadline(since + auto, AUTO_REASON, auto, since))
         elif beaten and timeouts.heartbeat is not None:
             since = liveness_since(snap)
             found.append(Deadline(since + timeouts.heartbeat, "heartbeat_timeout", timeouts.heartbeat, since))
@@ -198,6 +202,8 @@ class AttachedRank:
     window_start: float = 0.0  # ... and the start of the current report window
     activity: ActivityWatch | None = None  # automatic timeout: the rank's main thread, sampled at wake-ups
     deferred_since: float | None = None  # the gap (by its start) that passed the automatic timeout busy
+    recheck_at: float = 0.0  # ... when to look at it again
+    judged_at: float = 0.0  # the last look
 
 
 class RankMonitor:
@@ -356,9 +362,8 @@ class RankMonitor:
         timeouts = self.tracker.in_force()
         auto = self._auto_timeout(sess, snap, now, timeouts.heartbeat)
         deadline = next_deadline(snap, timeouts, self.registry.name_of, auto)
-        if deadline is not None and deadline.at <= now and deadline.reason == "auto_heartbeat_timeout" \
-                and self._busy(sess, deadline, now, timeouts.heartbeat):
-            deadline = next_deadline(snap, timeouts, self.registry.name_of)
+        if deadline is not None and deadline.reason == AUTO_REASON:
+            deadline = self._judge_auto(sess, snap, deadline, now, timeouts)
         if deadline is not None and deadline.at <= now:
             self._on_hang(sess, deadline, now, timeouts)
             return interval
@@ -377,8 +382,8 @@ class RankMonitor:
         if change is not None:
             self._emit_auto(sess, change, configured)
         auto = self.auto.enforced(now)
-        if auto is None or sess.deferred_since == liveness_since(snap):
-            return None  # off, suggesting only, settling, or this gap was found busy: the configured timeout
+        if auto is None:
+            return None  # off, suggesting only, settling
         if sess.activity is None:
             sess.activity = ActivityWatch(sess.proc.pid)
         sess.activity.sample(now)
@@ -388,25 +393,51 @@ class RankMonitor:
         s = self.auto.settings
         self.events.emit(HeartbeatTimeoutAuto(
             rank=self.rank, global_rank=sess.global_rank, mode=s.mode, timeout=change.timeout,
-            previous=change.previous, reason=change.reason, longest_gap=round(change.longest_gap, 6),
+            previous=change.previous, reason=change.reason, percentile=s.percentile, basis=change.basis,
+            longest_gap=round(change.longest_gap, 6),
             p50=round(change.p50, 6), p99=round(change.p99, 6), gaps=change.gaps, observed_s=change.observed_s,
             multiple=s.multiple, floor=s.floor, configured=configured, capped=change.capped))
-        log.info("rank %d: automatic heartbeat timeout %s %.3f s (%s: %g x the longest of %d gaps, %.4f s; p99 "
-                 "%.4f s; floor %g s)", self.rank, "set to" if s.mode == "set" else "suggested:", change.timeout,
-                 change.reason, s.multiple, change.gaps, change.longest_gap, change.p99, s.floor)
+        log.info("rank %d: automatic heartbeat timeout %s %.3f s (%s: %g x p%g of %d gaps, %.4f s; longest %.4f s; "
+                 "floor %g s)", self.rank, "set to" if s.mode == "set" else "suggested:", change.timeout,
+                 change.reason, s.multiple, s.percentile, change.gaps, change.basis, change.longest_gap, s.floor)
+
+    def _judge_auto(self, sess: AttachedRank, snap: SlotSnapshot, deadline: Deadline, now: float,
+                    timeouts: Timeouts) -> Deadline | None:
+        """The automatic deadline, judged before it is acted on (monitors.rank_activity).
+
+        A gap found busy is looked at again one automatic timeout later; the configured deadline (the
+        absolute bound) takes over once it has passed, or when the rank turns out to be busy.
+        """
+        if sess.deferred_since == deadline.since:
+            deadline = dataclasses.replace(deadline, at=sess.recheck_at)
+        if deadline.at > now:
+            return deadline
+        configured = next_deadline(snap, timeouts, self.registry.name_of)
+        if configured is not None and configured.at <= now:
+            return configured
+        if not self._busy(sess, deadline, now, timeouts.heartbeat):
+            return deadline
+        recheck = dataclasses.replace(deadline, at=sess.recheck_at)
+        return recheck if configured is None or recheck.at < configured.at else configured
 
     def _busy(self, sess: AttachedRank, deadline: Deadline, now: float, configured: float | None) -> bool:
-        """The rank passed its automatic timeout: busy (not hung) if its main thread works; see rank_activity."""
-        verdict = (sess.activity or ActivityWatch(sess.proc.pid)).judge(deadline.since, now)
+        """The rank passed its automatic timeout: busy (not hung) if it or a local peer works; see rank_activity."""
+        watch = sess.activity or ActivityWatch(sess.proc.pid)
+        verdict = watch.judge(max(deadline.since, sess.judged_at), now,
+                              lambda: busy_peer(self.shm_path, now, deadline.timeout))
+        sess.judged_at = now
         if not verdict.busy:
             return False
-        sess.deferred_since = deadline.since
-        self.events.emit(HeartbeatTimeoutAutoDeferred(
-            rank=self.rank, global_rank=sess.global_rank, pid=sess.proc.pid, elapsed=round(now - deadline.since, 6),
-            timeout=deadline.timeout, state=verdict.state, cpu_fraction=verdict.cpu_fraction, fallback=configured))
-        log.info("rank %d passed its automatic heartbeat timeout (%.3f s) busy (state %s, CPU %s of the gap): "
-                 "not a hang; the configured timeout applies to this gap", self.rank, deadline.timeout,
-                 verdict.state, verdict.cpu_fraction)
+        sess.recheck_at = now + deadline.timeout
+        if sess.deferred_since != deadline.since:  # one event per gap, not per look
+            sess.deferred_since = deadline.since
+            self.events.emit(HeartbeatTimeoutAutoDeferred(
+                rank=self.rank, global_rank=sess.global_rank, pid=sess.proc.pid,
+                elapsed=round(now - deadline.since, 6), timeout=deadline.timeout, state=verdict.state,
+                cpu_fraction=verdict.cpu_fraction, why=verdict.why, fallback=configured))
+            log.info("rank %d passed its automatic heartbeat timeout (%.3f s) busy (%s): not a hang; looking again "
+                     "every %.3f s, the configured timeout bounds this gap", self.rank, deadline.timeout, verdict.why,
+                     deadline.timeout)
         return True
 
     def _escalate(self, sess: AttachedRank, now: float, interval: float) -> float:
@@ -655,7 +686,7 @@ class RankMonitor:
         now = time.monotonic()
         self.generation += 1
         start = started if isinstance(started, (int, float)) and 0 < started <= now else now
-        self.slot.reset(self.generation, start)
+        self.slot.reset(self.generation, start, proc.pid)
         self.timing.reset()
         self._use_state_of(global_rank)
         self.auto.start_run()

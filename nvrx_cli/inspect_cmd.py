@@ -328,8 +328,8 @@ def _fmt_auto(a: dict[str, Any] | None) -> str:
     f = HeartbeatTimeoutAuto.F
     how = "set" if a.get(f.mode) == "set" and not a.get(f.capped) else "suggested"
     busy = f"; {a['deferred']} busy gap(s) let through" if a.get("deferred") else ""
-    return (f"hb {_num(a.get(f.timeout))} {how} ({_num(a.get(f.multiple))} x longest gap {_num(a.get(f.longest_gap))}, "
-            f"p99 {_num(a.get(f.p99))}, {a.get(f.gaps)} gaps{busy})")
+    return (f"hb {_num(a.get(f.timeout))} {how} ({_num(a.get(f.multiple))} x p{_num(a.get(f.percentile))} gap "
+            f"{_num(a.get(f.basis))}, longest {_num(a.get(f.longest_gap))}, {a.get(f.gaps)} gaps{busy})")
 
 
 def _timeout_rows(report: Report) -> list[list[str]]:

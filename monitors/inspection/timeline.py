@@ -723,8 +723,8 @@ class Timeline:
         capped = "; not below the configured timeout, which stays" if e.get(f.capped) else ""
         self._note(("hb_auto", m.ef.path, e["t"]), e["t"], "heartbeat_timeout_auto",
                    f"{who} on node {m.ef.node}: automatic heartbeat timeout {verb} {e.get(f.timeout)} s{previous} "
-                   f"({e.get(f.reason)}: {e.get(f.multiple)} x the longest of {e.get(f.gaps)} steady gaps, "
-                   f"{e.get(f.longest_gap)} s; p50 {e.get(f.p50)} s, p99 {e.get(f.p99)} s, over "
+                   f"({e.get(f.reason)}: {e.get(f.multiple)} x p{e.get(f.percentile)} of {e.get(f.gaps)} steady gaps, "
+                   f"{e.get(f.basis)} s; p50 {e.get(f.p50)} s, p99 {e.get(f.p99)} s, longest {e.get(f.longest_gap)} s, over "
                    f"{e.get(f.observed_s)} s; floor {e.get(f.floor)} s, configured {e.get(f.configured)} s{capped})",
                    rank=rank)
 
@@ -737,8 +737,9 @@ class Timeline:
         cpu_text = f", main thread on the CPU for {cpu} of the gap" if isinstance(cpu, (int, float)) else ""
         self._note(("hb_auto_deferred", m.ef.path, e["t"]), e["t"], "heartbeat_timeout_auto_deferred",
                    f"{who} (pid {e.get(f.pid)}) passed its automatic heartbeat timeout {e.get(f.timeout)} s busy "
-                   f"(no beat for {e.get(f.elapsed)} s, state {e.get(f.state)}{cpu_text}): not a hang; the configured "
-                   f"timeout {e.get(f.fallback)} s applies to this gap", rank=rank)
+                   f"(no beat for {e.get(f.elapsed)} s, state {e.get(f.state)}{cpu_text}: {e.get(f.why)}): not a hang "
+                   f"yet; looked at again every {e.get(f.timeout)} s, the configured timeout {e.get(f.fallback)} s "
+                   "bounds this gap", rank=rank)
 
     def _on_timeouts_loaded(self, m: MonitorFile, e: dict[str, Any]) -> None:
         m.loaded = e.get(TimeoutsLoaded.F.timeouts)

@@ -8,6 +8,7 @@ a restarted rank are not taken for hangs; ``nvrx inspect`` shows the timeout and
 from __future__ import annotations
 
 import os
+import subprocess
 import signal
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def h(tmp_path: Path):
 
 def _bound(event: dict) -> float:
     """What the monitor must have chosen from the figures it reports."""
-    return round(max(event["floor"], event["multiple"] * event["longest_gap"]), 6)
+    return round(max(event["floor"], event["multiple"] * event["basis"]), 6)
 
 
 def test_steady_rank_gets_tight_timeout_and_sigstop_is_caught_by_it(h: Harness) -> None:
@@ -160,3 +161,29 @@ def test_gap_buckets_bound_the_gaps_they_hold() -> None:
         b = gap_bucket(gap)
         assert gap <= gap_bucket_upper(b) <= max(gap, 1e-4) * 2 ** (1 / 8) * 1.0001
         assert b == 0 or gap_bucket_upper(b - 1) <= gap
+
+
+def test_idle_rank_waiting_while_a_local_peer_works_is_not_a_hang(h: Harness) -> None:
+    """Rank 0 waits asleep (as in a collective) while rank 1 of the same node saves on the CPU: not a hang."""
+    h.start_monitor(**AUTO)
+    events1 = h.tmp / "monitor-node1-1.jsonl"
+    sock1, shm1 = h.run_dir / "rank1.sock", h.run_dir / "rank1.slot"
+    cmd = h.monitor_cmd(**AUTO)
+    cmd[cmd.index("--rank") + 1] = "1"
+    cmd[cmd.index("--socket") + 1] = str(sock1)
+    cmd[cmd.index("--shm") + 1] = str(shm1)
+    cmd[cmd.index("--events") + 1] = str(events1)
+    monitor1 = subprocess.Popen(cmd, env=h.env(), cwd=h.tmp, stderr=subprocess.PIPE, text=True)
+    h.procs.append(monitor1)
+    h.wait_for(sock1.exists, 10, "the second monitor's socket")
+    waiting = h.rank("init", "hb:40@0.1", "sleep:1.5", "hb:10@0.1", "shutdown")
+    saving = h.rank("init", "hb:40@0.1", "busy:1@1.5", "hb:10@0.1", "shutdown",
+                    NVRX_MONITOR_SOCKET=str(sock1), NVRX_MONITOR_SHM=str(shm1))
+    for proc in (waiting, saving):
+        rc, _, err = h.finish(proc, timeout=60)
+        assert rc == 0, err
+    assert not h.events("hang_detected")
+    deferred = h.events("heartbeat_timeout_auto_deferred")
+    assert deferred and "local peer works" in deferred[0]["why"] and deferred[0]["state"] == "S"
+    monitor1.send_signal(signal.SIGTERM)
+    monitor1.wait(10)

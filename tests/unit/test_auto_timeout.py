@@ -5,7 +5,8 @@ from __future__ import annotations
 from monitors.auto_timeout import AutoTimeout, AutoTimeoutSettings, percentile
 from monitors.heartbeat import GAP_BUCKETS, gap_bucket, gap_bucket_upper
 
-SETTINGS = AutoTimeoutSettings(mode="set", multiple=4.0, floor=0.1, warmup_beats=10, warmup_s=5.0, settle_s=2.0)
+SETTINGS = AutoTimeoutSettings(mode="set", multiple=4.0, floor=0.1, percentile=100.0, warmup_beats=10, warmup_s=5.0,
+                               settle_s=2.0)
 
 
 def hist(**gaps: int) -> tuple[int, ...]:
@@ -62,6 +63,18 @@ def test_observations_carry_over_restarts_which_only_settle_again() -> None:
     assert auto.enforced(10.0) is None
     auto.observe(hist(), beaten=True, now=11.0)
     assert auto.enforced(11.0) is not None                           # no second warm-up
+
+
+def test_a_percentile_leaves_rare_long_gaps_to_the_look_before_acting() -> None:
+    auto = AutoTimeout(AutoTimeoutSettings(mode="set", multiple=4.0, floor=0.1, percentile=99.0, warmup_beats=10,
+                                           warmup_s=0.0, settle_s=0.0), configured=30.0)
+    auto.observe(hist(), beaten=True, now=0.0)
+    change = auto.observe(hist(g50=995, g400=5), beaten=True, now=1.0)   # 0.5 % of the gaps are long
+    assert change is not None and change.basis == round(gap_bucket_upper(gap_bucket(0.05)), 6)
+    assert change.longest_gap == round(gap_bucket_upper(gap_bucket(0.4)), 6)
+    assert change.timeout == round(4 * change.basis, 6) < change.longest_gap
+    slower = auto.observe(hist(g50=995, g400=50), beaten=True, now=2.0)  # a slower phase: 5 % -> follows it
+    assert slower is not None and slower.basis == change.longest_gap and slower.timeout > change.timeout
 
 
 def test_modes() -> None:
