@@ -409,6 +409,19 @@ class RdzvBadRecord(Event):
     action: str                           # "ignored" | "job ends"
 
 
+@event("rdzv_forged_record", "agent")
+class RdzvForgedRecord(Event):
+    """A control record in the rendezvous store whose signature does not check (written without the job secret,
+    or copied from another key, round or run): ignored. torch's TCPStore does not say which client wrote a key,
+    so only what the record itself claims is known."""
+
+    key: str
+    problem: str                          # what is wrong with the signature, in a few words
+    claims: str | None                    # the node the record names (untrusted), if any
+    action: str                           # "ignored" | "job ends"
+    suppressed: int                       # ignored records not logged before this one (rate limit)
+
+
 @nested
 class HealthCheckInfo(Record):
     """One node health check's outcome."""

@@ -29,6 +29,8 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                                                 help="Accepted for torchrun compatibility (c10d/static); nvrx runs its own.")),
     (("--rdzv-conf", "--rdzv_conf"), dict(default=None, help="KEY=VALUE,... read: join_timeout, last_call_timeout, "
                                                              "keepalive_interval, keepalive_timeout (seconds).")),
+    (("--job-secret-file",), dict(default=None, help="Private file (mode 0600) with the secret that signs the "
+                                                     "rendezvous records (env NVRX_JOB_SECRET_FILE; README: Security).")),
     (("--standalone",), dict(is_flag=True, help="Single node with a local rendezvous on a free port.")),
     (("--max-restarts", "--max_restarts"), dict(default="0", show_default=True,
                                                 help="Job-wide number of restarts before giving up.")),

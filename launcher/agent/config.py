@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from launcher.agent.rdzv_auth import SECRET_FILE_ENV, load_secret
 from monitors.ft_config import FaultToleranceConfig
 from nvrx_common.errors import ConfigError
 from nvrx_common.signals import DEFAULT_SIGNALS, parse_signals
@@ -71,6 +72,9 @@ class RdzvSettings:
     master_port: int | None = None  # --master-port: fixed process-group port
     # Slurm's emulated or real nodes may all resolve the endpoint as local: only node 0 hosts the store.
     hosts_only_as_node0: bool = False
+    # The job secret that signs the control records (README: Security); None: generated (--standalone) or none
+    job_secret_file: str | None = None
+    job_secret: bytes | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -322,6 +326,15 @@ def check_virtual_local_rank(raw: Mapping[str, Any], env: Mapping[str, str], npr
 # ---------------------------------------------------------------- the builder
 
 
+def job_secret(flag: str | None, env: Mapping[str, str]) -> dict[str, Any]:
+    """--job-secret-file, else $NVRX_JOB_SECRET_FILE: the path and the secret it holds (checked: owner-only)."""
+    path = flag or env.get(SECRET_FILE_ENV) or None
+    if path is None:
+        return {}
+    path = str(Path(path).expanduser())
+    return {"job_secret_file": path, "job_secret": load_secret(path)}
+
+
 def resolve_state_dir(flag: str | None, env: Mapping[str, str], run_log_dir: Path) -> Path:
     """Where rank monitors keep learned timeouts, first match wins:
 
@@ -412,6 +425,7 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str],
         master_addr=master_addr or None,
         master_port=master_port,
         hosts_only_as_node0=slurm is not None,
+        **job_secret(raw.get("job_secret_file"), env),
     )
 
     if not module and not no_python and not Path(entry).is_file():

@@ -2,18 +2,24 @@
 
 Every (re)start of the ranks is a new round. Store layout, all under ``nvrx/<run id>/``:
 
-* ``r<N>/count``          atomic join counter; joiner j writes ``r<N>/join/<j>`` (NodeInfo JSON)
-* ``r<N>/closed``         the round's membership in group-rank order; first compare_set wins
+* ``r<N>/count``          join counter (a hint); joiner j writes ``r<N>/join/<j>`` (NodeInfo)
+* ``r<N>/closed``         the round's membership in group-rank order and its restart count; first valid writer wins
 * ``r<N>/pg``             where the ranks' process-group store of round N listens
-* ``r<N>/stop``           the StopRecord that ended round N (first writer, via ``r<N>/stop_claim``)
-* ``restarts``            the job-wide restart counter (never reset, survives agents rejoining)
-* ``finished``            set when the job succeeded or gave up; late agents get JobFinished
-* ``beat/<node id>``      keepalive counters
+* ``r<N>/stop``           the StopRecord that ended round N (first valid writer wins, compare_set); it carries
+                          the job-wide restart count, which the next round's closed record takes over
+* ``r<N>/succeeded/<g>``  group rank g's ranks all exited 0 (``r<N>/succeeded``: a counter, only a wake-up hint)
+* ``r<N>/beat/<node id>`` keepalive: a sequence number that must keep growing
+* ``finished``            written when the job succeeded or gave up; late agents get JobFinished
 * ``round``               hint: the newest round that may be open (only a starting point for scans)
 
-Everything is JSON, never pickle. Waiting is done by short polls with check()/add(key, 0)
-(a timed-out torch wait prints C++ warnings); blocking get/wait is used only for keys
-that another agent is in the middle of writing.
+Every record is JSON (never pickle) in a signed envelope (launcher/agent/rdzv_auth.py): its HMAC covers the run
+id, the round and the key, so a value written without the job secret, or copied from another round or run, is
+ignored and reported (rdzv_forged_record). Counters (``count``, ``succeeded``, ``acked``) are only hints that
+something may have changed: no decision rests on a counter anyone could bump. A forged value cannot block a
+real one either: the first *valid* record wins (compare_set replaces exactly the forged bytes it read).
+
+Waiting is done by short polls with check() (a timed-out torch wait prints C++ warnings); blocking get/wait is
+used only for keys that another agent is in the middle of writing.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from launcher.agent.config import RdzvSettings
+from launcher.agent.rdzv_auth import JOB_WIDE, RejectedRecords
 from launcher.agent.rdzv_records import (FAULT_KINDS, BadRecord, NodeInfo, RoundResult, StopKind, StopRecord,
                                          parse_closed, parse_join, parse_node, parse_pg)
 from launcher.agent.store import (
@@ -44,8 +51,7 @@ from launcher.agent.store import (
     advertised_address,
     master_addr_for_ranks,
 )
-from monitors.events import (EventLog, RdzvBadRecord, RdzvJoin, RdzvRound, RdzvStandby, RdzvStop, StopDetail,
-                             field_problem, spec_of)
+from monitors.events import EventLog, RdzvJoin, RdzvRound, RdzvStandby, RdzvStop, StopDetail, field_problem, spec_of
 from nvrx_common.net import port_in_use, start_store_server
 from nvrx_common.errors import NvrxError
 
@@ -59,7 +65,11 @@ WAIT_SLICE = datetime.timedelta(days=1)
 # A joiner that waits for another agent to close the round looks for itself after this long (at least).
 FOLLOWER_SLICE = 30.0
 LINGER_MAX = 10.0  # how long the store host waits for peers to read the final stop record
-BAD_STOP_GRACE = 15.0  # how long a malformed stop record may stand before the claimer overwrites it
+# A join slot taken (counter bumped) but without a valid join record this long is left out of the round: the
+# joiner writes its record right after taking the slot, so only a program without the secret leaves one empty.
+JOIN_SLOT_GRACE = 10.0
+FORGED_POLL_MAX = 0.5  # seconds between looks at a key that holds a forged value, waiting for the real one
+PUT_TRIES = 64  # compare_set attempts against values that keep being replaced by forged ones
 _DETAIL_SPEC = spec_of(StopDetail)
 
 
@@ -121,7 +131,6 @@ class _Keys:
     def __init__(self, run_id: str) -> None:
         self.prefix = f"nvrx/{run_id}/"
         self.hint = self.prefix + "round"
-        self.restarts = self.prefix + "restarts"
         self.finished = self.prefix + "finished"
 
     def r(self, n: int, name: str) -> str:
@@ -130,35 +139,39 @@ class _Keys:
     def join(self, n: int, j: int) -> str:
         return f"{self.prefix}r{n}/join/{j}"
 
-    def beat(self, node_id: str) -> str:
-        return f"{self.prefix}beat/{node_id}"
+    def beat(self, n: int, node_id: str) -> str:
+        return f"{self.prefix}r{n}/beat/{node_id}"
+
+    def succeeded(self, n: int, g: int) -> str:
+        return f"{self.prefix}r{n}/succeeded/{g}"
 
 
 class _Backoff:
     """Poll sleeps growing from 1 ms to MAX_POLL: fast when things move, cheap when idle."""
 
-    def __init__(self, closing: threading.Event) -> None:
+    def __init__(self, closing: threading.Event, longest: float = MAX_POLL) -> None:
         self.delay = 0.001
         self.closing = closing
+        self.longest = longest
 
     def sleep(self) -> None:
         if self.closing.wait(self.delay):
             raise RendezvousError("the rendezvous was closed by this agent while waiting")
-        self.delay = min(self.delay * 2, MAX_POLL)
+        self.delay = min(self.delay * 2, self.longest)
 
 
 class _Liveness:
-    """Tracks when each watched node's beat counter last moved (local clock, no skew issues)."""
+    """Tracks when each watched node's signed beat sequence last grew (local clock, no skew issues)."""
 
     def __init__(self, nodes: list[tuple[int, NodeInfo]], timeout: float) -> None:
         now = time.monotonic()
         self.timeout = timeout
-        self.state = {n.node_id: (g, -1, now) for g, n in nodes}
+        self.state = {n.node_id: (g, 0, now) for g, n in nodes}
 
-    def update(self, node_id: str, beats: int) -> None:
+    def update(self, node_id: str, seq: int | None) -> None:
         g, last, _ = self.state[node_id]
-        if beats != last:
-            self.state[node_id] = (g, beats, time.monotonic())
+        if seq is not None and seq > last:  # a replayed (older) beat never counts as a sign of life
+            self.state[node_id] = (g, seq, time.monotonic())
 
     def silent(self) -> tuple[str, int] | None:
         now = time.monotonic()
@@ -179,6 +192,49 @@ def watched_nodes(result: RoundResult, span: int = 2) -> list[tuple[int, NodeInf
     return [(g, result.nodes[g]) for g in sorted(picks)]
 
 
+class _JoinSlots:
+    """What the closing agent knows of a round's join slots: valid joins (kept once read), and when each slot
+    still without a valid record was first seen (given up after JOIN_SLOT_GRACE)."""
+
+    def __init__(self) -> None:
+        self.valid: dict[int, dict] = {}
+        self.first_seen: dict[int, float] = {}
+        self.dropped: set[int] = set()
+
+    def open_slots(self, count: int, limit: int) -> list[int]:
+        return [j for j in range(min(count, limit)) if j not in self.valid and j not in self.dropped]
+
+    def joined(self) -> list[dict]:
+        """Valid joins in slot order, each node once."""
+        out: dict[str, dict] = {}
+        for j in sorted(self.valid):
+            out.setdefault(self.valid[j]["node_id"], self.valid[j])
+        return list(out.values())
+
+
+def _stop_parser(r: int) -> Callable[[str], StopRecord]:
+    def parse(body: str) -> StopRecord:
+        rec = parse_stop(body)
+        if rec.round != r:
+            raise BadRecord(f"round is {rec.round}, not {r}")
+        return rec
+    return parse
+
+
+def _parse_seq(body: str) -> int:
+    seq = json.loads(body).get("seq") if body.startswith("{") else None
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+        raise BadRecord(f"seq is {str(seq)[:20]!r}")
+    return seq
+
+
+def _parse_hint(body: str) -> int:
+    value = json.loads(body).get("round") if body.startswith("{") else None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise BadRecord(f"round is {str(value)[:20]!r}")
+    return value
+
+
 class Rendezvous:
     """One agent's view of the job-wide rendezvous: rounds, stops, the restart budget, keepalive."""
 
@@ -191,6 +247,7 @@ class Rendezvous:
         node_id: str | None = None,
     ) -> None:
         self.rs = rs
+        self.auth = rs.auth
         self.settings = settings
         self.max_restarts = max_restarts
         self.events = events
@@ -204,7 +261,9 @@ class Rendezvous:
         self._lock = threading.Lock()
         self._clients: dict[str, TCPStore] = {}
         self._stops_seen: set[int] = set()
-        self._bad_seen: set[tuple[str, bytes]] = set()  # malformed store values already reported
+        self._stops: dict[int, StopRecord] = {}  # valid stop records seen (the restart count comes from them)
+        self._closed: dict[int, dict] = {}  # valid closed records seen
+        self._rejected = RejectedRecords(events, log)
         self._succeeded: set[int] = set()
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()
@@ -239,36 +298,73 @@ class Rendezvous:
                 "the agent hosting it has probably exited"
             ) from None
 
-    def _read(self, store: TCPStore, key: str, parse: Callable[[bytes], T], fatal: bool) -> T | None:
-        """KEY's value, checked by PARSE. A malformed one (garbage, or forged by a program that can reach the
-        store) is logged once as an event; then None (ignored), or with FATAL one BadStoreRecord line."""
+    def _seal(self, key: str, r: int, content: Any) -> str:
+        return self.auth.seal(key, r, content if isinstance(content, dict) else asdict(content))
+
+    def _check(self, key: str, r: int, raw: bytes, parse: Callable[[str], T]) -> T:
+        """RAW read from KEY as the record PARSE makes of it, if it is signed for KEY and round R (BadRecord if not)."""
+        return parse(self.auth.open(key, r, raw))
+
+    def _read(self, store: TCPStore, key: str, r: int, parse: Callable[[str], T], fatal: bool) -> T | None:
+        """KEY's value (it must exist), checked. A malformed or unauthenticated one (garbage, or forged by a
+        program that can reach the store) is reported (bounded); then None (ignored), or with FATAL one line."""
         raw = store.get(key)
         try:
-            return parse(raw)
+            return self._check(key, r, raw, parse)
         except BadRecord as exc:
-            self._bad_record(key, raw, str(exc), fatal)
+            self._bad_record(key, raw, exc, fatal)
             return None
 
-    def _bad_record(self, key: str, raw: bytes, problem: str, fatal: bool) -> None:
-        """Report a malformed store value once per key and value; raise BadStoreRecord if it cannot be ignored."""
-        action = "job ends" if fatal else "ignored"
-        with self._lock:
-            fresh = (key, raw) not in self._bad_seen
-            self._bad_seen.add((key, raw))
-        if fresh:
-            log.warning("malformed record %s in the rendezvous store (%s); %s", key, problem, action)
-            self.events.emit(RdzvBadRecord(key=key, problem=problem, action=action))
+    def _read_if(self, store: TCPStore, key: str, r: int, parse: Callable[[str], T]) -> T | None:
+        """KEY's valid value, or None when it is absent or not valid (reported, ignored)."""
+        return self._read(store, key, r, parse, fatal=False) if store.check([key]) else None
+
+    def _bad_record(self, key: str, raw: bytes, exc: BadRecord, fatal: bool) -> None:
+        """Report a rejected store value (once per key and value, rate-limited); raise BadStoreRecord if FATAL."""
+        self._rejected.report(key, raw, exc, "job ends" if fatal else "ignored")
         if fatal:
             raise BadStoreRecord(
-                f"the rendezvous store at {self.rs.host}:{self.rs.port} holds a malformed record {key} ({problem}); "
+                f"the rendezvous store at {self.rs.host}:{self.rs.port} holds a malformed record {key} ({exc}); "
                 "another program wrote to it: keep the endpoint's port private to the job's nodes and relaunch"
             )
 
+    def _put_first(self, store: TCPStore, key: str, r: int, value: str, parse: Callable[[str], T]) -> tuple[T, bool]:
+        """Write VALUE at KEY unless a valid record is there: (the record that stands, whether it is ours).
+
+        The first valid writer wins. A forged value in the way is replaced with compare_set on exactly its bytes,
+        so two agents racing to replace it still agree on one winner.
+        """
+        expected = b""
+        for _ in range(PUT_TRIES):
+            current = store.compare_set(key, expected, value)
+            if current == value.encode():
+                return parse(self.auth.open(key, r, current)), True
+            try:
+                return self._check(key, r, current, parse), False
+            except BadRecord as exc:
+                self._bad_record(key, current, exc, fatal=False)
+            # EXPECTED back unchanged: the key is gone (compare_set does not create it then); else replace CURRENT
+            expected = b"" if current == expected else current
+        raise BadStoreRecord(f"another program keeps overwriting {key} in the rendezvous store at "
+                             f"{self.rs.host}:{self.rs.port}; keep the endpoint's port private to the job's nodes")
+
+    def _wait_valid(self, store: TCPStore, key: str, r: int, parse: Callable[[str], T],
+                    deadline: float | None = None) -> T | None:
+        """KEY's valid record once there is one (it exists already or is about to): forged values are reported
+        and waited out until an agent replaces them; None after DEADLINE (monotonic)."""
+        backoff = _Backoff(self._closing, FORGED_POLL_MAX)
+        while True:
+            if store.check([key]):
+                rec = self._read(store, key, r, parse, fatal=False)
+                if rec is not None:
+                    return rec
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+            backoff.sleep()
+
     def _raise_if_finished(self, store: TCPStore) -> None:
-        if store.check([self.keys.finished]):
-            rec = self._read(store, self.keys.finished, parse_stop, fatal=False)
-            if rec is None:
-                return
+        rec = self._read_if(store, self.keys.finished, JOB_WIDE, parse_stop)
+        if rec is not None:
             how = "succeeded" if rec.kind is StopKind.SUCCEEDED else f"gave up after {rec.restart_count} restarts"
             raise JobFinished(f"job {self.settings.run_id} already {how} (round {rec.round})")
 
@@ -299,22 +395,31 @@ class Rendezvous:
 
     def _ensure_previous_stopped(self, store: TCPStore) -> None:
         """Rounds advance only through stop records; write one if the caller skipped it."""
-        if self._result and not store.check([self.keys.r(self._result.round, "stop")]):
+        if self._result and self._stop_of(store, self._result.round) is None:
             log.warning("round %d has no stop record; recording it as interrupted", self._result.round)
             self._report_stop(store, self._result.round, StopKind.INTERRUPTED, {"node": self.node_id})
 
+    def _stop_of(self, store: TCPStore, r: int) -> StopRecord | None:
+        """Round R's valid stop record, if it has one yet (a forged one does not count)."""
+        if r in self._stops:
+            return self._stops[r]
+        rec = self._read_if(store, self.keys.r(r, "stop"), r, _stop_parser(r))
+        if rec is not None:
+            self._stops[r] = rec
+        return rec
+
     def _open_round(self, store: TCPStore, at_least: int) -> int:
         """The first round at or after max(AT_LEAST, hint) that has not stopped yet."""
-        hint = int(store.add(self.keys.hint, 0))
+        hint = self._read_if(store, self.keys.hint, JOB_WIDE, _parse_hint) or 0
         r = max(at_least, hint)
-        while store.check([self.keys.r(r, "stop")]):
+        while self._stop_of(store, r) is not None:
             r += 1
         return r
 
     def _join(self, store: TCPStore, r: int) -> None:
         j = store.add(self.keys.r(r, "count"), 1) - 1
-        info = {**asdict(self.info), "node_rank": self.settings.node_rank}
-        store.set(self.keys.join(r, j), json.dumps(info))
+        key = self.keys.join(r, j)
+        store.set(key, self._seal(key, r, {**asdict(self.info), "node_rank": self.settings.node_rank}))
         self._joiner = j
         log.debug("joined round %d as joiner %d", r, j)
         self.events.emit(RdzvJoin(round=r, node_id=self.node_id))
@@ -325,33 +430,64 @@ class Rendezvous:
         One agent polls: the first joiner (it closes at the last call), and the joiner that brings the
         round to MAX closes it at once. Every other agent blocks on the closed record, so N joining agents
         cost the store O(1) requests per poll instead of O(N); after a slice without news (the first joiner
-        may have died) it takes one look itself and can close the round as a backup.
+        may have died) it takes one look itself and can close the round as a backup. The join counter only
+        says where to look: membership comes from valid join records.
         """
         s = self.settings
         closed_key = self.keys.r(r, "closed")
         min_seen: float | None = None
         backoff = _Backoff(self._closing)
         follower = 0 < self._joiner < s.max_nodes - 1
+        slots = _JoinSlots()
         while True:
             if follower and self._wait_slice(closed_key, max(s.last_call_timeout + 5.0, FOLLOWER_SLICE)):
-                return self._read(store, closed_key, parse_closed, fatal=True)
+                follower = False  # a forged value stands there: poll (and close) like the first joiner
             if store.check([closed_key]):
-                return self._read(store, closed_key, parse_closed, fatal=True)
+                record = self._read(store, closed_key, r, parse_closed, fatal=False)
+                if record is not None:
+                    self._closed[r] = record
+                    return record
             self._raise_if_finished(store)
-            count = store.add(self.keys.r(r, "count"), 0)
+            count = int(store.add(self.keys.r(r, "count"), 0))
             now = time.monotonic()
-            if count >= s.min_nodes:
+            valid, pending = self._gather_joins(store, r, count, slots, now) if count >= s.min_nodes else (0, 0)
+            if valid >= s.min_nodes:
                 min_seen = min_seen if min_seen is not None else now
-                if count >= s.max_nodes or now - min_seen >= s.last_call_timeout:
-                    self._close(store, r, count)
+                if valid >= s.max_nodes or (now - min_seen >= s.last_call_timeout and not pending):
+                    self._close(store, r, slots.joined())
                     continue
             elif now - started > s.join_timeout:
                 raise RendezvousTimeout(
-                    f"rendezvous round {r} timed out after {s.join_timeout:g} s with {count} of {self._nodes_text()} "
-                    f"nodes joined; start the agents on the missing nodes or raise --rdzv-conf join_timeout"
+                    f"rendezvous round {r} timed out after {s.join_timeout:g} s with {valid or count} of "
+                    f"{self._nodes_text()} nodes joined; start the agents on the missing nodes or raise "
+                    "--rdzv-conf join_timeout"
                 )
             if not follower:
                 backoff.sleep()
+
+    def _gather_joins(self, store: TCPStore, r: int, count: int, slots: _JoinSlots, now: float) -> tuple[int, int]:
+        """Read the join slots not known yet: (valid joins, slots still waiting for their record).
+
+        A slot whose record is missing or invalid for JOIN_SLOT_GRACE is left out (the counter was bumped, or the
+        record written, by a program without the secret). At most 2 * max nodes + 64 slots are looked at.
+        """
+        todo = slots.open_slots(count, 2 * self.settings.max_nodes + 64)
+        if todo:
+            keys = [self.keys.join(r, j) for j in todo]
+            present = todo if store.check(keys) else [j for j, k in zip(todo, keys) if store.check([k])]
+            raws = store.multi_get([self.keys.join(r, j) for j in present]) if present else []
+            for j, raw in zip(present, raws):
+                try:
+                    slots.valid[j] = self._check(self.keys.join(r, j), r, raw, parse_join)
+                except BadRecord as exc:
+                    self._bad_record(self.keys.join(r, j), raw, exc, fatal=False)
+            for j in todo:
+                if j not in slots.valid and now - slots.first_seen.setdefault(j, now) > JOIN_SLOT_GRACE:
+                    slots.dropped.add(j)
+                    log.warning("round %d: join slot %d has no valid join record after %g s; left out", r, j,
+                                JOIN_SLOT_GRACE)
+        pending = sum(1 for j in todo if j not in slots.valid and j not in slots.dropped)
+        return len(slots.joined()), pending
 
     def _wait_slice(self, key: str, seconds: float) -> bool:
         """True once KEY exists, False after SECONDS without it (one blocking wait: no polling).
@@ -382,34 +518,40 @@ class Rendezvous:
             raise box[0]
         return bool(box[0])
 
+    def _closed_of(self, store: TCPStore, r: int) -> dict | None:
+        """Round R's valid closed record, if there is one."""
+        if r not in self._closed:
+            record = self._read_if(store, self.keys.r(r, "closed"), r, parse_closed)
+            if record is None:
+                return None
+            self._closed[r] = record
+        return self._closed[r]
+
     def _previous_order(self, store: TCPStore, r: int) -> list[str]:
-        key = self.keys.r(r - 1, "closed")
-        if r == 0 or not store.check([key]):
-            return []
-        record = self._read(store, key, parse_closed, fatal=False)
+        record = self._closed_of(store, r - 1) if r > 0 else None
         return [n["node_id"] for n in record["nodes"]] if record else []
 
-    def _close(self, store: TCPStore, r: int, count: int) -> None:
+    def _restarts_before(self, store: TCPStore, r: int) -> int:
+        """The job-wide restart count when round R starts: what round R-1's (signed) stop record says."""
+        if r == 0:
+            return 0
+        prev = self._stop_of(store, r - 1)
+        if prev is None:  # a round opens only after the previous one stopped: someone removed or replaced it
+            raise BadStoreRecord(f"round {r - 1} has no valid stop record in the rendezvous store at "
+                                 f"{self.rs.host}:{self.rs.port} (another program overwrote it); keep the endpoint's "
+                                 "port private to the job's nodes and relaunch")
+        return prev.restart_count
+
+    def _close(self, store: TCPStore, r: int, joined: list[dict]) -> None:
         """Write round R's membership; if another node closed it first, theirs stands."""
-        k = min(count, self.settings.max_nodes)
-        keys = [self.keys.join(r, j) for j in range(k)]
-        store.wait(keys)  # each joiner writes its record right after taking its index
-        joined = []
-        for key, raw in zip(keys, store.multi_get(keys)):
-            try:
-                info = parse_join(raw)
-                if any(j["node_id"] == info["node_id"] for j in joined):
-                    raise BadRecord(f"node {info['node_id']} joined twice")
-                joined.append(info)
-            except BadRecord as exc:  # a joiner nobody can reach: leave it out of the round
-                self._bad_record(key, raw, str(exc), fatal=False)
-        record: dict[str, Any] = {"round": r, "restart_count": int(store.add(self.keys.restarts, 0))}
+        record: dict[str, Any] = {"round": r, "restart_count": self._restarts_before(store, r)}
         try:
             members = order_members(joined, self._previous_order(store, r), self.settings.node_rank is not None)
             record["nodes"] = [{"node_id": m["node_id"], "addr": m["addr"], "nproc": m["nproc"]} for m in members]
         except RendezvousMismatch as exc:
             record["nodes"], record["error"] = [], str(exc)
-        store.compare_set(self.keys.r(r, "closed"), "", json.dumps(record))
+        key = self.keys.r(r, "closed")
+        self._closed[r], _ = self._put_first(store, key, r, self._seal(key, r, record), parse_closed)
 
     def _enter_round(self, store: TCPStore, r: int, record: dict, started: float) -> RoundResult:
         nodes = tuple(parse_node(n) for n in record["nodes"])
@@ -445,14 +587,18 @@ class Rendezvous:
                     f"node {self.node_id} cannot host the process-group store on {self.info.addr} "
                     f"({exc.strerror}); fix --local-addr"
                 )
-                store.set(key, json.dumps({"error": msg}))
+                store.set(key, self._seal(key, r, {"error": msg}))
                 raise RendezvousError(msg) from None
             if self._master_name is None:  # resolved once: torchrun's getfqdn() can be slow
                 self._master_name = master_addr_for_ranks(self.info.addr, s.local_addr)
-            store.set(key, json.dumps({"addr": self._master_name, "port": port}))
+            store.set(key, self._seal(key, r, {"addr": self._master_name, "port": port}))
             return self._master_name, port, True
         store.wait([key])  # group rank 0 publishes it right after the round closed
-        pg = self._read(store, key, parse_pg, fatal=True)
+        pg = self._wait_valid(store, key, r, parse_pg, deadline=time.monotonic() + s.join_timeout)
+        if pg is None:
+            raise BadStoreRecord(f"round {r}: no valid process-group address from group rank 0 in "
+                                 f"{s.join_timeout:g} s (another program overwrote {key}); keep the endpoint's port "
+                                 "private to the job's nodes")
         if "error" in pg:
             raise RendezvousError(pg["error"])
         return pg["addr"], pg["port"], True
@@ -484,14 +630,12 @@ class Rendezvous:
         """No timeout while the round lives; a round whose nodes fell silent is ended as node_left."""
         members = [(g, parse_node(n)) for g, n in enumerate(record["nodes"])]
         alive = _Liveness(members, self.settings.keepalive_timeout)
-        stop_key = self.keys.r(r, "stop")
         next_check = 0.0
         backoff = _Backoff(self._closing)
-        while not store.check([stop_key]):
+        while self._stop_of(store, r) is None:
             self._raise_if_finished(store)
             if time.monotonic() >= next_check:
-                for _, node in members:
-                    alive.update(node.node_id, store.add(self.keys.beat(node.node_id), 0))
+                self._read_beats(store, r, alive)
                 silent = alive.silent()
                 if silent:
                     self._report_stop(store, r, StopKind.NODE_LEFT, {"node": silent[0], "group_rank": silent[1]})
@@ -505,47 +649,37 @@ class Rendezvous:
         with self._store_errors():
             return self._report_stop(self._client(), round, kind, detail)
 
+    def _round_restarts(self, store: TCPStore, r: int) -> int:
+        """The restart count round R started with (from its signed closed record)."""
+        if self._result is not None and self._result.round == r:
+            return self._result.restart_count
+        closed = self._closed_of(store, r)
+        if closed is not None:
+            return closed["restart_count"]
+        prev = self._stop_of(store, r - 1) if r > 0 else None  # a round that never closed (not ours to end)
+        return prev.restart_count if prev is not None else 0
+
     def _report_stop(self, store: TCPStore, r: int, kind: StopKind | str, detail: dict) -> StopRecord:
         try:
             kind = StopKind(kind)
         except ValueError:
             raise ValueError(f"unknown stop kind {kind!r}; expected one of {', '.join(StopKind)}") from None
-        stop_key = self.keys.r(r, "stop")
-        if store.add(self.keys.r(r, "stop_claim"), 1) == 1:
-            spends = kind in FAULT_KINDS and not detail.get("leaves")  # a node leaving for a standby: no restart
-            count = int(store.add(self.keys.restarts, 1 if spends else 0))
-            give_up = kind in FAULT_KINDS and ((spends and count > self.max_restarts) or bool(detail.get("no_restart")))
-            rec = StopRecord(r, kind, self.node_id, dict(detail), count, give_up)
-            if give_up or kind is StopKind.SUCCEEDED:
-                store.set(self.keys.finished, rec.to_json())  # before the stop: whoever sees it sees this
-            store.set(stop_key, rec.to_json())
-            store.set(self.keys.hint, str(r + 1))
-        else:
-            store.wait([stop_key])  # the claimer writes it right after claiming
-            rec = self._valid_stop(store, r, claimed=True)
+        known = self._stop_of(store, r)
+        if known is not None:
+            self._saw_stop(store, known)
+            return known
+        count = self._round_restarts(store, r) + (1 if kind in FAULT_KINDS else 0)
+        give_up = kind in FAULT_KINDS and (count > self.max_restarts or bool(detail.get("no_restart")))
+        mine = StopRecord(r, kind, self.node_id, dict(detail), count, give_up)
+        key = self.keys.r(r, "stop")
+        rec, won = self._put_first(store, key, r, self._seal(key, r, mine), _stop_parser(r))
+        if won:
+            if give_up or kind is StopKind.SUCCEEDED:  # late agents learn from it that the job is over
+                store.set(self.keys.finished, self._seal(self.keys.finished, JOB_WIDE, mine))
+            store.set(self.keys.hint, self._seal(self.keys.hint, JOB_WIDE, {"round": r + 1}))
+        self._stops[r] = rec
         self._saw_stop(store, rec)
         return rec
-
-    def _valid_stop(self, store: TCPStore, r: int, claimed: bool) -> StopRecord:
-        """Round R's stop record, waiting out a malformed one (reported, ignored) until a real one replaces it.
-
-        The first agent to claim the round overwrites whatever stands there. Once the round is CLAIMED (a
-        forger may have taken the claim too) and the value stays malformed for BAD_STOP_GRACE, nothing will
-        replace it: the job ends with one line.
-        """
-        key = self.keys.r(r, "stop")
-        backoff = _Backoff(self._closing)
-        since: float | None = None
-        while True:
-            raw = store.get(key)
-            try:
-                return parse_stop(raw)
-            except BadRecord as exc:
-                claimed = claimed or store.add(self.keys.r(r, "stop_claim"), 0) > 0
-                since = since if since is not None else time.monotonic()
-                fatal = claimed and time.monotonic() - since > BAD_STOP_GRACE
-                self._bad_record(key, raw, str(exc), fatal=fatal)
-            backoff.sleep()
 
     def _saw_stop(self, store: TCPStore, rec: StopRecord) -> None:
         """Log/emit a round's stop once per agent, and ack it for the store host's linger."""
@@ -553,6 +687,7 @@ class Rendezvous:
             if rec.round in self._stops_seen:
                 return
             self._stops_seen.add(rec.round)
+            self._stops[rec.round] = rec
         if self._result is not None and self._result.round == rec.round:
             store.add(self.keys.r(rec.round, "acked"), 1)
         log.info("round %d stopped: %s by %s (restarts %d%s)", rec.round, rec.kind, rec.by_node,
@@ -562,12 +697,12 @@ class Rendezvous:
                                   give_up=rec.give_up))
 
     def wait_stop(self, round: int) -> StopRecord:
-        """Block until ROUND has a stop record (for a watcher thread; uses its own connection)."""
+        """Block until ROUND has a valid stop record (for a watcher thread; uses its own connection)."""
         with self._store_errors():
             store = self._client("watch")
             key = self.keys.r(round, "stop")
             self._wait_for_key(store, key)
-            rec = self._valid_stop(store, round, claimed=False)
+            rec = self._wait_valid(store, key, round, _stop_parser(round))
             self._saw_stop(store, rec)
             return rec
 
@@ -584,30 +719,44 @@ class Rendezvous:
                 if "timeout" not in str(exc).lower():
                     raise
 
-    def standbys(self, round: int) -> int:
-        """How many agents joined ROUND after it closed full: the standbys waiting for it to end."""
-        with self._store_errors():
-            store = self._client()
-            joined = int(store.add(self.keys.r(round, "count"), 0))
-            closed = self._read(store, self.keys.r(round, "closed"), parse_closed, fatal=False)
-        return max(0, joined - len(closed["nodes"])) if closed else 0
-
     def node_succeeded(self, round: int) -> None:
-        """All ranks of this node exited 0 in ROUND; the last node to say so ends the round."""
+        """All ranks of this node exited 0 in ROUND; the node that finds every member's (signed) success
+        record ends the round. The counter only tells each node when to look."""
         with self._store_errors():
             store = self._client()
             if round in self._succeeded:
                 return
             self._succeeded.add(round)
-            done = store.add(self.keys.r(round, "succeeded"), 1)
-            members = len(self._read(store, self.keys.r(round, "closed"), parse_closed, fatal=True)["nodes"])
-            if done >= members:
-                self._report_stop(store, round, StopKind.SUCCEEDED, {"nodes": members})
+            g = self._result.group_rank if self._result is not None and self._result.round == round else None
+            closed = self._closed_of(store, round)
+            if closed is None:
+                raise BadStoreRecord(f"round {round} has no valid closed record in the rendezvous store")
+            members = [n["node_id"] for n in closed["nodes"]]
+            g = g if g is not None else members.index(self.node_id)
+            key = self.keys.succeeded(round, g)
+            store.set(key, self._seal(key, round, {"node_id": self.node_id}))
+            if store.add(self.keys.r(round, "succeeded"), 1) >= len(members) and self._all_succeeded(store, round,
+                                                                                                    members):
+                self._report_stop(store, round, StopKind.SUCCEEDED, {"nodes": len(members)})
+
+    def _all_succeeded(self, store: TCPStore, r: int, members: list[str]) -> bool:
+        keys = [self.keys.succeeded(r, g) for g in range(len(members))]
+        if not store.check(keys):
+            return False
+        for g, (key, raw) in enumerate(zip(keys, store.multi_get(keys))):
+            try:
+                node = json.loads(self._check(key, r, raw, lambda body: body)).get("node_id")
+            except (BadRecord, ValueError, AttributeError) as exc:
+                self._bad_record(key, raw, exc if isinstance(exc, BadRecord) else BadRecord("not a record"), False)
+                return False
+            if node != members[g]:
+                return False
+        return True
 
     # ------------------------------------------------------------ keepalive
 
     def start_keepalive(self, result: RoundResult) -> None:
-        """Beat this node's counter and watch neighbours until stop_keepalive()."""
+        """Beat this node's signed sequence and watch neighbours until stop_keepalive()."""
         self.stop_keepalive()
         self._ka_stop = threading.Event()
         self._ka_thread = threading.Thread(
@@ -629,22 +778,28 @@ class Rendezvous:
             store = self._client("keepalive")
             alive = _Liveness(watched_nodes(result), self.settings.keepalive_timeout)
             watching = bool(alive.state)
-            stop_key = self.keys.r(result.round, "stop")
+            key = self.keys.beat(result.round, self.node_id)
+            seq = 0
             while not stop.is_set():
-                store.add(self.keys.beat(self.node_id), 1)
+                seq += 1
+                store.set(key, self._seal(key, result.round, {"seq": seq}))
                 if watching:
-                    watching = self._watch_once(store, result.round, alive, stop_key)
+                    watching = self._watch_once(store, result.round, alive)
                 stop.wait(self.settings.keepalive_interval)
         except (dist.DistError, RendezvousError) as exc:
             if not stop.is_set() and not self._closing.is_set():
                 log.warning("keepalive stopped: lost the rendezvous store (%s)", str(exc).splitlines()[0])
 
-    def _watch_once(self, store: TCPStore, r: int, alive: _Liveness, stop_key: str) -> bool:
-        """One look at the neighbours; False once the round is over (nothing left to watch)."""
-        if store.check([stop_key]):
-            return False
+    def _read_beats(self, store: TCPStore, r: int, alive: _Liveness) -> None:
+        """Feed ALIVE the watched nodes' valid beat sequence numbers of round R."""
         for node_id in alive.state:
-            alive.update(node_id, store.add(self.keys.beat(node_id), 0))
+            alive.update(node_id, self._read_if(store, self.keys.beat(r, node_id), r, _parse_seq))
+
+    def _watch_once(self, store: TCPStore, r: int, alive: _Liveness) -> bool:
+        """One look at the neighbours; False once the round is over (nothing left to watch)."""
+        if store.check([self.keys.r(r, "stop")]) and self._stop_of(store, r) is not None:
+            return False
+        self._read_beats(store, r, alive)
         silent = alive.silent()
         if silent is None:
             return True

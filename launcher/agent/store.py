@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import hmac
 import logging
 import socket
 import threading
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from launcher.agent.config import RdzvSettings
+from launcher.agent.rdzv_auth import SECRET_FILE_ENV, RecordAuth, generate_secret
 from nvrx_common.net import (DEFAULT_OP_TIMEOUT, bind_listen, is_loopback, is_loopback_ip, local_bind_address, resolve,
                              serve_store)
 from launcher.agent.rdzv_errors import EndpointUnreachable, PortInUse, RendezvousError, RendezvousMismatch
@@ -36,6 +38,7 @@ MAGIC_KEY = "nvrx/meta/magic"
 MAGIC_VALUE = "nvrx-rendezvous/1"
 RUN_ID_KEY = "nvrx/meta/run_id"
 NPROC_KEY = "nvrx/meta/nproc_per_node"
+AUTH_KEY = "nvrx/meta/auth"  # RecordAuth.proof() of the host: "secret:<hmac>" or "none:<hmac>", never the secret
 
 HANDSHAKE_TIMEOUT = 5.0  # a real store answers in milliseconds; longer means "not a store"
 PROBE_TIMEOUT = 1.0  # per plain-socket connect attempt
@@ -86,9 +89,23 @@ def master_addr_for_ranks(bound_addr: str, local_addr: str | None) -> str:
     return bound_addr
 
 
-def _write_meta(store: TCPStore, settings: RdzvSettings) -> None:
+def record_auth(settings: RdzvSettings) -> RecordAuth:
+    """How this agent signs and checks control records: the job's secret file, a fresh secret for a
+    single-host job, else (several agents, no file) the public key, with one warning line."""
+    if settings.job_secret:
+        return RecordAuth(settings.run_id, settings.job_secret, True, f"file {settings.job_secret_file}")
+    if settings.standalone or settings.port == 0:
+        return RecordAuth(settings.run_id, generate_secret(), True, "generated")
+    log.warning("the rendezvous records of job %s are not authenticated (no job secret): any program that can "
+                "reach %s:%d can stop or steer the job; give every agent the same private secret file with "
+                "%s=FILE (the sbatch templates do)", settings.run_id, settings.host, settings.port, SECRET_FILE_ENV)
+    return RecordAuth.unauthenticated(settings.run_id)
+
+
+def _write_meta(store: TCPStore, settings: RdzvSettings, auth: RecordAuth) -> None:
     store.set(RUN_ID_KEY, settings.run_id)
     store.set(NPROC_KEY, str(settings.nproc_per_node))
+    store.set(AUTH_KEY, auth.proof())
     store.set(MAGIC_KEY, MAGIC_VALUE)  # last: a client that sees it can read the others
 
 
@@ -186,7 +203,8 @@ def _poll_for_key(store: TCPStore, key: str, timeout: float) -> bool:
     return True
 
 
-def verify_meta(store: TCPStore, settings: RdzvSettings, host: str, port: int, timeout: float) -> None:
+def verify_meta(store: TCPStore, settings: RdzvSettings, host: str, port: int, timeout: float,
+                auth: RecordAuth | None = None) -> None:
     """Raise unless the store at HOST:PORT is an nvrx rendezvous for this very job."""
     if not _poll_for_key(store, MAGIC_KEY, timeout):
         raise PortInUse(
@@ -215,6 +233,23 @@ def verify_meta(store: TCPStore, settings: RdzvSettings, host: str, port: int, t
             f"this agent has --nproc-per-node {settings.nproc_per_node} but the job at {host}:{port} uses {nproc}; "
             "use the same --nproc-per-node on every node"
         )
+    if auth is not None:
+        _verify_secret(_meta_text(store, AUTH_KEY, host, port), auth, host, port)
+
+
+def _verify_secret(theirs: str, auth: RecordAuth, host: str, port: int) -> None:
+    """Raise RendezvousMismatch (one line) unless the store host signs with the same key as this agent."""
+    if hmac.compare_digest(theirs.encode(), auth.proof().encode()):
+        return
+    fix = f"give every agent of the job the same secret file ({SECRET_FILE_ENV} or --job-secret-file)"
+    if theirs.startswith("none:") and auth.authenticated:
+        raise RendezvousMismatch(f"this agent has a job secret ({auth.source}) but the agent hosting the rendezvous "
+                                 f"at {host}:{port} has none; {fix}")
+    if theirs.startswith("secret:") and not auth.authenticated:
+        raise RendezvousMismatch(f"the rendezvous at {host}:{port} is protected by a job secret and this agent has "
+                                 f"none; {fix}")
+    raise RendezvousMismatch(f"this agent's job secret ({auth.source}) differs from the one of the agent hosting the "
+                             f"rendezvous at {host}:{port}; {fix}")
 
 
 def _meta_text(store: TCPStore, key: str, host: str, port: int) -> str:
@@ -236,8 +271,9 @@ def _meta_text(store: TCPStore, key: str, host: str, port: int) -> str:
 class RendezvousStore:
     """This agent's handle on the rendezvous store: the server itself on the host, a client elsewhere."""
 
-    def __init__(self, store: TCPStore, is_host: bool, host: str, port: int) -> None:
+    def __init__(self, store: TCPStore, is_host: bool, host: str, port: int, auth: RecordAuth) -> None:
         self.store: TCPStore | None = store
+        self.auth = auth  # signs and checks every control record (launcher/agent/rdzv_auth.py)
         self.is_host = is_host
         self.host = host
         self.port = port
@@ -265,18 +301,20 @@ def _host(addr: str, port: int, settings: RdzvSettings) -> RendezvousStore:
     sock = bind_listen(addr, port)
     actual = sock.getsockname()[1]
     store = serve_store(sock, addr)
-    _write_meta(store, settings)
+    auth = record_auth(settings)
+    _write_meta(store, settings, auth)
     log.info("hosting the rendezvous store on %s:%d", addr, actual)
-    return RendezvousStore(store, True, addr, actual)
+    return RendezvousStore(store, True, addr, actual, auth)
 
 
 def _join(host: str, port: int, settings: RdzvSettings, local_port_taken: bool) -> RendezvousStore:
     handshake = max(0.5, min(HANDSHAKE_TIMEOUT, settings.join_timeout))
     wait = handshake if local_port_taken else settings.join_timeout
     store = connect_client(host, port, wait, handshake, refused_means_port_in_use=local_port_taken)
-    verify_meta(store, settings, host, port, handshake)
+    auth = record_auth(settings)
+    verify_meta(store, settings, host, port, handshake, auth)
     log.info("joined the rendezvous store at %s:%d", host, port)
-    return RendezvousStore(store, False, host, port)
+    return RendezvousStore(store, False, host, port, auth)
 
 
 def _guarded(fn: Callable[[], RendezvousStore], host: str, port: int) -> RendezvousStore:

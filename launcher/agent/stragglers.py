@@ -21,7 +21,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from launcher.agent.rdzv_records import RoundResult
+from launcher.agent.rdzv_auth import JOB_WIDE
+from launcher.agent.rdzv_records import BadRecord, RoundResult
 from monitors.events import EventLog, RankTiming, StragglerEvent, TimingInfo
 from monitors.ft_config import FaultToleranceConfig
 from monitors.straggler import (RankSummary, Straggler, StragglerScorer, MetricSummary, metric_text,
@@ -69,6 +70,7 @@ class StragglerAggregator:
         self._node_seq: dict[int, int] = {}          # group rank -> last value sequence number scored
         self._latest: dict[int, tuple[float, str, str, RankSummary]] = {}  # global rank -> (t, node, node id, ...)
         self._excluding: set[str] = set()
+        self._rejected: set[str] = set()  # keys whose forged value was logged
 
     # ---- lifecycle
     def start(self, result: RoundResult) -> None:
@@ -151,7 +153,8 @@ class StragglerAggregator:
             return
         self._seq += 1
         value = {"seq": self._seq, "node": self.node_name, "node_id": self.node_id, "ranks": ranks}
-        store.set(f"{self.prefix}r{result.round}/n{result.group_rank}", json.dumps(value))
+        key = f"{self.prefix}r{result.round}/n{result.group_rank}"
+        store.set(key, self.rs.auth.seal(key, result.round, value))  # signed: rdzv_auth
 
     def _gather(self, result: RoundResult, now: float, store: Any) -> set[int]:
         """Read every node's newest value; the global ranks with a summary not scored before."""
@@ -160,7 +163,7 @@ class StragglerAggregator:
             key = f"{self.prefix}r{result.round}/n{g}"
             if not store.check([key]):
                 continue
-            value = _parse(store.get(key))
+            value = self._open(key, result.round, store.get(key))
             if value is None or value["seq"] <= self._node_seq.get(g, 0):
                 continue
             self._node_seq[g] = value["seq"]
@@ -182,7 +185,8 @@ class StragglerAggregator:
             self._excluding.add(node_id)
             reason = (f"rank {st.rank} was a straggler for {st.reports} reports in a row "
                       f"({metric_text(st.metric)} {_ratio(st.relative)} the other ranks')")
-            store.set(f"{self.prefix}exclude/{node_id}", json.dumps({"reason": reason}))
+            key = f"{self.prefix}exclude/{node_id}"
+            store.set(key, self.rs.auth.seal(key, JOB_WIDE, {"reason": reason}))
         self.events.emit(StragglerEvent(
             rank=st.rank, node=st.node, metric=st.metric, state=st.state, relative=_round(st.relative),
             individual=_round(st.individual), median=round(st.median, 6), peers=_round(st.peers, 6),
@@ -208,12 +212,25 @@ class StragglerAggregator:
             key = f"{self.prefix}exclude/{self.node_id}"
             if not store.check([key]):
                 return None
-            value = json.loads(store.get(key))
+            value = json.loads(self.rs.auth.open(key, JOB_WIDE, store.get(key)))
+        except BadRecord as exc:  # not written by an agent of this job: no reason to leave
+            log.warning("ignoring the straggler exclusion mark %s (%s)", key, exc)
+            return None
         except Exception as exc:  # an unreadable mark is no reason to leave
             log.debug("cannot read the straggler exclusion mark: %s", exc)
             return None
         reason = value.get("reason") if isinstance(value, dict) else None
         return str(reason) if reason else "a rank of this node was a persistent straggler"
+
+    def _open(self, key: str, round: int, raw: bytes) -> dict[str, Any] | None:
+        """A node's published value if it is signed for KEY and ROUND, else None (logged once per key)."""
+        try:
+            return _parse(self.rs.auth.open(key, round, raw).encode())
+        except BadRecord as exc:
+            if key not in self._rejected:
+                self._rejected.add(key)
+                log.warning("ignoring the straggler report %s in the rendezvous store (%s)", key, exc)
+            return None
 
     def close(self) -> None:
         self.stop()

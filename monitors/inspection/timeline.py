@@ -64,8 +64,9 @@ from monitors.events import (
     HangDetected, HeartbeatStats, HeartbeatTimeoutAuto, HeartbeatTimeoutAutoDeferred, InprocessRankLost, JobEnd,
     MonitorAttach, MonitorAuthFailed, MonitorConnect,
     MonitorDied, MonitorDisconnect, MonitorExit, MonitorGaveUp, MonitorSpawned, MonitorStart, MonitorStuck,
-    MonitorTakeoverRefused, RankExit, RankKilled, RankStart, RankStuck, RankTerminated, RdzvBadRecord, RdzvJoin,
-    RdzvRound, RdzvStandby, RdzvStop, ResumeAttemptEnd, ResumeAttemptStart, ResumeDecision, ResumeEnd, ResumeReset,
+    MonitorTakeoverRefused, RankExit, RankKilled, RankStart, RankStuck, RankTerminated, RdzvBadRecord,
+    RdzvForgedRecord, RdzvJoin, RdzvRound, RdzvStandby, RdzvStop, ResumeAttemptEnd, ResumeAttemptStart,
+    ResumeDecision, ResumeEnd, ResumeReset,
     ResumeSignal, ResumeStart, ResumeStateRecovered, ResumeSubmit, SectionClose, SectionOpen, StopDetail,
     TimeoutsLoaded, TimeoutsSet, TimeoutsStateIgnored, decode_event, field_problem,
 )
@@ -507,6 +508,16 @@ class Timeline:
                    f"rendezvous store ({e.get(f.problem)}): {e.get(f.action)}; another program wrote to the store",
                    level="error" if ends else "warn", job=job.index)
 
+    def _on_rdzv_forged_record(self, a: AgentFile, e: dict[str, Any]) -> None:
+        f = RdzvForgedRecord.F
+        job = self._job_for(a, e["t"])
+        claims = f" naming node {e.get(f.claims)}" if e.get(f.claims) else ""
+        more = f" ({e.get(f.suppressed)} more not logged)" if e.get(f.suppressed) else ""
+        self._note(("forged_record", a.ef.path, e.get(f.key), e["t"]), e["t"], "rdzv_forged_record",
+                   f"the agent of node {a.node_id or a.ef.node} ignored an unauthenticated record {e.get(f.key)}"
+                   f"{claims} in the rendezvous store ({e.get(f.problem)}): {e.get(f.action)}{more}; a program "
+                   "without the job secret wrote to the store", level="warn", job=job.index)
+
     def _on_node_health(self, a: AgentFile, e: dict[str, Any]) -> None:
         f, c = NodeHealth.F, HealthCheckInfo.F
         job = self._job_for(a, e["t"])
@@ -854,6 +865,7 @@ AGENT_HANDLERS: dict[type[Event], Callable[..., None]] = {
     RdzvStandby: Timeline._on_rdzv_standby,
     RdzvStop: Timeline._on_rdzv_stop,
     RdzvBadRecord: Timeline._on_rdzv_bad_record,
+    RdzvForgedRecord: Timeline._on_rdzv_forged_record,
     NodeHealth: Timeline._on_node_health,
     StragglerEvent: Timeline._on_straggler,
     RankStart: Timeline._on_rank_start,

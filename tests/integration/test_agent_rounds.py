@@ -98,7 +98,7 @@ class Job:
             return peer_script(self.peer)
         except BaseException:
             # free the agent (it would wait for this peer until WAIT): end whatever round is open
-            self.peer.report_stop(int(self.peer_store.store.add(self.peer.keys.hint, 0)), "interrupted",
+            self.peer.report_stop(self.peer._open_round(self.peer_store.store, 0), "interrupted",
                                   {"signum": int(signal.SIGKILL)})
             raise
 

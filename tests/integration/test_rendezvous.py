@@ -24,6 +24,7 @@ from launcher.agent.rendezvous import (
     RendezvousTimeout,
     RoundResult,
     StopRecord,
+    _parse_seq,
     order_members,
     watched_nodes,
 )
@@ -92,10 +93,11 @@ class Agent:
             assert self.changed.wait_for(lambda: self.evs(name), WAIT), f"no {name} event in {self.events}"
             return self.evs(name)[0]
 
-    def beats(self, *node_ids: str) -> Callable[[], list[int]]:
-        """Reads the keepalive counters of NODE_IDS through a connection of its own."""
+    def beats(self, *node_ids: str, round_no: int = 0) -> Callable[[], list[int]]:
+        """Reads the signed keepalive sequence numbers of NODE_IDS in ROUND_NO through a connection of its own."""
         store = self.rs.new_client()
-        return lambda: [int(store.add(self.rdzv.keys.beat(n), 0)) for n in node_ids]
+        return lambda: [self.rdzv._read_if(store, self.rdzv.keys.beat(round_no, n), round_no, _parse_seq) or 0
+                        for n in node_ids]
 
     def stopped(self, round_no: int) -> bool:
         """Whether ROUND_NO has a stop record yet."""
