@@ -10,14 +10,17 @@ fault takes to be re-run on other hardware.
    of them; every step is timed and the median per mode compared. Reported: per-step times, the overhead
    (validated - plain) in microseconds, the ratio validated / plain, and the overhead as a share of a
    50 ms step (the issue's target: < 1 %).
-2. **fault to training again**: tests/rerun/train_rerun.py under `nvrx launch` (2 ranks), a NaN that
-   node nvrx-n1 reproduces: job 1 exits 16 after its checkpoint, job 2 on nvrx-n2 resumes and re-runs
-   the step. From the events: reproduced (``rerun_attempt``) -> job 1 ended -> job 2 started -> verdict
-   (``rerun_verdict``, training goes on). No scheduler in between: a real job also waits for Slurm.
+2. **fault to training again**: tests/rerun/train_rerun.py on two emulated nodes (one agent each, 1 rank,
+   loopback), a NaN that node nvrx-n1 reproduces. Two ways to re-run the step on other hardware, alternating
+   run by run: **standby swap** (a third agent waits as a standby; only nvrx-n1 leaves with exit 16 and the
+   standby joins the next round of the same job) and **new job** (no standby: the job ends with 16,
+   `nvrx resume` records it, a new job on nvrx-n0 + nvrx-n2 resumes from the checkpoint; no scheduler queue,
+   which a real new job adds). Measured from the events: reproduced in place (``rerun_attempt``) -> verdict
+   ``persistent_error`` (``rerun_verdict``: the step re-ran on the other node, training goes on).
 
 Usage (from the repo root)::
 
-    python bench/bench_rerun.py [--steps 500] [--rounds 4] [--fault-runs 2]
+    python bench/bench_rerun.py [--steps 500] [--rounds 4] [--fault-runs 3]
 
 Prints a table and writes bench/results/rerun.json.
 """
@@ -152,36 +155,117 @@ def _events(log_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _launch(work: Path, logs: Path, inject: str, node: str) -> tuple[int, float, float]:
-    env = _env()
-    env["SLURMD_NODENAME"] = node
-    t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "nvrx_cli.main", "launch", "--nproc-per-node", "2", "--standalone",
-                           "--log-dir", str(logs), "-q", str(REPO / "tests" / "rerun" / "train_rerun.py"), str(work),
-                           inject], env=env, cwd=work.parent, capture_output=True, text=True, timeout=300)
-    return proc.returncode, t0, time.time()
+TRAIN = REPO / "tests" / "rerun" / "train_rerun.py"
+
+
+class _Job:
+    """One `nvrx launch` job of train_rerun.py on emulated nodes (one agent per node, 1 rank each, loopback)."""
+
+    def __init__(self, work: Path, logs: Path, run_id: str, state: Path) -> None:
+        self.work, self.logs, self.run_id, self.state = work, logs, run_id, state
+        self.port = _free_port()
+        self.procs: list[subprocess.Popen] = []
+
+    def agent(self, node: str, node_rank: int, gate: Path) -> None:
+        env = _env()
+        env.update(SLURMD_NODENAME=node, RERUN_GATE=str(gate), NVRX_RESUME_STATE_DIR=str(self.state))
+        cmd = [sys.executable, "-m", "nvrx_cli.main", "launch", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id, "--rdzv-conf",
+               "join_timeout=120,last_call_timeout=1", "--node-rank", str(node_rank), "--log-dir", str(self.logs),
+               "-q", str(TRAIN), str(self.work), "node"]
+        self.procs.append(subprocess.Popen(cmd, env=env, cwd=self.work.parent, stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.DEVNULL))
+
+    def wait_event(self, ev: str, n: int = 1, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while sum(e.get("ev") == ev for e in _events(self.logs / self.run_id)) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no {ev} event in {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def wait(self) -> list[int]:
+        try:
+            return [p.wait(timeout=300) for p in self.procs]
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+
+def _start(job: _Job, nodes: list[tuple[str, int]], gate: Path, standby: tuple[str, int] | None) -> None:
+    """Start the agents, then the standby once the round is full; open the gate. With a standby the first node
+    starts alone first, so that it (not the node that will leave) hosts the store; without one all start at once,
+    as srun starts them."""
+    job.agent(*nodes[0], gate)
+    if standby is not None:
+        job.wait_event("rdzv_join")
+    for node in nodes[1:]:
+        job.agent(*node, gate)
+    job.wait_event("rdzv_round", len(nodes))
+    if standby is not None:
+        job.agent(*standby, gate)
+        job.wait_event("rdzv_standby")
+    gate.touch()
+
+
+def _fault_times(logs: Path) -> tuple[float, float]:
+    evs = _events(logs)
+    reproduced = next(e["t"] for e in evs if e["ev"] == "rerun_attempt" and e.get("reproduced"))
+    verdict = next(e["t"] for e in evs if e["ev"] == "rerun_verdict" and e.get("diagnosis") == "persistent_error")
+    return reproduced, verdict
+
+
+def fault_via_standby(d: Path) -> dict[str, float]:
+    """nvrx-n1's NaN reproduces: only it leaves (exit 16); the standby nvrx-n2 joins the next round of the same
+    job, which resumes from the checkpoint and re-runs the step there."""
+    work, logs, gate = d / "work", d / "logs", d / "gate"
+    work.mkdir()
+    job = _Job(work, logs, "swap", d)
+    _start(job, [("nvrx-n0", 0), ("nvrx-n1", 1)], gate, ("nvrx-n2", 1))
+    codes = job.wait()
+    if sorted(codes) != [0, 0, 16]:
+        raise RuntimeError(f"standby run: agents exited {codes}")
+    reproduced, verdict = _fault_times(logs)
+    return {"total_s": verdict - reproduced}
+
+
+def fault_via_new_job(d: Path) -> dict[str, float]:
+    """The same fault without a standby: the job ends with 16, `nvrx resume` records it (excluding nvrx-n1), and
+    a new job on nvrx-n0 + nvrx-n2 resumes from the checkpoint (no scheduler here: a real one adds its queue)."""
+    work, logs, gate, state = d / "work", d / "logs", d / "gate", d / "resume"
+    work.mkdir()
+    state.mkdir()
+    first = _Job(work, logs, "job1", state)
+    _start(first, [("nvrx-n0", 0), ("nvrx-n1", 1)], gate, None)
+    codes = first.wait()
+    if codes != [16, 16]:
+        raise RuntimeError(f"first job: agents exited {codes}")
+    rec = subprocess.run([sys.executable, "-m", "nvrx_cli.main", "resume", "--state-dir", str(state), "--exit-code",
+                          "16"], env=_env(), cwd=d, capture_output=True, text=True, timeout=60)
+    if rec.returncode != 3:
+        raise RuntimeError(f"nvrx resume exited {rec.returncode}: {rec.stderr}")
+    second = _Job(work, logs, "job2", state)
+    _start(second, [("nvrx-n0", 0), ("nvrx-n2", 1)], gate, None)
+    if second.wait() != [0, 0]:
+        raise RuntimeError("second job failed")
+    reproduced, verdict = _fault_times(logs)
+    return {"total_s": verdict - reproduced}
 
 
 def bench_fault(runs: int) -> dict[str, Any]:
-    results = []
+    """Reproduced fault -> the step re-run on other hardware (verdict, training again): standby swap vs new job,
+    alternating run by run."""
+    out: dict[str, list[dict[str, float]]] = {"standby_swap": [], "new_job": []}
     for _ in range(runs):
-        d = Path(tempfile.mkdtemp(prefix="nvrx-bench-rerun-fault-"))
-        try:
-            work, logs = d / "work", d / "logs"
-            work.mkdir()
-            code1, _, end1 = _launch(work, logs, "node", "nvrx-n1")
-            code2, start2, _ = _launch(work, logs, "node", "nvrx-n2")
-            if (code1, code2) != (16, 0):
-                raise RuntimeError(f"fault run exited {code1}, {code2}")
-            evs = _events(logs)
-            reproduced = next(e["t"] for e in evs if e["ev"] == "rerun_attempt" and e.get("reproduced"))
-            verdict = next(e["t"] for e in evs if e["ev"] == "rerun_verdict")
-            results.append({"reproduced_to_exit_s": end1 - reproduced, "exit_to_relaunch_s": start2 - end1,
-                            "relaunch_to_verdict_s": verdict - start2, "total_s": verdict - reproduced})
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
-    keys = results[0].keys()
-    return {"runs": results, "median": {k: statistics.median(r[k] for r in results) for k in keys}}
+        for name, fn in (("standby_swap", fault_via_standby), ("new_job", fault_via_new_job)):
+            d = Path(tempfile.mkdtemp(prefix="nvrx-bench-rerun-fault-"))
+            try:
+                out[name].append(fn(d))
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
+    med = {k: statistics.median(r["total_s"] for r in v) for k, v in out.items()}
+    return {"runs": out, "median_total_s": med, "ratio_new_job_over_swap": med["new_job"] / med["standby_swap"]}
 
 
 # ---------------------------------------------------------------------- report
@@ -199,12 +283,12 @@ def table(res: dict[str, Any]) -> str:
              f"{o['overhead_agree_s'] * 1e6:.1f} us",
              f"  disabled mode overhead: {o['overhead_disabled_s'] * 1e6:.1f} us per step"]
     if f:
-        m = f["median"]
-        lines += [f"reproduced fault -> training again on other hardware ({len(f['runs'])} runs, median):",
-                  f"  reproduced -> job 1 exited (checkpoint, exit 16): {m['reproduced_to_exit_s']:.2f} s",
-                  f"  job 1 exited -> job 2 launched (no scheduler here): {m['exit_to_relaunch_s']:.2f} s",
-                  f"  job 2 launched -> step re-run, verdict, training again: {m['relaunch_to_verdict_s']:.2f} s",
-                  f"  total: {m['total_s']:.2f} s"]
+        m = f["median_total_s"]
+        lines += [f"reproduced fault -> step re-run on other hardware, training again (2 emulated nodes x 1 rank, "
+                  f"{len(f['runs']['new_job'])} runs each, median):",
+                  f"  standby swap in the same job (only the suspected node leaves): {m['standby_swap']:.2f} s",
+                  f"  new job (exit 16, nvrx resume, relaunch; no scheduler queue): {m['new_job']:.2f} s",
+                  f"  ratio new job / swap: {f['ratio_new_job_over_swap']:.2f}"]
     return "\n".join(lines)
 
 
@@ -217,7 +301,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=500, help="steps per mode = steps x rounds")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--fault-runs", type=int, default=2, help="0 skips part 2")
+    ap.add_argument("--fault-runs", type=int, default=3, help="runs of each way; 0 skips part 2")
     ap.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = ap.parse_args()
     res: dict[str, Any] = {"overhead": bench_overhead(args.steps, args.rounds)}
