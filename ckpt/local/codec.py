@@ -256,6 +256,17 @@ def read_file(path: Path, trusted: tuple[int, int, int, int] | None = None) -> P
     return Packed(header, payload)
 
 
+def check_file(path: Path) -> dict[str, Any]:
+    """PATH's header, after the cheap checks: magic, header CRC-32, and a file size that matches the header (a torn
+    or truncated file fails here). The payload's CRC-32 is checked when the payload is read (``read_file``)."""
+    with open(path, "rb") as f:
+        header = _read_header(f, path)
+        end = f.tell() + header["payload_nbytes"]
+        if os.fstat(f.fileno()).st_size != end:
+            raise LocalCheckpointCorruptError(f"{path}: file size does not match its header (truncated or padded)")
+    return header
+
+
 def verify_file(path: Path) -> tuple[dict[str, Any], tuple[int, int, int, int]]:
     """Check PATH whole (header and payload CRC-32, size) reading it in chunks; its header and ``file_identity``."""
     with open(path, "rb") as f:

@@ -31,7 +31,7 @@ from ckpt.async_ckpt.dist_wrapper import DistWrapper
 from ckpt.async_ckpt.staging import StagingBuffer, StagingPool
 from ckpt.local.base_state_dict import TensorAwareStateDict
 from ckpt.local.basic_state_dict import BasicTensorAwareStateDict
-from ckpt.local.codec import ALIGN, Packed, fill, layout, pack, read_file, seal, unpack, verify_file, write_file
+from ckpt.local.codec import ALIGN, Packed, check_file, fill, layout, pack, read_file, seal, unpack, write_file
 from ckpt.local.errors import LocalCheckpointCorruptError, LocalCheckpointError, NoReplicasAvailableError
 from ckpt.local.naming import SUFFIX, ckpt_id, parse_id
 from ckpt.local.replication.strategies import CliqueReplicationStrategy, ReplicationStrategy
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _HEADROOM = 1 << 20
+_LOAD_ATTEMPTS = 4  # each failed attempt moved a damaged copy aside
 
 
 def newest_restorable(available: Mapping[int, Sequence[str]], sources: Sequence[Sequence[int]]) -> tuple[int, list[str]]:
@@ -172,7 +173,6 @@ class LocalCheckpointManager:
         self._found: tuple[int, dict[int, list[str]], list[str]] | None = None
         self._sources: list[list[int]] | None = None
         self._spare: torch.Tensor | None = None
-        self._verified: dict[str, tuple[int, int, int, int]] = {}  # id -> file identity when find_latest checked it
         self.last_load_source: str | None = None
         self.other_world_sizes: set[int] = set()  # world sizes of files found by the last scan that are not ours
 
@@ -186,11 +186,17 @@ class LocalCheckpointManager:
         return self.local_dir / f"{id_}{SUFFIX}"
 
     def _read(self, id_: str) -> Packed:
-        """The verified file of ID_; a vanished or unreadable file is a LocalCheckpointError like a damaged one."""
+        """The file of ID_, its payload's CRC-32 checked as it is read. A damaged file is moved aside (so the next
+        ``find_latest`` does not count on it); a vanished or unreadable one is a LocalCheckpointError too."""
+        path = self.path_of(id_)
         try:
-            return read_file(self.path_of(id_), trusted=self._verified.get(id_))
+            return read_file(path)
+        except LocalCheckpointCorruptError as exc:
+            log.warning("local checkpoint file is damaged, not used: %s", exc)
+            path.rename(path.with_name(f".corrupt-{path.name}"))
+            raise
         except OSError as exc:
-            raise LocalCheckpointError(f"cannot read {self.path_of(id_)}: {exc.strerror or exc}") from None
+            raise LocalCheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
 
     def save(self, state_dict: TensorAwareStateDict | dict[str, Any], iteration: int,
              is_async: bool = False) -> "AsyncRequest | None":
@@ -375,10 +381,10 @@ class LocalCheckpointManager:
     # --- find / load -----------------------------------------------------------------------------------------
 
     def _scan(self) -> list[str]:
-        """Ids of this rank's intact files (every byte checked); removes leftovers of interrupted writes and
-        moves corrupt files aside (logged) so no plan counts on them."""
+        """Ids of this rank's usable files (header and size checked; the payload's CRC-32 is checked when ``load``
+        reads it, so each byte is read once); removes leftovers of interrupted writes and moves damaged files aside
+        (logged) so no plan counts on them."""
         ids = []
-        self._verified = {}
         self.other_world_sizes = set()
         for path in sorted(self.local_dir.iterdir()):
             if ".tmp-" in path.name and path.name.startswith("."):
@@ -387,7 +393,7 @@ class LocalCheckpointManager:
             if not path.name.endswith(SUFFIX) or parse_id(path.name[: -len(SUFFIX)]) is None:
                 continue
             try:
-                header, identity = verify_file(path)
+                header = check_file(path)
             except (LocalCheckpointCorruptError, OSError, ValueError) as exc:
                 log.warning("local checkpoint file is damaged, not used: %s", exc)
                 path.rename(path.with_name(f".corrupt-{path.name}"))
@@ -396,7 +402,6 @@ class LocalCheckpointManager:
                 self.other_world_sizes.add(header["world_size"])
                 continue
             ids.append(path.name[: -len(SUFFIX)])
-            self._verified[ids[-1]] = identity
         return ids
 
     def _restore_sources(self) -> list[list[int]]:
@@ -430,29 +435,46 @@ class LocalCheckpointManager:
 
     def load(self) -> tuple[TensorAwareStateDict, str]:
         """This rank's shard of the iteration ``find_latest`` found, and its id. Shards not held locally come from a
-        replica holder. NoReplicasAvailableError if some shard has no copy left (restore from the global tier)."""
-        if self._found is None:
-            self.find_latest()
-        iteration, available, skipped = self._found
-        if iteration < 0:
-            if skipped:
-                raise NoReplicasAvailableError(f"no local checkpoint can be restored ({skipped[0]}); "
-                                               "restore from the global checkpoint tier")
-            raise LocalCheckpointError(f"no local checkpoint in {self.session_dir}")
-        id_ = ckpt_id(iteration, self.rank)
-        strategy = self._strategy()
-        if strategy is None:
-            packed = self._read(id_)
+        replica holder. A copy found damaged while it is read is moved aside and every rank tries again (the other
+        copy, or an older iteration). NoReplicasAvailableError if some shard has no copy left (restore from the
+        global tier)."""
+        for _ in range(_LOAD_ATTEMPTS):
+            if self._found is None:
+                self.find_latest()
+            iteration, _, skipped = self._found
+            if iteration < 0:  # the same on every rank (find_latest agreed)
+                if skipped:
+                    raise NoReplicasAvailableError(f"no local checkpoint can be restored ({skipped[0]}); "
+                                                   "restore from the global checkpoint tier")
+                raise LocalCheckpointError(f"no local checkpoint in {self.session_dir}")
+            id_ = ckpt_id(iteration, self.rank)
+            try:
+                packed, error = self._fetch(), None
+            except LocalCheckpointError as exc:
+                packed, error = None, str(exc)
+            errors = [e for e in self._dist.all_gather_json(error) if e]
+            if not errors:
+                break
+            log.warning("local checkpoint %d: a copy failed while it was read (%s); trying the other copies",
+                        self._found[0], errors[0])
+            self._found = None
         else:
-            wanted = [ckpt_id(iteration, r) for r in strategy.group_ranks]
-            plan = strategy.retrieve_plan(available, wanted)
-            packed = strategy.retrieve_execute(plan, self._read)
-        self.last_load_source = "own file" if id_ in available.get(self.rank, ()) else "replica"
-        state = unpack(packed, verify=False)
+            raise LocalCheckpointError(f"local checkpoint could not be read in {_LOAD_ATTEMPTS} attempts: {errors[0]}")
+        self.last_load_source = "own file" if id_ in self._found[1].get(self.rank, ()) else "replica"
+        state = unpack(packed, verify=False)  # type: ignore[arg-type]
         if torch.cuda.is_available():
             state.restore_tensor_device()
         return state, id_
 
+    def _fetch(self) -> Packed:
+        """This rank's packed shard of the found iteration: its own file, else from a replica holder (collective)."""
+        iteration, available, _ = self._found  # type: ignore[misc]
+        strategy = self._strategy()
+        if strategy is None:
+            return self._read(ckpt_id(iteration, self.rank))
+        wanted = [ckpt_id(iteration, r) for r in strategy.group_ranks]
+        plan = strategy.retrieve_plan(available, wanted)
+        return strategy.retrieve_execute(plan, self._read)
 
 LOCAL_CKPT_DIR_ENV = "NVRX_LOCAL_CKPT_DIR"
 

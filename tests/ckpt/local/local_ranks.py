@@ -101,6 +101,7 @@ def journey(work: Path, rank: int) -> dict:
         out["late_error"] = None
     except LocalCheckpointError as exc:
         out["late_error"] = str(exc)
+    out["late_moved_aside"] = sorted(p.name for p in mgr.local_dir.iterdir() if p.name.startswith(".corrupt-"))
     mgr.save(state(rank, 5), iteration=5)
     damage(work, lambda: (shard_file(work, 1, 1, 5).unlink(), shard_file(work, 3, 1, 5).unlink()))
     out["both_gone"] = restore(mgr)
