@@ -383,9 +383,10 @@ class Agent:
             return True
         detail = self._failure_detail(result, ex)
         why = self._swap_refused(result, len(suspects), same_size=note is not None)
-        if why is not None and len(result.nodes) > 1:  # (a one-node job has nobody to go on: nothing to say)
-            log.warning("node %s cannot leave the job for a standby (%s): the job ends with %d", self._node,
-                        why, exit_codes.RESUME_ELSEWHERE)
+        if why is not None:
+            if len(result.nodes) > 1:  # (a one-node job has nobody to go on: nothing to say)
+                log.warning("node %s cannot leave the job for a standby (%s): the job ends with %d", self._node,
+                            why, exit_codes.RESUME_ELSEWHERE)
         else:
             detail.pop("no_restart", None)
             step = f" to re-run step {note.step} on other hardware" if note is not None else ""

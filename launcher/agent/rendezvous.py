@@ -668,8 +668,9 @@ class Rendezvous:
         if known is not None:
             self._saw_stop(store, known)
             return known
-        count = self._round_restarts(store, r) + (1 if kind in FAULT_KINDS else 0)
-        give_up = kind in FAULT_KINDS and (count > self.max_restarts or bool(detail.get("no_restart")))
+        spends = kind in FAULT_KINDS and not detail.get("leaves")  # a node leaving for a standby: no restart
+        count = self._round_restarts(store, r) + (1 if spends else 0)
+        give_up = kind in FAULT_KINDS and ((spends and count > self.max_restarts) or bool(detail.get("no_restart")))
         mine = StopRecord(r, kind, self.node_id, dict(detail), count, give_up)
         key = self.keys.r(r, "stop")
         rec, won = self._put_first(store, key, r, self._seal(key, r, mine), _stop_parser(r))
@@ -695,6 +696,19 @@ class Rendezvous:
         self.events.emit(RdzvStop(round=rec.round, kind=str(rec.kind), by_node=rec.by_node,
                                   detail=StopDetail.of(rec.detail), restart_count=rec.restart_count,
                                   give_up=rec.give_up))
+
+    def standbys(self, round: int) -> int:
+        """How many agents wait as standbys of ROUND: valid join records of nodes that are not its members (the
+        join counter only says how many slots to look at; at most 64 past the members)."""
+        with self._store_errors():
+            store = self._client()
+            closed = self._closed_of(store, round)
+            if closed is None:
+                return 0
+            members = {n["node_id"] for n in closed["nodes"]}
+            count = min(int(store.add(self.keys.r(round, "count"), 0)), len(members) + 64)
+            joins = (self._read_if(store, self.keys.join(round, j), round, parse_join) for j in range(count))
+            return len({j["node_id"] for j in joins if j is not None and j["node_id"] not in members})
 
     def wait_stop(self, round: int) -> StopRecord:
         """Block until ROUND has a valid stop record (for a watcher thread; uses its own connection)."""
