@@ -36,6 +36,7 @@ from ckpt.async_ckpt.staging import align, default_pool
 from ckpt.async_ckpt.writer_process import WriterProcess
 from ckpt.errors import CheckpointWriteError
 from ckpt.loader import CheckpointInfo, load_latest, load_metadata
+from ckpt.snapshot import Snapshot
 from ckpt.torch_save_async import torch_save_request
 
 log = logging.getLogger("nvrx.ckpt")
@@ -73,17 +74,35 @@ class AsyncCheckpointer:
         if state_dict is not None:
             self.prepare(state_dict)
 
-    def async_save(self, state_dict: dict[str, Any], path: str | os.PathLike, *, update_latest: bool = True) -> int:
-        """Save STATE_DICT as a DCP checkpoint directory PATH; returns once the values are copied (collective)."""
-        self._refuse_pending(path)
-        final = Path(os.path.abspath(path))
-        if final.parent not in self._swept:  # once per directory: later partials there are this checkpointer's own
-            self._sweep(final.parent, saving=final)
-        writer = FileSystemWriterAsync(path, files_per_rank=self.files_per_rank, keep_last=self.keep_last,
-                                       update_latest=update_latest,
-                                       writer_process=self.queue.writer if self.overlap_write else None)
-        planned = save_state_dict_async_plan(state_dict, writer, self.process_group, enable_cache=self.enable_cache,
-                                             metadata_cache=self.cache)
+    def async_save(self, state_dict: dict[str, Any], path: str | os.PathLike, *, update_latest: bool = True,
+                   snapshot: Snapshot | None = None, staging_error: str | None = None) -> int:
+        """Save STATE_DICT as a DCP checkpoint directory PATH; returns once the values are copied (collective).
+
+        SNAPSHOT: STATE_DICT was captured by ``ckpt.snapshot.capture`` (its tensors already lie in staging memory,
+        which this save takes over: nothing is copied again). STAGING_ERROR: the capture failed on this rank;
+        every rank abandons this save and raises the reason.
+        """
+        try:
+            self._refuse_pending(path)
+            final = Path(os.path.abspath(path))
+            if final.parent not in self._swept:  # once per directory: later partials there are this checkpointer's own
+                self._sweep(final.parent, saving=final)
+            writer = FileSystemWriterAsync(path, files_per_rank=self.files_per_rank, keep_last=self.keep_last,
+                                           update_latest=update_latest,
+                                           writer_process=self.queue.writer if self.overlap_write else None,
+                                           staging_pool=snapshot.pool if snapshot else None)
+        except BaseException:
+            if snapshot is not None:
+                snapshot.release()
+            raise
+        if snapshot is not None:
+            writer.staged_in, writer.staged_used = snapshot.buffer, snapshot.used
+        writer.staging_error = staging_error
+        try:
+            planned = save_state_dict_async_plan(state_dict, writer, self.process_group,
+                                                 enable_cache=self.enable_cache, metadata_cache=self.cache)
+        finally:
+            writer.drop_staged()  # planning failed before staging took the snapshot's buffer: give it back
         return self.queue.schedule_async_request(async_request(*planned))
 
     def async_torch_save(self, obj: Any, path: str | os.PathLike, *, update_latest: bool = False) -> int:

@@ -16,11 +16,19 @@ Every rank runs the same calls. Saves go through ``AsyncCheckpointer`` (DCP form
 one ``nvrx launch --async-ckpt`` started with the rank). A checkpoint is named ``step_<steps done>``; the newest
 complete one is what ``resume`` loads, and ``keep_last`` older ones are kept next to it.
 
-Publishing a save (agreeing that every rank's files are durable, writing the metadata, fsyncs, the rename)
-costs tens of milliseconds; done by the training thread every few steps it would cost percents of the run.
-So it runs on a background thread, with its collectives on a process group of its own (training's collectives
-on the default group go on meanwhile), and only one save is in flight at a time: the training thread touches
-the checkpointer only while that thread is idle.
+Planning a save, publishing it (agreeing that every rank's files are durable, the metadata, fsyncs, the
+rename) costs tens of milliseconds; done by the training thread every few steps it would cost percents of
+the run. So all of it runs on one long-lived background thread, with its collectives on a process group of
+its own (training's collectives on the default group go on meanwhile), and only one save is in flight at a
+time: the training thread touches the checkpointer only while that thread is idle. Whether every rank's
+thread is idle is asked one step ahead (an all-reduce that is answered by the time the save falls due).
+
+On the training thread a save is only a copy into reused staging memory (``ckpt.snapshot``), and with
+COPY_IN_BACKGROUND (the default) not even all of it: the parameters and the optimizer's state are copied by
+the background thread, and the next ``optimizer.step()`` waits until that copy is done (a step pre-hook), so
+the checkpoint holds the values of the save call. Buffers and STATE are copied at once. Code that changes
+parameters in place outside the optimizer between ``step()`` and the next ``optimizer.step()`` must call
+``wait_copied()`` first (or pass ``copy_in_background=False``).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from typing import Any
 from ckpt.api import AsyncCheckpointer
 from ckpt.errors import CheckpointError
 from ckpt.loader import find_latest_checkpoint
+from ckpt.snapshot import capturable, capture
 
 log = logging.getLogger("nvrx.ckpt.periodic")
 
@@ -53,13 +62,15 @@ class PeriodicCheckpointer:
     VERIFY: how ``resume`` checks a checkpoint before loading it ("full": checksums, "sizes", None).
     BACKGROUND: publish saves on a background thread (needs an initialised process group; the constructor is then
     collective, it creates a gloo group for the checkpoint's own collectives). False: ``step`` publishes inline.
+    COPY_IN_BACKGROUND: leave the copy of parameters and optimizer state to that thread (see above).
+    ``copy_wait_seconds``: how long optimizer steps waited for such copies.
     """
 
     def __init__(self, root: str | os.PathLike, *, model: Any = None, optimizer: Any = None,
                  state: dict[str, Any] | None = None, every_steps: int | None = None,
                  every_seconds: float | None = None, keep_last: int | None = 2, process_group: Any = None,
                  files_per_rank: int = 1, checkpointer: AsyncCheckpointer | None = None,
-                 verify: str | None = "full", background: bool = True) -> None:
+                 verify: str | None = "full", background: bool = True, copy_in_background: bool = True) -> None:
         if every_steps is None and every_seconds is None:
             raise ValueError("give every_steps, every_seconds or both")
         if every_steps is not None and every_steps < 1:
@@ -88,6 +99,13 @@ class PeriodicCheckpointer:
         self._due = False  # a save fell due and waits for the previous one to be published
         self._done = 0  # steps done at the last step() call
         self._prepared = False
+        self._ahead: tuple[Any, Any] | None = None  # an all-reduce under way: is any rank publishing?
+        self._copied = threading.Event()  # set: no copy of the parameters / optimizer state is under way
+        self._copied.set()
+        self.copy_wait_seconds = 0.0  # time optimizer steps waited for a copy made in the background
+        self._overlap = bool(copy_in_background and self._finalizer is not None and optimizer is not None)
+        if self._overlap:
+            optimizer.register_step_pre_hook(self._before_optimizer_step)
 
     # ------------------------------------------------------------------ resume
 
@@ -133,6 +151,11 @@ class PeriodicCheckpointer:
 
         Collective: every rank calls it for every step.
         """
+        started = self._step(step)
+        self._ask_ahead(step + 1)
+        return started
+
+    def _step(self, step: int) -> bool:
         if self._finalizer is None:
             self.checkpointer.maybe_finalize()
         elif not self._finalizer.idle():  # (raises the reason if publishing the last save failed)
@@ -161,7 +184,29 @@ class PeriodicCheckpointer:
         """Nothing in flight on any rank, the same answer everywhere (inline publishing: pending counts agree)."""
         if self._finalizer is None:
             return not self.checkpointer.pending
+        if self._ahead is not None:  # asked at the end of the previous step: long answered
+            work, busy = self._ahead
+            self._ahead = None
+            work.wait()
+            return not bool(busy.item())
         return not self._any_rank(not self._finalizer.idle())
+
+    def _ask_ahead(self, done: int) -> None:
+        """The step after DONE saves: ask now, without waiting, whether any rank is still publishing.
+
+        The answer is in long before that step ends (training's own collectives go by the same group),
+        so the save itself waits for no collective. A rank idle now stays idle until its next save,
+        and a busy one that becomes idle meanwhile only delays the save by a step on every rank.
+        """
+        if (self._finalizer is None or self.every_steps is None or self.every_seconds is not None
+                or (done + 1) % self.every_steps or self._ahead is not None or not _distributed()):
+            return
+        import torch
+        import torch.distributed as dist
+
+        busy = torch.tensor([int(self._finalizer.busy())], dtype=torch.int32)
+        work = dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+        self._ahead = (work, busy)
     def _optimizer_ready(self) -> bool:
         """The optimizer holds state (it has stepped): its state dict can be built without initialising it."""
         return self.optimizer is None or bool(self.optimizer.state)
@@ -186,14 +231,74 @@ class PeriodicCheckpointer:
         return bool(value.item())
 
     def save(self, done: int) -> None:
-        """Start a save of the current state as ``step_<DONE>`` now (collective; returns after the copy)."""
+        """Start a save of the current state as ``step_<DONE>`` now (collective; returns after the copy).
+
+        With the background publisher, this thread only copies the state into staging memory (``capture``);
+        planning, its collectives, serialization and the hand-over to the writer run on that thread.
+        """
         state = self._state_dict()
         state[STEP_KEY] = done
-        self.checkpointer.async_save(state, self.root / f"step_{done:09d}")
+        path = self.root / f"step_{done:09d}"
         self.last_saved, self._due = done, False
         self._last_save_time = time.monotonic()
-        if self._finalizer is not None:
-            self._finalizer.start()
+        if self._finalizer is None:
+            self.checkpointer.async_save(state, path)
+            return
+        snap, error = None, None
+        if capturable(state):
+            try:
+                snap = capture(state, defer=self._deferrable() if self._overlap else None)
+            except Exception as exc:  # every rank abandons this save (the publisher reports it on every rank)
+                error = f"copying the state into staging memory failed on this rank: {type(exc).__name__}: {exc}"
+        if snap is None:  # (a DTensor / sharded state: planned and copied as before, on this thread)
+            if error is None:
+                self.checkpointer.async_save(state, path)
+                self._finalizer.submit(self.checkpointer.wait)
+                return
+            self._finalizer.submit(lambda: self._save_and_wait(state, path, None, error))
+            return
+        if snap.pending:
+            self._copied.clear()
+        self._finalizer.submit(lambda: self._save_and_wait(snap.state, path, snap, None))
+
+    def _save_and_wait(self, state: dict[str, Any], path: Path, snap: Any, error: str | None) -> None:
+        """On the publisher thread: finish the copy, plan and hand the captured STATE to the writer, publish it."""
+        if snap is not None and snap.pending:
+            try:
+                snap.finish_copy()
+            except Exception as exc:  # every rank abandons this save, as for a failed copy on the training thread
+                error = f"copying the state into staging memory failed on this rank: {type(exc).__name__}: {exc}"
+                snap.release()
+                snap = None
+            finally:
+                self._copied.set()
+        self.checkpointer.async_save(state, path, snapshot=snap, staging_error=error)
+        self.checkpointer.wait()
+
+    def _deferrable(self) -> Any:
+        """Which tensors the copy may leave to the publisher: the parameters and the optimizer's state.
+
+        Only the optimizer's step changes them in a training loop, and it waits for that copy
+        (``_before_optimizer_step``); buffers (changed by forward passes) and STATE are copied at once.
+        """
+        import torch
+
+        ptrs = {p.data_ptr() for p in self.model.parameters()}
+        for per_param in self.optimizer.state.values():
+            ptrs.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
+        ptrs.discard(0)
+        return lambda t: t.data_ptr() in ptrs
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        """The optimizer is about to change what a save still copies in the background: wait for that copy."""
+        self.wait_copied()
+
+    def wait_copied(self) -> None:
+        """Block until the last save's copy is complete (the parameters may then be changed in place)."""
+        if not self._copied.is_set():
+            started = time.perf_counter()
+            self._copied.wait()
+            self.copy_wait_seconds += time.perf_counter() - started
 
     def wait(self) -> None:
         """Block until the save in flight is published (collective)."""
@@ -219,10 +324,14 @@ class PeriodicCheckpointer:
 
         Call it before the rank exits.
         """
-        self.wait()
-        if self._due:
-            self.save(self._done)
+        try:
             self.wait()
+            if self._due:
+                self.save(self._done)
+                self.wait()
+        finally:
+            if self._finalizer is not None:
+                self._finalizer.stop()
         self.checkpointer.finalize_before_exit()
 
 
@@ -273,37 +382,78 @@ def _fqn(model: Any, name: str | None) -> str | None:
 
 
 class _Finalizer:
-    """Publishes the one save in flight on a background thread; its failure is raised in the training thread."""
+    """One long-lived thread doing the checkpoint work handed to it; its failure is raised in the training thread.
+
+    Started with the first save and kept (a thread start per save would cost the training thread ~1 ms).
+    """
 
     def __init__(self, checkpointer: AsyncCheckpointer) -> None:
         self.checkpointer = checkpointer
         self._thread: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._work: Any = None  # the callable to run, while it runs too (None: idle)
+        self._stop = False
         self._error: BaseException | None = None
 
+    def submit(self, work: Any) -> None:
+        """Run WORK on the thread (the thread is idle: the caller checked ``idle()``)."""
+        with self._cond:
+            assert self._work is None, "one checkpoint job at a time"
+            self._work = work
+            if self._thread is None or not self._thread.is_alive():
+                self._stop = False
+                self._thread = threading.Thread(target=self._run, name="nvrx-ckpt-publish", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="nvrx-ckpt-publish", daemon=True)
-        self._thread.start()
+        """Publish the save just scheduled on the checkpointer."""
+        self.submit(self.checkpointer.wait)
 
     def _run(self) -> None:
-        try:
-            self.checkpointer.wait()
-        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
-            self._error = exc
+        while True:
+            with self._cond:
+                while self._work is None and not self._stop:
+                    self._cond.wait()
+                if self._work is None:
+                    return
+                work = self._work
+            try:
+                work()
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+                self._error = exc
+            with self._cond:
+                self._work = None
+                self._cond.notify_all()
+
+    def busy(self) -> bool:
+        """A job runs (never raises)."""
+        return self._work is not None
 
     def idle(self) -> bool:
-        """True when no save is being published; raises what made the last one fail."""
-        if self._thread is not None and self._thread.is_alive():
+        """True when no job runs; raises what made the last one fail."""
+        if self._work is not None:
             return False
-        self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
             raise error
         return True
 
     def join(self) -> None:
+        """Wait until the job in progress is done (raises its failure)."""
+        with self._cond:
+            while self._work is not None:
+                self._cond.wait()
+        self.idle()
+
+    def stop(self) -> None:
+        """End the thread (after the job in progress)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
-        self.idle()
+            self._thread = None
 
 
 def _distributed() -> bool:

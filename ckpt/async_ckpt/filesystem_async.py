@@ -141,6 +141,11 @@ class FileSystemWriterAsync(StorageWriter):
         # AsyncCallsQueue using this writer then must use the same process); without one, at schedule time.
         self.writer_process = writer_process
         self._job_id = 0
+        # A staging buffer already holding the tensors to save (``ckpt.snapshot``): items found in it are written
+        # from where they lie; STAGED_USED: where its tensors end (serialized values go behind them).
+        self.staged_in: StagingBuffer | None = None
+        self.staged_used = 0
+        self.staging_error: str | None = None  # staging failed before this save started (the capture): say so
 
     # ------------------------------------------------------------ StorageWriter interface
 
@@ -245,6 +250,13 @@ class FileSystemWriterAsync(StorageWriter):
                 layout[n].append((item, kind))
                 order.append((entry, item, kind))
                 offset = align(offset + nbytes)
+        if self.staging_error is not None:
+            raise CheckpointError(self.staging_error)
+        if self.staged_in is not None:
+            if self._place_in_staged(order, planner):
+                self._finish_in_place(files, layout, order)
+                return
+            log.debug("%s: the snapshot's layout does not hold; copying it once more", self.path)
         buffer = self.pool.acquire(offset)
         job = {"op": "write", "dir": str(self.partial_path), "files": files, "fsync": self.sync_files}
         job_id = self._submit_early(job, buffer)
@@ -266,10 +278,65 @@ class FileSystemWriterAsync(StorageWriter):
         except BaseException as exc:
             self._abort_job(job_id, f"{type(exc).__name__}: {exc}")
             self.pool.release(buffer)
+            self.drop_staged()
             raise
         self._objects.clear()
         self._buffer, self._layout, self._reply, self._job_id = buffer, layout, None, job_id
         self._job = job
+        self.drop_staged()
+
+    def _offset_in_staged(self, tensor: Any) -> int | None:
+        """Where TENSOR's bytes lie in the staged buffer, or None if it is not a contiguous CPU view of it."""
+        buffer = self.staged_in
+        assert buffer is not None
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        base = buffer.bytes_view().data_ptr()
+        start = tensor.data_ptr() - base
+        if start < 0 or start + tensor.numel() * tensor.element_size() > buffer.capacity:
+            return None
+        return start
+
+    def _place_in_staged(self, order: list[tuple[dict[str, Any], WriteItem, str]], planner: SavePlanner) -> bool:
+        """Point every item at its bytes in the staged buffer (values serialized behind the tensors); False if one is not there."""
+        assert self.staged_in is not None
+        offsets: list[int] = []
+        tail = align(self.staged_used)
+        for entry, item, kind in order:
+            if kind == "bytes":
+                offsets.append(tail)
+                tail = align(tail + entry["nbytes"])
+                continue
+            tensor = planner.resolve_data(item)
+            _check_tensor(item, tensor)
+            where = self._offset_in_staged(tensor)
+            if where is None:
+                return False
+            offsets.append(where)
+        if tail > self.staged_in.capacity:
+            return False
+        for (entry, _, _), off in zip(order, offsets):
+            entry["off"] = off
+        return True
+
+    def _finish_in_place(self, files: list[dict[str, Any]], layout: list[list[tuple[WriteItem, str]]],
+                         order: list[tuple[dict[str, Any], WriteItem, str]]) -> None:
+        """The tensors already lie in the staged buffer: copy the serialized values behind them; that buffer is this save's."""
+        buffer = self.staged_in
+        assert buffer is not None
+        for entry, item, kind in order:
+            if kind == "bytes":
+                buffer.copy_bytes(entry["off"], self._objects[item.index.fqn])
+        self._objects.clear()
+        job = {"op": "write", "dir": str(self.partial_path), "files": files, "fsync": self.sync_files}
+        self._buffer, self._layout, self._reply, self._job_id, self._job = buffer, layout, None, 0, job
+        self.staged_in = None
+
+    def drop_staged(self) -> None:
+        """A staged buffer not used by this save (its layout did not hold, or the save failed) goes back to its pool."""
+        if self.staged_in is not None:
+            self.pool.release(self.staged_in)
+            self.staged_in = None
 
     def _submit_early(self, job: dict[str, Any], buffer: StagingBuffer) -> int:
         """Hand the job to the writer before copying, so writing overlaps staging (0: submit later instead).
@@ -298,6 +365,7 @@ class FileSystemWriterAsync(StorageWriter):
         """
         self._abort_job(self._job_id, reason)
         self.release_staging()
+        self.drop_staged()
 
     def _report(self, job_id: int, upto: int) -> int:
         try:
