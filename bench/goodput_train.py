@@ -40,9 +40,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--pause", type=float, default=0.04, help="seconds slept per step after the compute")
-    p.add_argument("--ckpt", choices=("none", "torch_save", "nvrx"), default="torch_save")
+    p.add_argument("--ckpt", choices=("none", "torch_save", "nvrx", "twotier"), default="torch_save")
     p.add_argument("--every", type=int, default=200, help="checkpoint every N steps")
     p.add_argument("--ckpt-dir", required=True)
+    p.add_argument("--global-every", type=int, default=200, help="twotier: global checkpoint every N steps")
+    p.add_argument("--local-dir", default=None, help="twotier: node-local root (bench/goodput_twotier.py)")
     p.add_argument("--big", action="store_true", help="~21 M parameters instead of ~2.1 M")
     p.add_argument("--pg-timeout", type=float, default=10.0, help="process-group (gloo) timeout, seconds")
     return p.parse_args()
@@ -97,6 +99,10 @@ def make_checkpoint(args: argparse.Namespace, model: torch.nn.Module, opt: torch
         import ckpt
 
         return ckpt.PeriodicCheckpointer(args.ckpt_dir, model=model, optimizer=opt, every_steps=args.every)
+    if args.ckpt == "twotier":  # bench_goodput_local.py: local every --every steps, global every --global-every
+        from goodput_twotier import TwoTierSaver
+
+        return TwoTierSaver(model, opt, Path(args.ckpt_dir), Path(args.local_dir), args.every, args.global_every)
     return None
 
 
@@ -144,6 +150,7 @@ def main() -> None:
         t = time.perf_counter()
         saver.close()
         blocked += time.perf_counter() - t
+        blocked += getattr(saver, "copy_wait_seconds", 0.0)  # optimizer steps that waited for a background copy
     write_json(out / f"done-r{rank}.json", {"rank": rank, "attempt": attempt, "t_end": time.time(),
                                             "ckpt_blocked_s": blocked, "start_step": start})
     dist.destroy_process_group()
