@@ -54,7 +54,8 @@ import goodput_svg  # noqa: E402
 LOG = logging.getLogger("bench_goodput")
 TRAIN = BENCH_DIR / "goodput_train.py"
 RESULTS = BENCH_DIR / "results"
-VARIANTS = ("save200", "every10")
+VARIANTS = ("save200", "every10", "inprocess")
+TRAIN_INPROCESS = BENCH_DIR / "goodput_inprocess_train.py"
 KINDS = ("crash", "hang")
 LAUNCHERS = ("nvrx", "torchrun-noshare", "torchrun", "ft_launcher")
 POLL_S = 0.01
@@ -81,6 +82,7 @@ class Settings:
     run_timeout: float
     auto_timeout: str = "off"  # nvrx's heartbeat_timeout_auto (off | suggest | set; off: runs before it existed)
     auto_timeout_min: float = 0.1  # ... and its floor (heartbeat_timeout_auto_min)
+    soft_timeout: float = 1.0  # inprocess variant: the script's Wrapper(soft_timeout=...)
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,10 @@ def plan(settings: Settings) -> list[RunSpec]:
                 if variant == "save200":
                     runs.append(RunSpec(name, variant, kind, "torch_save", settings.save_every))
                     continue
-                ckpt = "nvrx" if name == "nvrx" else "torch_save"
+                if variant == "inprocess":  # nvrx: model in memory, snapshots in memory; torchrun: torch.save
+                    ckpt = "memory" if name == "nvrx" else "torch_save"
+                else:
+                    ckpt = "nvrx" if name == "nvrx" else "torch_save"
                 if kind == "none":  # the reference without checkpoints, then the checkpoint cost alone
                     runs.append(RunSpec(name, variant, kind, "none", 10))
                 runs.append(RunSpec(name, variant, kind, ckpt, 10))
@@ -151,7 +156,9 @@ def plan(settings: Settings) -> list[RunSpec]:
 def command(spec: RunSpec, settings: Settings, dirs: bl.RunDirs, run_id: str, launcher: bl.Launcher) -> list[str]:
     flags = ["--standalone", "--nproc-per-node", str(WORLD), "--max-restarts", str(settings.faults + 3),
              "--rdzv-id", run_id, "--log-dir", str(dirs.logs)]
-    if spec.launcher == "nvrx":  # set once by the user; the same for every nvrx run
+    if spec.launcher == "nvrx" and spec.variant == "inprocess":  # the Wrapper in the script handles the faults
+        flags.append("--inprocess")
+    elif spec.launcher == "nvrx":  # set once by the user; the same for every nvrx run
         flags += ["--ft-param-auto-heartbeat", "true", "--ft-param-rank-heartbeat-timeout", f"{settings.hang_timeout:g}",
                   "--ft-param-heartbeat-timeout-auto", settings.auto_timeout,
                   "--ft-param-heartbeat-timeout-auto-min", f"{settings.auto_timeout_min:g}"]
@@ -162,7 +169,9 @@ def command(spec: RunSpec, settings: Settings, dirs: bl.RunDirs, run_id: str, la
     args = ["--out", str(dirs.out), "--steps", str(settings.steps), "--pause", f"{settings.pause:g}",
             "--ckpt", spec.ckpt, "--every", str(spec.every), "--ckpt-dir", str(ckpt_dir),
             "--pg-timeout", f"{settings.pg_timeout:g}", *(["--big"] if settings.big else [])]
-    return [*launcher.prefix, *flags, str(TRAIN), *args]
+    if spec.variant == "inprocess":
+        args += ["--soft-timeout", f"{settings.soft_timeout:g}"]
+    return [*launcher.prefix, *flags, str(TRAIN_INPROCESS if spec.variant == "inprocess" else TRAIN), *args]
 
 
 def launchers() -> dict[str, bl.Launcher]:
@@ -227,8 +236,9 @@ def gone(pid: int) -> bool:
 class Injector:
     """Fires the schedule into one run and watches the rank processes of each faulted attempt end."""
 
-    def __init__(self, proc: subprocess.Popen, out: Path, kind: str, deadline: float) -> None:
+    def __init__(self, proc: subprocess.Popen, out: Path, kind: str, deadline: float, inrank: bool = False) -> None:
         self.proc, self.out, self.kind, self.deadline = proc, out, kind, deadline
+        self.inrank = inrank  # inprocess variant: an exception (SIGUSR1) or a hang (SIGUSR2) inside the rank
 
     def alive(self) -> bool:
         return self.proc.poll() is None and not training_done(self.out) and time.time() < self.deadline
@@ -273,17 +283,27 @@ class Injector:
     def _fire(self, fault: Fault, attempt: int, records: list[dict[str, Any]]) -> dict[str, Any]:
         victim = records[fault.rank]["pid"]
         t_fault = time.time()
-        os.kill(victim, signal.SIGKILL if self.kind == "crash" else signal.SIGSTOP)
+        if self.inrank:
+            os.kill(victim, signal.SIGUSR1 if self.kind == "crash" else signal.SIGUSR2)
+        else:
+            os.kill(victim, signal.SIGKILL if self.kind == "crash" else signal.SIGSTOP)
         pids = [r["pid"] for r in records]
-        watched = [p for p in pids if p != victim] if self.kind == "crash" else pids
-        t_first_gone, t_all_gone = self._watch_gone(watched, pids)
+        watched = [p for p in pids if p != victim] if self.kind == "crash" and not self.inrank else pids
+        t_first_gone, t_all_gone = self._watch_gone(watched, pids, attempt if self.inrank else None)
+        in_place = t_all_gone is not None and t_all_gone < 0
+        if in_place:  # restarted in the same processes: detection and restart show in "respawn"
+            t_first_gone = t_all_gone = t_fault
         return {"attempt": attempt, "rank": fault.rank, "after_s": fault.after_s, "pid": victim, "t_fault": t_fault,
-                "t_first_gone": t_first_gone, "t_all_gone": t_all_gone}
+                "t_first_gone": t_first_gone, "t_all_gone": t_all_gone, "in_place": in_place}
 
-    def _watch_gone(self, first_of: list[int], all_of: list[int]) -> tuple[float | None, float | None]:
+    def _watch_gone(self, first_of: list[int], all_of: list[int],
+                    attempt: int | None = None) -> tuple[float | None, float | None]:
+        """When the first of FIRST_OF and all of ALL_OF ended; (-1, -1) if ATTEMPT's successor started in them."""
         t_first = None
         while time.time() < self.deadline:
             now = time.time()
+            if attempt is not None and t_first is None and newest_ready_attempt(self.out, attempt + 1) is not None:
+                return -1.0, -1.0
             if t_first is None and any(gone(p) for p in first_of):
                 t_first = now
             if all(gone(p) for p in all_of):
@@ -402,7 +422,7 @@ def execute(spec: RunSpec, settings: Settings, schedule: list[Fault], table: dic
                             env=bl.build_env(launcher, run_id), stdin=subprocess.DEVNULL, stdout=console,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        injector = Injector(proc, dirs.out, spec.kind, t0 + settings.run_timeout)
+        injector = Injector(proc, dirs.out, spec.kind, t0 + settings.run_timeout, spec.variant == "inprocess")
         fired = injector.run(schedule) if spec.kind != "none" else []
         try:
             result.rc = proc.wait(timeout=max(1.0, t0 + settings.run_timeout - time.time()))
@@ -450,7 +470,7 @@ COMPONENTS = ("detect", "stop", "respawn", "init", "recompute", "lost")
 
 def reference(results: list[RunResult], spec: RunSpec) -> RunResult | None:
     """The fault-free run SPEC's goodput is measured against (every10: the one without checkpoints)."""
-    ckpt = "none" if spec.variant == "every10" else spec.ckpt
+    ckpt = "none" if spec.variant in ("every10", "inprocess") else spec.ckpt
     return next((r for r in results if r.ok and r.spec.launcher == spec.launcher and r.spec.variant == spec.variant
                  and r.spec.kind == "none" and r.spec.ckpt == ckpt), None)
 
@@ -470,7 +490,7 @@ def summarize(results: list[RunResult]) -> list[dict[str, Any]]:
         if r.ok and ref is not None and ref.wall_s:
             row["goodput"] = ref.wall_s / r.wall_s if r.wall_s else None
             row["reference_wall_s"] = ref.wall_s
-            if r.spec.kind == "none" and r.spec.ckpt != "none" and r.spec.variant == "every10":
+            if r.spec.kind == "none" and r.spec.ckpt != "none" and r.spec.variant in ("every10", "inprocess"):
                 row["ckpt_cost_of_wall"] = r.wall_s / ref.wall_s - 1  # type: ignore[operator]
                 row["ckpt_blocked_of_wall"] = (r.ckpt_blocked_s or 0) / ref.wall_s
         if r.monitor is not None:
@@ -510,7 +530,7 @@ def goodput_from_lost(run: RunResult, reference_wall: float) -> float:
     between them by more than the faults cost; the time lost per fault is measured within one run, around
     the fault. Saving counts only where the reference did not save (every10: its time blocked in checkpoint calls).
     """
-    saving = (run.ckpt_blocked_s or 0.0) if run.spec.variant == "every10" else 0.0
+    saving = (run.ckpt_blocked_s or 0.0) if run.spec.variant in ("every10", "inprocess") else 0.0
     return reference_wall / (reference_wall + covered([(f["t_fault"], f["t_fault"] + f["lost"]) for f in run.faults])
                              + saving)
 
@@ -560,6 +580,13 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 value = row.get(key)
                 out.append({"target": f"every10 {kind}: {what} >= {bound}", "value": value,
                             "met": value is not None and value >= bound})
+    for kind in KINDS:
+        row = find("inprocess", kind)
+        if row:
+            for key, what in (("goodput", "goodput (wall)"), ("goodput_from_lost", "goodput (from time lost)")):
+                value = row.get(key)
+                out.append({"target": f"inprocess {kind}: {what} >= 0.97", "value": value,
+                            "met": value is not None and value >= 0.97})
     row = find("every10", "none", "nvrx")
     if row:
         value = row.get("ckpt_cost_of_wall")
@@ -632,9 +659,12 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
                    help="nvrx's automatic heartbeat timeout (--ft-param-heartbeat-timeout-auto; default set)")
     p.add_argument("--auto-timeout-min", type=float, default=0.1,
                    help="its floor in seconds (--ft-param-heartbeat-timeout-auto-min; default 0.1)")
+    p.add_argument("--soft-timeout", type=float, default=1.0,
+                   help="inprocess variant: the script's Wrapper(soft_timeout=...) in seconds (default 1)")
     p.add_argument("--pg-timeout", type=float, default=10.0, help="the script's gloo timeout (default 10)")
     p.add_argument("--big", action="store_true", help="~21 M parameters instead of ~2.1 M")
-    p.add_argument("--variants", default=None, help="comma list: save200,every10 (default both; --quick save200)")
+    p.add_argument("--variants", default=None,
+                   help="comma list: save200,every10,inprocess (default save200,every10; --quick save200)")
     p.add_argument("--kinds", default="crash,hang", help="comma list: crash,hang")
     p.add_argument("--launchers", default="nvrx,torchrun-noshare",
                    help="comma list: nvrx,torchrun-noshare,torchrun,ft_launcher (ft_launcher only if installed)")
@@ -655,7 +685,8 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
         steps=steps, faults=pick(args.faults, 4, 2), interval=pick(args.interval, 28.0, 7.0),
         jitter=pick(args.jitter, 6.0, 2.0), seed=args.seed, save_every=pick(args.save_every, 200, 100),
         pause=args.pause, hang_timeout=args.hang_timeout, auto_timeout=args.auto_timeout,
-        auto_timeout_min=args.auto_timeout_min, pg_timeout=args.pg_timeout, big=args.big,
+        auto_timeout_min=args.auto_timeout_min, soft_timeout=args.soft_timeout, pg_timeout=args.pg_timeout,
+        big=args.big,
         variants=tuple(bl.parse_list(args.variants or ("save200" if quick else "save200,every10"), VARIANTS,
                                      "--variants")),
         kinds=tuple(bl.parse_list(args.kinds, KINDS, "--kinds")), launchers=tuple(wanted),
