@@ -12,6 +12,10 @@ hosts the store and runs agent 0; worker processes run the others, one thread ea
 - the store host's requests per second while all agents wait for a stop (from its CPU time and a probe
   of request latency), and its resident memory.
 
+Every agent signs its control records with the job secret (issue 19), read from a 0600 file in the run's
+private temp dir, as `nvrx launch` reads NVRX_JOB_SECRET_FILE. Each run checks that all agents agree on
+both rounds' membership and hold distinct group ranks 0..N-1 (``consistent``).
+
 Usage:
     python bench/bench_rendezvous.py                       # N = 16, 64, 256
     python bench/bench_rendezvous.py --agents 16,64,256,1024 --procs 8
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -38,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 import psutil  # noqa: E402
 
 from launcher.agent.config import RdzvSettings  # noqa: E402
+from launcher.agent.rdzv_auth import generate_secret, load_secret  # noqa: E402
 from launcher.agent.rendezvous import Rendezvous  # noqa: E402
 from launcher.agent.rdzv_records import StopKind  # noqa: E402
 from launcher.agent.store import _join, open_rendezvous_store  # noqa: E402
@@ -47,10 +53,20 @@ KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT = 0.5, 3.0
 GO, READY = "bench/go", "bench/ready"
 
 
-def settings_for(port: int, n: int) -> RdzvSettings:
+def settings_for(port: int, n: int, secret_file: Path) -> RdzvSettings:
     return RdzvSettings(host="127.0.0.1", port=port, run_id="bench", min_nodes=n, max_nodes=n, nproc_per_node=1,
                         node_rank=None, local_addr="127.0.0.1", join_timeout=600, last_call_timeout=1,
-                        keepalive_interval=KEEPALIVE_INTERVAL, keepalive_timeout=KEEPALIVE_TIMEOUT)
+                        keepalive_interval=KEEPALIVE_INTERVAL, keepalive_timeout=KEEPALIVE_TIMEOUT,
+                        job_secret_file=str(secret_file), job_secret=load_secret(secret_file))
+
+
+def write_secret(log_dir: Path) -> Path:
+    """The job secret, as the sbatch templates make it: a 0600 file in a private directory."""
+    path = log_dir / "job_secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(generate_secret().hex().encode())
+    return path
 
 
 def free_port() -> int:
@@ -78,11 +94,13 @@ class SimAgent:
         ctl.wait([GO])
         r0 = self.rdzv.next_round()
         self.t["closed"] = time.time()
+        self.t["r0"] = self.view(r0)
         ctl.add(READY + "/0", 1)
         self.rdzv.wait_stop(r0.round)
         self.t["stop_seen"] = time.time()
         r1 = self.rdzv.next_round()
         self.t["round1"] = time.time()
+        self.t["r1"] = self.view(r1)
         self.rdzv.start_keepalive(r1)
         ctl.add(READY + "/1", 1)
         if victim:
@@ -93,6 +111,24 @@ class SimAgent:
         self.t["dead_seen"] = time.time()
         self.t["dead_kind"] = str(rec.kind)
         self.rdzv.stop_keepalive()
+
+    def view(self, result) -> list:
+        """What this agent was told about a round: [round, its group rank, its node id, every member's id]."""
+        return [result.round, result.group_rank, self.rdzv.node_id, [node.node_id for node in result.nodes]]
+
+
+def consistent(times: list[dict], n: int) -> bool:
+    """Every agent was in both rounds with the same members, and its group rank is its place among them."""
+    for name in ("r0", "r1"):
+        views = [t.get(name) for t in times]
+        if any(v is None for v in views) or len({json.dumps(v[3]) for v in views}) != 1:
+            return False
+        members = views[0][3]
+        if len(members) != n or sorted(v[1] for v in views) != list(range(n)):
+            return False
+        if any(members[v[1]] != v[2] or v[0] != views[0][0] for v in views):
+            return False
+    return True
 
 
 def _connected(settings: RdzvSettings, log_dir: Path, name: str, tries: int = 5) -> SimAgent:
@@ -113,7 +149,7 @@ def worker_main(port: int, n: int, first: int, count: int, log_dir: str, victim:
     from launcher.agent.store import RendezvousStore  # noqa: F401  (imports torch once, before the threads)
     import torch.distributed as dist
 
-    settings = settings_for(port, n)
+    settings = settings_for(port, n, Path(log_dir) / "job_secret")
     agents = [_connected(settings, Path(log_dir), f"a{i:05d}") for i in range(first, first + count)]
     ctls = [dist.TCPStore("127.0.0.1", port, is_master=False) for _ in agents]
     ctls[0].add(READY + "/connected", count)
@@ -151,8 +187,8 @@ def probe_latency(store, seconds: float = 1.0) -> float:
 
 def measure(n: int, procs: int) -> dict:
     port = free_port()
-    settings = settings_for(port, n)
-    log_dir = Path(tempfile.mkdtemp(prefix="nvrx-bench-rdzv-"))
+    log_dir = Path(tempfile.mkdtemp(prefix="nvrx-bench-rdzv-"))  # private: mkdtemp makes it 0700
+    settings = settings_for(port, n, write_secret(log_dir))
     host = SimAgent(settings, log_dir, "a00000", host=True)
     ctl = host.rs.store
     me = psutil.Process()
@@ -171,6 +207,7 @@ def measure(n: int, procs: int) -> dict:
     ctl.set(GO, "1")
     r0 = host.rdzv.next_round()
     host.t["closed"] = time.time()
+    host.t["r0"] = host.view(r0)
     wait_count(ctl, READY + "/0", n - 1, 300)  # every other agent is in (or about to be in) wait_stop
     cpu0, t_cpu0 = me.cpu_times(), time.monotonic()
     time.sleep(1.0)  # only the store's server threads work in this process now: serving the waiting agents
@@ -179,11 +216,12 @@ def measure(n: int, procs: int) -> dict:
     t_fail = time.time()
     host.rdzv.report_stop(r0.round, StopKind.FAILED, {"rank": 0, "node": host.rdzv.node_id})
     r1 = host.rdzv.next_round()
+    host.t["r1"] = host.view(r1)
     host.rdzv.start_keepalive(r1)
     wait_count(ctl, READY + "/1", n - 1, 300)
     t_kill = time.time()
     ctl.set(READY + "/kill", "1")
-    host.rdzv.wait_stop(r1.round)
+    host.t["dead_kind"] = str(host.rdzv.wait_stop(r1.round).kind)
     host.t["dead_seen"] = time.time()
     host.rdzv.stop_keepalive()
     times = [host.t]
@@ -195,6 +233,7 @@ def measure(n: int, procs: int) -> dict:
     silent = next(t["silent"] for t in times if "silent" in t)
     host.rdzv.close()
     host.rs.close()
+    shutil.rmtree(log_dir, ignore_errors=True)  # event logs and the job secret
     return {
         "agents": n,
         "close_s": round(max(t["closed"] for t in times) - t_go, 3),
@@ -207,12 +246,14 @@ def measure(n: int, procs: int) -> dict:
         "store_probe_ms": round(probe_ms, 3),
         "store_host_rss_mb": round(rss / 2**20, 1),
         "store_host_rss_growth_mb": round((rss - rss0) / 2**20, 1),
+        "consistent": consistent(times, n),
+        "dead_node_kinds": sorted({t.get("dead_kind", "?") for t in times}),
     }
 
 
 def table(rows: list[dict]) -> str:
     cols = ["agents", "close_s", "failure_s", "restart_s", "dead_node_s", "store_host_cpu_while_waiting",
-            "store_probe_ms", "store_host_rss_mb"]
+            "store_probe_ms", "store_host_rss_mb", "consistent"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     lines += [" | ".join(str(r[c]) for c in cols) for r in rows]
     return "\n".join(lines)

@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from launcher.agent.rank_monitors import RankMonitorGroup  # noqa: E402
 from launcher.agent.rdzv_records import NodeInfo, RoundResult  # noqa: E402
+from launcher.agent.rdzv_auth import RecordAuth, generate_secret  # noqa: E402
 from launcher.agent.store import RendezvousStore  # noqa: E402
 from launcher.agent.stragglers import StragglerAggregator  # noqa: E402
 from monitors.events import EventLog, RankTiming, TimingInfo  # noqa: E402
@@ -131,7 +132,7 @@ def aggregator_pass_cost(tmp: Path, nproc: int = 8) -> dict[str, float]:
     """One pass of group rank 0's aggregator with NPROC local ranks, against a real TCPStore."""
     ft = FaultToleranceConfig(straggler_report_interval=10.0)
     store, port = start_store_server("127.0.0.1")
-    rs = RendezvousStore(store, True, "127.0.0.1", port)
+    rs = RendezvousStore(store, True, "127.0.0.1", port, RecordAuth("bench", generate_secret(), True, "generated"))
     group = RankMonitorGroup(ft, nproc, tmp, EventLog(None, "agent"), {}, tmp / "state", "bench")
     agg = StragglerAggregator(ft, group, EventLog(tmp / "agent-bench.jsonl", "agent"), rs, "bench", "bench",
                               "bench-node")

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed import TCPStore
 
+from launcher.agent.rdzv_auth import RecordAuth, load_secret
 from launcher.agent.rdzv_records import BadRecord, parse_closed, parse_join, parse_pg
 from launcher.agent.rendezvous import parse_stop
 
@@ -49,39 +50,48 @@ def test_garbage_stop_record_is_ignored(job):
     job.assert_clean()
 
 
-def test_forged_round_record_ends_the_job_with_one_line(job):
-    """Fault: a forged record in the store: the next round's membership written by another program.
-    Outcome: it cannot be ignored (the round is taken): exit 1 with one line naming the key; no orphans.
+def test_forged_round_record_is_ignored(job):
+    """Fault: a forged record in the store: the next round's membership written by another program (no job secret).
+    Outcome: its signature does not check: ignored (event rdzv_forged_record, one warning line); the agent closes
+    round 1 itself (its record replaces exactly the forged bytes) and the job finishes after the crash, exit 0.
     """
     args = _endpoint_args(job, "forged")
     proc = job.start(*args, "--nproc-per-node", "2", "--max-restarts", "2", *job.train(30, "crash"),
                      env={"FAULT_STEP_TIME": "0.1"})
     job.wait_running()
-    forged = b'{"round": 1, "restart_count": 0, "nodes": [{"node_id": "evil", "addr": "10.0.0.1", "nproc": "x"}]}'
+    forged = b'{"round": 1, "restart_count": 0, "nodes": [{"node_id": "evil", "addr": "10.0.0.1", "nproc": 8}]}'
     _client(job.ports[0]).set("nvrx/forged/r1/closed", forged)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1, err
-    line = one_line(err)
-    assert "malformed record nvrx/forged/r1/closed (nproc is 'x')" in line and line.startswith("nvrx: error:")
-    bad = [e for e in job.events("forged") if e["ev"] == "rdzv_bad_record"]
-    assert bad and bad[0]["action"] == "job ends"
+    assert proc.returncode == 0, err
+    one_line(err)  # no traceback of nvrx's own (the ranks' tracebacks after the crash are the script's)
+    assert "unauthenticated record nvrx/forged/r1/closed in the rendezvous store (no signature" in err
+    events = job.events("forged")
+    bad = [e for e in events if e["ev"] == "rdzv_forged_record"]
+    assert [(e["key"], e["action"], e.get("claims")) for e in bad] == [("nvrx/forged/r1/closed", "ignored", None)]
+    rounds = [e for e in events if e["ev"] == "rdzv_round"]
+    assert [(e["round"], e["restart_count"], e["world_size"]) for e in rounds] == [(0, 0, 2), (1, 1, 2)]
+    assert job.ledger.finished()
     job.ledger.assert_no_saved_work_lost()
     job.assert_clean()
 
 
 def test_stop_record_naming_no_rank_says_who_wrote_it(job):
-    """Fault: a stop record that names no rank (kind failed, empty detail), written into the store.
+    """Fault: a stop record that names no rank (kind failed, empty detail), written into the store by a holder of the job secret.
     Outcome: the job ends as the record says (give_up: exit 1); the terminal and `nvrx inspect` name the node
     that wrote it, never "rank None".
     """
     args = _endpoint_args(job, "norank")
+    secret = job.tmp_path / "secret"
+    secret.write_bytes(b"the-job-secret-0123456789")
+    secret.chmod(0o600)
     proc = job.start(*args, "--nproc-per-node", "1", "--max-restarts", "0", "--term-timeout", "2", *job.train(300),
-                     env={"FAULT_STEP_TIME": "0.1"})
+                     env={"FAULT_STEP_TIME": "0.1", "NVRX_JOB_SECRET_FILE": str(secret)})
     job.wait_running()
     store = _client(job.ports[0])
-    assert store.add("nvrx/norank/r0/stop_claim", 1) == 1  # claim the round as an agent would
-    store.set("nvrx/norank/r0/stop", b'{"round":0,"kind":"failed","by_node":"intruder","detail":{},'
-                                     b'"restart_count":1,"give_up":true}')
+    # written with the job's secret, as an agent of the job would (one without it is ignored: test_rendezvous_auth)
+    record = {"round": 0, "kind": "failed", "by_node": "intruder", "detail": {}, "restart_count": 1, "give_up": True}
+    assert store.compare_set("nvrx/norank/r0/stop", "", RecordAuth("norank", load_secret(secret), True, "test").seal(
+        "nvrx/norank/r0/stop", 0, record))
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1, err
     assert "None" not in err, err
