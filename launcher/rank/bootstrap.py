@@ -110,7 +110,11 @@ def _sync_sys_path_with_env() -> None:
 
 
 def _forget_launcher_modules() -> None:
-    """Unlist our own packages so a user package that is also called `launcher`/`monitors` imports normally."""
+    """Unlist our own packages so a user package that is also called `launcher`/`monitors` imports normally.
+
+    The `ckpt` modules the rank template imported (its warm-up) are set aside instead: an ``import ckpt`` that
+    finds this very package gets them back (``_SetAsideFinder``) instead of compiling and running them again.
+    """
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for name in list(sys.modules):
         if name.split(".")[0] not in _OWN_PACKAGES or name in _KEEP_MODULES or name.startswith(_KEEP_PREFIX):
@@ -119,6 +123,45 @@ def _forget_launcher_modules() -> None:
         paths = [getattr(module, "__file__", None) or "", *(getattr(module, "__path__", None) or ())]
         if any(p and os.path.abspath(p).startswith(root + os.sep) for p in paths):
             del sys.modules[name]
+            if name.split(".")[0] in _REUSABLE_PACKAGES and getattr(module, "__spec__", None) is not None:
+                _SET_ASIDE[name] = module
+    if _SET_ASIDE and not any(isinstance(f, _SetAsideFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _SetAsideFinder())
+
+
+_REUSABLE_PACKAGES = ("ckpt",)  # imported by the template's warm-up; a rank gets them back if it imports them
+_SET_ASIDE: dict[str, types.ModuleType] = {}
+
+
+class _ReuseLoader:
+    """Hands back a module imported before the fork, already executed."""
+
+    def __init__(self, module: types.ModuleType) -> None:
+        self.module = module
+
+    def create_module(self, spec: object) -> types.ModuleType:
+        return self.module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+class _SetAsideFinder:
+    """Finds a set-aside module only where the normal search finds the very same file (else: a user's package)."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> object:
+        module = _SET_ASIDE.get(name)
+        if module is None:
+            return None
+        found = importlib.machinery.PathFinder.find_spec(name, path)  # type: ignore[arg-type]
+        if found is None or found.origin != module.__spec__.origin:
+            return None
+        del _SET_ASIDE[name]
+        spec = importlib.util.spec_from_loader(name, _ReuseLoader(module), origin=found.origin,  # type: ignore[arg-type]
+                                               is_package=found.submodule_search_locations is not None)
+        if spec is not None and found.submodule_search_locations is not None:
+            spec.submodule_search_locations = list(found.submodule_search_locations)
+        return spec
 
 
 def _line_buffer_stdout() -> None:
