@@ -17,9 +17,10 @@ rank is looked at again one timeout later, and the configured timeout stays the 
 
 When the timeout may be derived and enforced (false alarms are the cost to avoid):
 
-* *settle*: after each (re)start of the rank, for ``settle_s`` after its first liveness mark, the configured
+* *settle*: after each (re)start of the rank, for ``settle_s`` after its first liveness mark, and on a restart
+  until the rank is back in its rhythm (``STEADY_STREAK`` gaps in a row below half the bound), the configured
   timeout applies and the gaps are not counted (process-group set-up, checkpoint load, the first steps after a
-  restore are slower than the steady state);
+  restore are slower than the steady state, and much slower on a loaded machine);
 * *warm-up*: the first derivation needs ``warmup_beats`` steady gaps over ``warmup_s`` seconds; observations
   carry over the rank's restarts (the monitor outlives them), so a restarted rank is only settled again;
 * *widening*: the bound follows the percentile up as the rank slows (it never narrows).
@@ -32,9 +33,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from monitors.heartbeat import GAP_BUCKETS, gap_bucket_upper
+from monitors.heartbeat import GAP_BUCKETS, gap_bucket, gap_bucket_upper
 
 MODES = ("off", "suggest", "set")
+STEADY_STREAK = 20  # gaps in a row below half the bound: a restarted rank is back in its rhythm
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,9 @@ class AutoTimeout:
 
     def start_run(self) -> None:
         """A new run of the rank: settle again before anything is counted or enforced."""
-        self.settle_end: float | None = None
+        self.settle_from: float | None = None  # the run's first liveness mark
+        self.settle_end: float | None = None   # when it settled (None: still settling)
+        self.streak = 0
         self.baseline: tuple[int, ...] | None = None
         self.run_hist = [0] * GAP_BUCKETS
         self.run_s = 0.0
@@ -118,16 +122,27 @@ class AutoTimeout:
     def settled(self, now: float) -> bool:
         return self.settle_end is not None and now >= self.settle_end
 
+    def _settle(self, hist: tuple[int, ...], now: float) -> None:
+        """Count the steady streak (restarts) and end the settling phase when it is over."""
+        if self.baseline is not None and self.timeout is not None:
+            edge = gap_bucket(self.timeout / 2)
+            new = [a - b for a, b in zip(hist, self.baseline)]
+            self.streak = 0 if any(new[edge:]) else self.streak + sum(new)
+        self.baseline = hist  # gaps of the settling phase are not steady ones
+        if now - self.settle_from >= self.settings.settle_s and (self.timeout is None
+                                                                 or self.streak >= STEADY_STREAK):
+            self.settle_end = now
+
     def observe(self, hist: tuple[int, ...], beaten: bool, now: float) -> AutoTimeoutChange | None:
         """Fold the slot's histogram HIST in; returns the change of the derived timeout, if any."""
         if not self.active or not hist:
             return None
-        if self.settle_end is None:
+        if self.settle_from is None:
             if not beaten:
                 return None
-            self.settle_end = now + self.settings.settle_s
-        if now < self.settle_end or self.baseline is None:
-            self.baseline = hist  # gaps of the settling phase are not steady ones
+            self.settle_from = now
+        if self.settle_end is None:
+            self._settle(hist, now)
             return None
         self.run_hist = [a - b for a, b in zip(hist, self.baseline)]
         self.run_s = now - self.settle_end

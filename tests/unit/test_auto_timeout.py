@@ -60,9 +60,13 @@ def test_observations_carry_over_restarts_which_only_settle_again() -> None:
     auto.start_run()
     assert auto.enforced(9.0) is None                                # not settled in the new run
     auto.observe(hist(), beaten=True, now=9.0)
-    assert auto.enforced(10.0) is None
-    auto.observe(hist(), beaten=True, now=11.0)
-    assert auto.enforced(11.0) is not None                           # no second warm-up
+    restore = hist(g3000=1, g50=5)                                   # the restore phase: a 3 s wait
+    auto.observe(restore, beaten=True, now=12.0)
+    assert auto.enforced(12.0) is None                               # settle time over, but not back in rhythm
+    auto.observe(plus(restore, hist(g50=10)), beaten=True, now=12.5)
+    assert auto.enforced(12.5) is None                               # 10 steady gaps in a row: not yet
+    auto.observe(plus(restore, hist(g50=20)), beaten=True, now=13.0)
+    assert auto.enforced(13.0) is not None                           # 20 in a row: settled, no second warm-up
 
 
 def test_a_percentile_leaves_rare_long_gaps_to_the_look_before_acting() -> None:
