@@ -82,6 +82,7 @@ class Settings:
     run_timeout: float
     auto_timeout: str = "off"  # nvrx's heartbeat_timeout_auto (off | suggest | set; off: runs before it existed)
     auto_timeout_min: float = 0.1  # ... and its floor (heartbeat_timeout_auto_min)
+    auto_timeout_warmup: float = 20.0  # ... and its warm-up (heartbeat_timeout_auto_warmup_seconds)
     soft_timeout: float = 1.0  # inprocess variant: the script's Wrapper(soft_timeout=...)
 
 
@@ -161,7 +162,8 @@ def command(spec: RunSpec, settings: Settings, dirs: bl.RunDirs, run_id: str, la
     elif spec.launcher == "nvrx":  # set once by the user; the same for every nvrx run
         flags += ["--ft-param-auto-heartbeat", "true", "--ft-param-rank-heartbeat-timeout", f"{settings.hang_timeout:g}",
                   "--ft-param-heartbeat-timeout-auto", settings.auto_timeout,
-                  "--ft-param-heartbeat-timeout-auto-min", f"{settings.auto_timeout_min:g}"]
+                  "--ft-param-heartbeat-timeout-auto-min", f"{settings.auto_timeout_min:g}",
+                  "--ft-param-heartbeat-timeout-auto-warmup-seconds", f"{settings.auto_timeout_warmup:g}"]
         if spec.ckpt == "nvrx":
             flags.append("--async-ckpt")
     ckpt_dir = dirs.root / "ckpt"
@@ -654,11 +656,15 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     p.add_argument("--seed", type=int, default=14)
     p.add_argument("--save-every", type=int, help="the save200 variant's torch.save interval in steps (default 200)")
     p.add_argument("--pause", type=float, default=0.01, help="seconds slept per step after its compute (default 0.01)")
-    p.add_argument("--hang-timeout", type=float, default=1.0, help="nvrx automatic-heartbeat timeout (default 1)")
+    p.add_argument("--hang-timeout", type=float, default=5.0,
+                   help="nvrx's configured heartbeat timeout (--ft-param-rank-heartbeat-timeout; default 5): the bound; "
+                        "the automatic timeout detects hangs once warm (--auto-timeout off: this one does)")
     p.add_argument("--auto-timeout", choices=("off", "suggest", "set"), default="set",
                    help="nvrx's automatic heartbeat timeout (--ft-param-heartbeat-timeout-auto; default set)")
     p.add_argument("--auto-timeout-min", type=float, default=0.1,
                    help="its floor in seconds (--ft-param-heartbeat-timeout-auto-min; default 0.1)")
+    p.add_argument("--auto-timeout-warmup", type=float, default=10.0,
+                   help="its warm-up in seconds (--ft-param-heartbeat-timeout-auto-warmup-seconds; default 10)")
     p.add_argument("--soft-timeout", type=float, default=1.0,
                    help="inprocess variant: the script's Wrapper(soft_timeout=...) in seconds (default 1)")
     p.add_argument("--pg-timeout", type=float, default=10.0, help="the script's gloo timeout (default 10)")
@@ -685,7 +691,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
         steps=steps, faults=pick(args.faults, 4, 2), interval=pick(args.interval, 28.0, 7.0),
         jitter=pick(args.jitter, 6.0, 2.0), seed=args.seed, save_every=pick(args.save_every, 200, 100),
         pause=args.pause, hang_timeout=args.hang_timeout, auto_timeout=args.auto_timeout,
-        auto_timeout_min=args.auto_timeout_min, soft_timeout=args.soft_timeout, pg_timeout=args.pg_timeout,
+        auto_timeout_min=args.auto_timeout_min, auto_timeout_warmup=args.auto_timeout_warmup, soft_timeout=args.soft_timeout, pg_timeout=args.pg_timeout,
         big=args.big,
         variants=tuple(bl.parse_list(args.variants or ("save200" if quick else "save200,every10"), VARIANTS,
                                      "--variants")),
