@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 import psutil
 import pytest
 
+from launcher.agent import rendezvous
 from launcher.agent.config import RdzvSettings
 from launcher.agent.rendezvous import (
     JobFinished,
@@ -331,6 +332,59 @@ def test_keepalive_reports_a_silent_node(cluster: Cluster) -> None:
     assert (stop.kind, stop.by_node, stop.detail) == ("node_left", "node-a", {"node": "node-b", "group_rank": 1})
     assert stop.restart_count == 1
     a.rdzv.stop_keepalive()
+
+
+def forger(port: int) -> Any:
+    """A plain TCPStore client without the job secret: what any process that reaches the port can open."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", port, is_master=False)
+
+
+def test_forged_records_cannot_form_stop_or_keep_alive(cluster: Cluster) -> None:
+    """With a job secret: a forged membership and an empty join slot do not keep the round from forming; a forged
+    stop neither ends it nor blocks the real one; forged beats do not keep a silent node alive; a replay of round
+    0's stop record into round 1 is ignored."""
+    s = make_settings(free_port(), job_secret=b"the-job-secret-0123456789", job_secret_file="test")
+    a, b = cluster.agent(s, "node-a"), cluster.agent(s, "node-b")
+    evil, p = forger(s.port), "nvrx/job/"
+    evil.set(p + "r0/closed", '{"round":0,"restart_count":0,"nodes":[{"node_id":"evil","addr":"10.0.0.9","nproc":2}]}')
+    evil.add(p + "r0/count", 1)  # a join slot nobody fills
+    ra, rb = in_parallel(a.rdzv.next_round, b.rdzv.next_round)
+    assert [n.node_id for n in ra.nodes] == [n.node_id for n in rb.nodes] == ["node-a", "node-b"]
+    evil.set(p + "r0/stop", '{"round":0,"kind":"failed","by_node":"evil","detail":{},"restart_count":9,"give_up":true}')
+    evil.set(p + "r0/beat/node-b", '{"body":"{\\"seq\\":99}","mac":"00"}')
+    a.rdzv.start_keepalive(ra)  # node-b never beats: only the forged beat speaks for it
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        stop = pool.submit(b.rdzv.wait_stop, 0).result(timeout=WAIT)
+    a.rdzv.stop_keepalive()
+    assert (stop.kind, stop.by_node, stop.restart_count, stop.give_up) == ("node_left", "node-a", 1, False)
+    assert a.rdzv.wait_stop(0) == stop
+    forged = {e["key"] for e in a.evs("rdzv_forged_record") + b.evs("rdzv_forged_record")}
+    assert {p + "r0/closed", p + "r0/stop", p + "r0/beat/node-b"} <= forged, forged
+
+    r1a, r1b = in_parallel(a.rdzv.next_round, b.rdzv.next_round)
+    assert r1a.round == r1b.round == 1 and r1a.restart_count == r1b.restart_count == 1
+    evil.set(p + "r1/stop", evil.get(p + "r0/stop"))  # replay: a real, signed record of round 0
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        watching = pool.submit(b.rdzv.wait_stop, 1)
+        assert not wait_for(watching.done, 1.0)  # the replay ends nothing
+        a.rdzv.report_stop(1, "interrupted", {"signum": 15})
+        assert (watching.result(timeout=WAIT).kind, watching.result().restart_count) == ("interrupted", 1)
+
+
+def test_an_empty_join_slot_is_left_out_after_a_grace(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A join counter bumped by a program without the secret (slots that never get a valid join record) delays an
+    elastic round by at most JOIN_SLOT_GRACE; the round then closes with the agents that did join."""
+    monkeypatch.setattr(rendezvous, "JOIN_SLOT_GRACE", 0.3)
+    s = make_settings(free_port(), min_nodes=1, max_nodes=3, job_secret=b"the-job-secret-0123456789")
+    a = cluster.agent(s, "node-a")
+    evil = forger(s.port)
+    evil.add("nvrx/job/r0/count", 2)
+    evil.set("nvrx/job/r0/join/1", '{"node_id":"evil","addr":"10.0.0.9","nproc":2,"node_rank":null}')
+    (r0,) = in_parallel(a.rdzv.next_round)
+    assert [n.node_id for n in r0.nodes] == ["node-a"]
+    assert [e["key"] for e in a.evs("rdzv_forged_record")] == ["nvrx/job/r0/join/1"]
 
 
 def test_wait_stop_raises_when_the_store_is_lost() -> None:
