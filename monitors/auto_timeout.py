@@ -47,7 +47,7 @@ class AutoTimeoutSettings:
     multiple: float = 4.0
     floor: float = 0.25
     percentile: float = 99.0
-    warmup_beats: int = 100
+    warmup_beats: int = 300
     warmup_s: float = 20.0
     settle_s: float = 5.0
 

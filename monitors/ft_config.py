@@ -555,7 +555,7 @@ class FaultToleranceConfig:
         "nvrx: the automatic heartbeat timeout is never below this (seconds).", 0.25)
     heartbeat_timeout_auto_warmup_beats: int = _setting(
         _int_kind(1, 1_000_000), "nvrx: steady gaps between heartbeats observed before the automatic timeout is "
-        "derived (and heartbeat_timeout_auto_warmup_seconds).", 100)
+        "derived (and heartbeat_timeout_auto_warmup_seconds; a percentile needs a few hundred).", 300)
     heartbeat_timeout_auto_warmup_seconds: float = _setting(
         _float_kind(optional=False, unit="seconds", low=0.0, low_inclusive=True, example="20"),
         "nvrx: seconds of steady heartbeats observed before the automatic timeout is derived (over the rank's "

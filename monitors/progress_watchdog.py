@@ -91,10 +91,12 @@ class ProgressWatchdog:
         self._stop.set()
 
 
-def watchdog_interval(heartbeat_timeout: float | None) -> float:
+def watchdog_interval(heartbeat_timeout: float | None, auto_floor: float | None = None) -> float:
     """Beat often: a live rank never comes near its timeout, and when one rank hangs and its peers then
     block in a collective waiting for it, the hung rank's last beat is clearly the earliest, so its
-    monitor fires first and the failure report blames the right rank."""
-    if heartbeat_timeout is None:
+    monitor fires first and the failure report blames the right rank. AUTO_FLOOR, the floor of the automatic
+    timeout (when it is on), counts as a timeout too: its gaps must measure the rank, not the watchdog."""
+    shortest = min((t for t in (heartbeat_timeout, auto_floor) if t is not None), default=None)
+    if shortest is None:
         return 0.1
-    return max(0.01, min(0.1, heartbeat_timeout / 100.0))
+    return max(0.01, min(0.1, shortest / 100.0))

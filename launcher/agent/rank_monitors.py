@@ -119,7 +119,8 @@ class RankMonitorGroup:
         sock, shm = self.paths(local_rank)
         env = {ENV_SOCKET: str(sock), ENV_SHM: str(shm), ENV_TOKEN: self.tokens[local_rank]}
         if self.ft.auto_heartbeat:
-            env[ENV_AUTO_HEARTBEAT] = f"{watchdog_interval(self.ft.rank_heartbeat_timeout):g}"
+            auto_floor = self.ft.heartbeat_timeout_auto_min if self.ft.heartbeat_timeout_auto != "off" else None
+            env[ENV_AUTO_HEARTBEAT] = f"{watchdog_interval(self.ft.rank_heartbeat_timeout, auto_floor):g}"
         return env
 
     def fds(self) -> list[int]:
