@@ -3,24 +3,23 @@ on other nodes, so losing a node's files loses no shard.
 
 Layout: ``<root>/<session_id>/rank<R>/iter_<I:09d>_<owner>_local.nvrxl``: what rank R holds, its own shard and the
 replicas of its clique's other members. Files are written atomically with CRC-32s (``codec``) in 0700
-directories; nothing is pickled. Save: snapshot (pack) -> replicate (collective in the clique) -> write (here or
-on this process's persistent checkpoint writer process for ``is_async``, see ``_AsyncLocalSave``) -> one
-all-gather "written everywhere?" -> only then are other iterations removed,
-so a crash at any point leaves the previous complete iteration. ``find_latest`` verifies every file, gathers
-what each rank holds and picks the newest iteration whose every shard has an intact copy somewhere it can come
-from; ``load`` fetches the shards that are not local from a replica holder.
+directories; nothing is pickled. Save: snapshot -> replicate (collective in the clique) -> write (here, or for
+``is_async`` on this process's persistent checkpoint writer process: ``async_save``) -> one all-gather "written
+everywhere?" -> only then are other iterations removed, so a crash at any point leaves the previous complete
+iteration. ``find_latest`` checks every file's header and size, gathers what each rank holds and picks the newest
+iteration whose every shard has a copy somewhere it can come from; ``load`` fetches the shards that are not local
+from a replica holder, checking each payload's CRC-32 as it is read.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import stat
-import threading
-import json
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -28,17 +27,18 @@ import torch
 import torch.distributed as dist
 
 from ckpt.async_ckpt.dist_wrapper import DistWrapper
-from ckpt.async_ckpt.staging import StagingBuffer, StagingPool
+from ckpt.async_ckpt.staging import StagingPool
 from ckpt.local.base_state_dict import TensorAwareStateDict
 from ckpt.local.basic_state_dict import BasicTensorAwareStateDict
-from ckpt.local.codec import ALIGN, Packed, check_file, fill, layout, pack, read_file, seal, unpack, write_file
+from ckpt.local.ckpt_managers.async_save import AsyncLocalSave, announce, staging_layout
+from ckpt.local.codec import Packed, check_file, fill, layout, pack, read_file, seal, unpack, write_file
 from ckpt.local.errors import LocalCheckpointCorruptError, LocalCheckpointError, NoReplicasAvailableError
 from ckpt.local.naming import SUFFIX, ckpt_id, parse_id
 from ckpt.local.replication.strategies import CliqueReplicationStrategy, ReplicationStrategy
 from nvrx_common.files import private_dir
 
 if TYPE_CHECKING:
-    from ckpt.async_ckpt.core import AsyncRequest, WriterJob
+    from ckpt.async_ckpt.core import AsyncRequest
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +58,6 @@ def newest_restorable(available: Mapping[int, Sequence[str]], sources: Sequence[
             return it, skipped
         skipped.append(f"iteration {it}: no intact copy (own file or replica) of the shard of rank(s) {missing}")
     return -1, skipped
-
-
-def _announce(pipe: Any, item: dict[str, Any]) -> None:
-    """One JSON line to the writer's job; a writer that stopped reading (its job failed) is not an error here."""
-    try:
-        pipe.write(json.dumps(item, separators=(",", ":")).encode() + b"\n")
-    except OSError:
-        pass
 
 
 def _check_private(path: Path) -> None:
@@ -117,37 +109,6 @@ class LocalSaveRequest:
 
 
 
-@dataclass
-class _AsyncLocalSave:
-    """An asynchronous local save after its snapshot (``save(is_async=True)``).
-
-    Its files are written by this process's persistent checkpoint writer (the one DCP async saves use; job op
-    ``local``, ``ckpt.local.writer_job``) from STAGING, a memfd holding this rank's shard at offset 0 and room
-    for the clique's replicas. The replication exchange runs on THREAD: replicas are received in place into
-    STAGING and announced to the writer on a pipe. It is finalized either by an ``AsyncCallsQueue`` the caller
-    scheduled the returned ``AsyncRequest`` on, or by the manager (``wait``, the next ``save``, ``find_latest``).
-    """
-
-    iteration: int
-    staging: StagingBuffer
-    job: "WriterJob | None" = None
-    thread: threading.Thread | None = field(default=None, repr=False)
-    files: list[str] = field(default_factory=list)
-    error: str | None = None
-    scheduled: bool = False  # taken by an AsyncCallsQueue (its preload hook ran)
-    finalized: bool = False
-
-    def mark_scheduled(self) -> None:
-        self.scheduled = True
-
-    def record(self, reply: dict[str, Any]) -> None:
-        self.files = [f["name"] for f in reply.get("files", [])]
-
-    def fail(self, reason: str) -> None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        self.error = self.error or f"rank {rank}: {reason}"
-
-
 class LocalCheckpointManager:
     """Local checkpoints under ROOT_LOCAL_CKPT_DIR/SESSION_ID, replicated by REPL_STRATEGY (None: no replicas).
 
@@ -168,7 +129,7 @@ class LocalCheckpointManager:
         _check_private(self.session_dir)
         _check_private(self.local_dir)
         self.repl_strategy = repl_strategy
-        self._pending_async: _AsyncLocalSave | None = None
+        self._pending_async: AsyncLocalSave | None = None
         self._pool = StagingPool(keep_free=1)  # staging memfds of asynchronous saves, reused save after save
         self._found: tuple[int, dict[int, list[str]], list[str]] | None = None
         self._sources: list[list[int]] | None = None
@@ -228,53 +189,31 @@ class LocalCheckpointManager:
     # --- asynchronous saves (the persistent writer process) -----------------------------------------------
 
     def _save_async(self, state_dict: Any, iteration: int, strategy: ReplicationStrategy | None) -> "AsyncRequest":
+        """Snapshot into staging, hand the writer its job, start the exchange; the request to finalize it."""
         from ckpt.async_ckpt.core import AsyncRequest, WriterJob
         from ckpt.async_ckpt.writer_process import default_writer
 
-        id_ = ckpt_id(iteration, self.rank)
-        header, tensors = layout(state_dict, id_)
+        header, tensors = layout(state_dict, ckpt_id(iteration, self.rank))
         header["world_size"] = self.world_size  # shards of another world size are not this job's (find_latest)
-        replicas: list[Packed] = []
-        clique = isinstance(strategy, CliqueReplicationStrategy)
-        if strategy is not None and not clique:  # a strategy of the user's: its own replicate(), here
-            got, ids = strategy.replicate(BasicTensorAwareStateDict(state_dict) if isinstance(state_dict, dict)
-                                          else state_dict, id_)
-            replicas = [pack(sd, i, checksum=False) for sd, i in zip(got, ids)]
+        clique = strategy if isinstance(strategy, CliqueReplicationStrategy) else None
+        given = self._user_replicas(strategy, state_dict, header["id"]) if strategy is not None and not clique else []
         head = json.dumps(header, separators=(",", ":")).encode()
-        sizes = strategy.exchange_sizes(len(head), header["payload_nbytes"]) if clique else [(len(head), header["payload_nbytes"])]
-        me = strategy.group_ranks.index(self.rank) if clique else 0
-        nbytes = [n for _, n in sizes] + [p.payload.numel() for p in replicas]
-        offsets, total = [0] * len(nbytes), 0
-        for i in [me] + [i for i in range(len(nbytes)) if i != me]:  # this rank's shard first, at offset 0
-            offsets[i], total = total, total + -(-nbytes[i] // ALIGN) * ALIGN
-        staging = self._pool.acquire(max(total, 1))
-        view = staging.bytes_view()
+        sizes = clique.exchange_sizes(len(head), header["payload_nbytes"]) if clique else [(len(head), header["payload_nbytes"])]
+        me = clique.group_ranks.index(self.rank) if clique else 0
+        offsets, total = staging_layout([n for _, n in sizes] + [p.payload.numel() for p in given], me)
+        save = AsyncLocalSave(iteration, self._pool.acquire(max(total, 1)))
+        view = save.staging.bytes_view()
         fill(header, tensors, view[: header["payload_nbytes"]])  # the snapshot: training may go on after this
-        given = []  # replicas a user's strategy returned: staged now, announced before the exchange starts
-        for j, p in enumerate(replicas):
-            off = offsets[len(sizes) + j]
-            view[off: off + p.payload.numel()].copy_(p.payload)
-            given.append({"header": p.header, "off": off, "nbytes": p.payload.numel()})
-        save = _AsyncLocalSave(iteration, staging)
         job = {"op": "local", "dir": str(self.local_dir), "need": total + _HEADROOM,
                "own": {"header": header, "off": 0, "nbytes": header["payload_nbytes"]},
-               "replicas": len(nbytes) - 1}
-        read_end, write_end = os.pipe2(os.O_CLOEXEC)
-        writer, job_id = default_writer(), 0
-        try:
-            job_id = writer.submit(dict(job, pipe=True), buffer=staging, fd=read_end)
-        except (RuntimeError, OSError) as exc:
-            save.fail(f"checkpoint writer unreachable: {exc}")
-        finally:
-            os.close(read_end)
-        announce = os.fdopen(write_end, "wb", buffering=0)
-        for item in given:
-            _announce(announce, item)
-        save.thread = threading.Thread(target=self._exchange, args=(strategy if clique else None, head, view, sizes,
-                                                                    offsets, me, announce, save),
-                                       name="nvrx-local-ckpt-exchange", daemon=True)
-        save.thread.start()
-        save.job = WriterJob(job=job, buffer=staging, job_id=job_id, submitted_to=writer if job_id else None,
+               "replicas": len(offsets) - 1}
+        writer = default_writer()
+        job_id, pipe = save.submit(writer, job)
+        for p, off in zip(given, offsets[len(sizes):]):  # a user strategy's replicas: staged and announced now
+            view[off: off + p.payload.numel()].copy_(p.payload)
+            announce(pipe, {"header": p.header, "off": off, "nbytes": p.payload.numel()})
+        save.start_exchange(clique, head, sizes, offsets, me, pipe)
+        save.job = WriterJob(job=job, buffer=save.staging, job_id=job_id, submitted_to=writer if job_id else None,
                              dist_wrapper=self._dist, on_result=save.record, on_failure=save.fail,
                              on_discard=partial(self._discard_async, save),
                              description=f"local iteration {iteration} in {self.local_dir}")
@@ -285,32 +224,20 @@ class LocalCheckpointManager:
                             preload_fn=save.mark_scheduled)
 
     @staticmethod
-    def _exchange(strategy: CliqueReplicationStrategy | None, head: bytes, view: torch.Tensor,
-                  sizes: list[tuple[int, int]], offsets: list[int], me: int, announce: Any,
-                  save: _AsyncLocalSave) -> None:
-        """The replication exchange (thread): receive the clique's shards into the staging buffer, announcing each
-        to the writer. Runs to the end whatever the writer does: the peers take part in every broadcast."""
-        try:
-            if strategy is not None:
-                slots = [None if i == me else view[offsets[i]: offsets[i] + n] for i, (_, n) in enumerate(sizes)]
-                own = view[: sizes[me][1]]
-                strategy.exchange_into(head, own, slots, sizes,
-                                       lambda h, i: _announce(announce, {"header": h, "off": offsets[i], "nbytes": sizes[i][1]}))
-        except Exception as exc:  # noqa: BLE001 - handed to the writer (the job fails) and to the agreement
-            save.fail(f"replication exchange: {type(exc).__name__}: {exc}")
-            _announce(announce, {"error": str(exc)})
-        finally:
-            announce.close()
+    def _user_replicas(strategy: ReplicationStrategy, state_dict: Any, id_: str) -> list[Packed]:
+        """Replicas by a strategy of the user's (its own replicate(), on the training thread), packed."""
+        got, ids = strategy.replicate(BasicTensorAwareStateDict(state_dict) if isinstance(state_dict, dict)
+                                      else state_dict, id_)
+        return [pack(sd, i, checksum=False) for sd, i in zip(got, ids)]
 
-    def _finish_async(self, save: _AsyncLocalSave) -> None:
+    def _finish_async(self, save: AsyncLocalSave) -> None:
         """Finalize an asynchronous save (collective): agree it is written everywhere, then remove older files."""
         if save.finalized:
             return
         save.finalized = True
         if self._pending_async is save:
             self._pending_async = None
-        if save.thread is not None:
-            save.thread.join()
+        save.join()
         errors = [e for e in self._dist.all_gather_json(save.error) if e]
         self._pool.release(save.staging)
         if errors:
@@ -320,15 +247,14 @@ class LocalCheckpointManager:
         self._keep_only(set(save.files))
         log.debug("local checkpoint %d complete on all ranks", save.iteration)
 
-    def _discard_async(self, save: _AsyncLocalSave, remove_files: bool) -> None:
+    def _discard_async(self, save: AsyncLocalSave, remove_files: bool) -> None:
         """A queue dropped the save (its write failed on some rank): free the staging, remove its files."""
         if save.finalized:
             return
         save.finalized = True
         if self._pending_async is save:
             self._pending_async = None
-        if save.thread is not None:
-            save.thread.join()
+        save.join()
         self._pool.release(save.staging)
         if remove_files:
             self._remove_iteration(save.iteration)
