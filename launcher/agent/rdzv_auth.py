@@ -2,9 +2,9 @@
 
 torch's TCPStore has no authentication: any process that reaches the endpoint can read and write any key.
 So every control record an agent acts on (join, closed round, stop, finished, keepalive, round hint,
-process-group address, straggler reports and exclusion marks) is stored as an envelope
-``{"body": "<record JSON>", "mac": "<hex>"}`` whose MAC (HMAC-SHA-256 with the job secret) covers the run id,
-the round and the store key it was written to, besides the body. A record copied to another key, round or
+process-group address, straggler reports and exclusion marks) is stored as ``nvrx1:<hex MAC>:<record JSON>``,
+where the MAC (HMAC-SHA-256 with the job secret) covers the run id, the round and the store key it was written
+to, besides the record. (No JSON envelope: a 256-node closed record is parsed once, not twice.) A record copied to another key, round or
 run fails the check (replay), and so does anything written without the secret: the agents ignore it.
 
 Torch-free (the CLI's config builder loads the secret before torch is imported).
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.agent.rdzv_records import BadRecord, _json_object
+from launcher.agent.rdzv_records import MAX_RECORD_BYTES, BadRecord, _json_object
 from nvrx_common.errors import ConfigError
 
 SECRET_FILE_ENV = "NVRX_JOB_SECRET_FILE"
@@ -37,6 +37,8 @@ JOB_WIDE = -1  # the "round" of records that belong to no round (finished, round
 PUBLIC_KEY = b"nvrx-rendezvous-without-a-job-secret"
 _DOMAIN = b"nvrx-rdzv-record/1"
 _PROOF_LABEL = b"nvrx-rdzv-secret-proof/1"
+_PREFIX = b"nvrx1:"
+_MAC_HEX = 64
 
 
 class ForgedRecord(BadRecord):
@@ -98,30 +100,38 @@ class RecordAuth:
     def unauthenticated(cls, run_id: str) -> "RecordAuth":
         return cls(run_id, PUBLIC_KEY, False, "none")
 
-    def mac(self, key_name: str, round: int, body: str) -> str:
+    def mac(self, key_name: str, round: int, body: bytes) -> bytes:
         """HMAC-SHA-256 over the run id, the round, the store key and the body (hex)."""
-        msg = b"\0".join((_DOMAIN, self.run_id.encode(), str(round).encode(), key_name.encode(), body.encode()))
-        return hmac.new(self.key, msg, hashlib.sha256).hexdigest()
+        msg = b"\0".join((_DOMAIN, self.run_id.encode(), str(round).encode(), key_name.encode(), body))
+        return hmac.new(self.key, msg, hashlib.sha256).hexdigest().encode()
 
     def seal(self, key_name: str, round: int, content: dict) -> str:
-        """CONTENT as the signed envelope to store at KEY_NAME for ROUND (JOB_WIDE for records of no round)."""
-        body = json.dumps(content, separators=(",", ":"), default=str)
-        return json.dumps({"body": body, "mac": self.mac(key_name, round, body)}, separators=(",", ":"))
+        """CONTENT as the signed record to store at KEY_NAME for ROUND (JOB_WIDE for records of no round)."""
+        body = json.dumps(content, separators=(",", ":"), default=str).encode()
+        return (_PREFIX + self.mac(key_name, round, body) + b":" + body).decode()
 
     def open(self, key_name: str, round: int, raw: bytes | str) -> str:
-        """The body of the envelope RAW read from KEY_NAME, if its MAC checks for ROUND.
+        """The record (JSON text) in RAW read from KEY_NAME, if its MAC checks for ROUND.
 
-        BadRecord if RAW is no envelope; ForgedRecord if it is one that was not signed with this job's secret
-        for this key, round and run (the message says which).
+        BadRecord if RAW is garbage (e.g. not JSON); ForgedRecord if it is a record that was not signed with
+        this job's secret for this key, round and run (the message says which).
         """
-        env = _json_object(raw)
-        body, mac = env.get("body"), env.get("mac")
-        if not isinstance(body, str) or not isinstance(mac, str):
-            raise ForgedRecord("no signature (body/mac): not written by an agent of this job")
-        if not hmac.compare_digest(mac.encode(), self.mac(key_name, round, body).encode()):
+        data = raw.encode() if isinstance(raw, str) else bytes(raw)
+        if len(data) > MAX_RECORD_BYTES:
+            raise BadRecord(f"{len(data)} bytes, more than any record nvrx writes")
+        if not data.startswith(_PREFIX):
+            _json_object(data)  # garbage says what it is ("not JSON", ...)
+            raise ForgedRecord("no signature: not written by an agent of this job")
+        mac, body = data[len(_PREFIX):len(_PREFIX) + _MAC_HEX], data[len(_PREFIX) + _MAC_HEX + 1:]
+        if data[len(_PREFIX) + _MAC_HEX:len(_PREFIX) + _MAC_HEX + 1] != b":":
+            raise ForgedRecord("malformed signature")
+        if not hmac.compare_digest(mac, self.mac(key_name, round, body)):
             raise ForgedRecord("signature does not match: written without the job secret, or copied from another "
                                "key, round or run")
-        return body
+        try:
+            return body.decode()
+        except UnicodeDecodeError:
+            raise BadRecord("not UTF-8") from None
 
     def proof(self) -> str:
         """What the store host publishes so joiners can tell "same secret" from "different secret" without
@@ -132,10 +142,11 @@ class RecordAuth:
 
 def claimed_node(body_or_raw: bytes | str) -> str:
     """The node a (possibly forged) record names, for the log: untrusted, only what the record says."""
+    data = body_or_raw.encode() if isinstance(body_or_raw, str) else bytes(body_or_raw)
+    if data.startswith(_PREFIX):
+        data = data[len(_PREFIX) + _MAC_HEX + 1:]
     try:
-        obj = _json_object(body_or_raw)
-        if isinstance(obj.get("body"), str):
-            obj = _json_object(obj["body"])
+        obj = _json_object(data)
     except BadRecord:
         return ""
     for name in ("by_node", "node_id", "node"):

@@ -350,8 +350,11 @@ class Rendezvous:
 
     def _wait_valid(self, store: TCPStore, key: str, r: int, parse: Callable[[str], T],
                     deadline: float | None = None) -> T | None:
-        """KEY's valid record once there is one (it exists already or is about to): forged values are reported
-        and waited out until an agent replaces them; None after DEADLINE (monotonic)."""
+        """KEY's valid record; KEY exists (the caller waited for it). Forged values are reported and waited out
+        until an agent replaces them; None after DEADLINE (monotonic)."""
+        rec = self._read(store, key, r, parse, fatal=False)  # the usual case: one request
+        if rec is not None:
+            return rec
         backoff = _Backoff(self._closing, FORGED_POLL_MAX)
         while True:
             if store.check([key]):
@@ -474,7 +477,12 @@ class Rendezvous:
         todo = slots.open_slots(count, 2 * self.settings.max_nodes + 64)
         if todo:
             keys = [self.keys.join(r, j) for j in todo]
-            present = todo if store.check(keys) else [j for j, k in zip(todo, keys) if store.check([k])]
+            if store.check(keys):
+                present = todo
+            elif now - min(slots.first_seen.get(j, now) for j in todo) < JOIN_SLOT_GRACE / 10:
+                present = []  # joiners write their record right after taking a slot: look again next poll
+            else:  # one by one, to find the slots that stay empty
+                present = [j for j, k in zip(todo, keys) if store.check([k])]
             raws = store.multi_get([self.keys.join(r, j) for j in present]) if present else []
             for j, raw in zip(present, raws):
                 try:

@@ -353,7 +353,7 @@ def test_forged_records_cannot_form_stop_or_keep_alive(cluster: Cluster) -> None
     ra, rb = in_parallel(a.rdzv.next_round, b.rdzv.next_round)
     assert [n.node_id for n in ra.nodes] == [n.node_id for n in rb.nodes] == ["node-a", "node-b"]
     evil.set(p + "r0/stop", '{"round":0,"kind":"failed","by_node":"evil","detail":{},"restart_count":9,"give_up":true}')
-    evil.set(p + "r0/beat/node-b", '{"body":"{\\"seq\\":99}","mac":"00"}')
+    evil.set(p + "r0/beat/node-b", "nvrx1:" + "0" * 64 + ':{"seq":99}')
     a.rdzv.start_keepalive(ra)  # node-b never beats: only the forged beat speaks for it
     with ThreadPoolExecutor(max_workers=1) as pool:
         stop = pool.submit(b.rdzv.wait_stop, 0).result(timeout=WAIT)
