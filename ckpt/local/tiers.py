@@ -79,13 +79,15 @@ class TwoTierCheckpointer:
     def step(self, step: int, state_dict: dict[str, Any]) -> str | None:
         """Checkpoint STEP if due: 'global' (DCP, asynchronous), 'local' (a copy, replicated and written in the
         background with LOCAL_ASYNC), or None. A failed local save is logged (when it is found: at the next local
-        save or ``close``) and training goes on: the global tier still covers it."""
+        save or ``close``) and training goes on: the global tier still covers it. A local save still being written
+        when the next is due makes that one skipped (logged), not waited for."""
         ckpt.maybe_finalize()
         if step % self.global_every == 0:
             ckpt.async_save(state_dict, self.global_root / f"iter_{step:09d}")
             return "global"
         if step % self.local_every == 0:
-            self._finish_local()
+            if not self._local_ready(step):
+                return None
             try:
                 self.local.save(state_dict, step, is_async=self.local_async)
             except CheckpointError as exc:
@@ -93,6 +95,18 @@ class TwoTierCheckpointer:
                 return None
             return "local"
         return None
+
+    def _local_ready(self, step: int) -> bool:
+        """Finalize the previous local save if it is written everywhere (never waits for it: under load the
+        writer may lag, and training must not stall); False: skip this local save."""
+        try:
+            if self.local.maybe_finalize():
+                return True
+        except CheckpointError as exc:  # finalized as failed: a new save may start
+            log.error("local checkpoint failed, the global tier still covers this run: %s", exc)
+            return True
+        log.warning("local checkpoint of step %d skipped: the previous one is still being written", step)
+        return False
 
     def _finish_local(self) -> None:
         """Finalize the pending local save (collective); its failure is logged, not raised."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from ckpt.async_ckpt.core import WriterJob
     from ckpt.async_ckpt.writer_process import WriterProcess
     from ckpt.local.replication.strategies import CliqueReplicationStrategy
+
+
+_SLICE = 0.2  # seconds: waits are cut into slices so the training thread keeps running Python (automatic heartbeat)
 
 
 def staging_layout(nbytes: Sequence[int], me: int) -> tuple[list[int], int]:
@@ -55,6 +59,7 @@ class AsyncLocalSave:
     error: str | None = None
     scheduled: bool = False  # taken by an AsyncCallsQueue (its preload hook ran) or by the manager
     finalized: bool = False
+    reply: dict[str, Any] | None = None  # the writer's answer, once taken (by ``poll``)
 
     def mark_scheduled(self) -> None:
         self.scheduled = True
@@ -102,6 +107,27 @@ class AsyncLocalSave:
         finally:
             pipe.close()
 
+    def poll(self, block: bool) -> dict[str, Any] | None:
+        """The writer's answer for this save, None while it writes (BLOCK: wait for it, in short slices so the
+        training thread keeps its automatic heartbeat while a busy machine starves the writer)."""
+        if self.reply is None:
+            job = self.job
+            writer = job.submitted_to if job is not None and job.job_id else None
+            if writer is None:
+                self.reply = {"ok": False, "error": self.error or "the save was never handed to the writer"}
+                return self.reply
+            try:
+                while (reply := writer.result(job.job_id, block=False)) is None and block:  # type: ignore[union-attr]
+                    select.select([writer.channel] if writer.channel is not None else [], [], [], _SLICE)
+                self.reply = reply
+            except (RuntimeError, KeyError) as exc:
+                self.reply = {"ok": False, "error": str(exc)}
+        return self.reply
+
+    def done(self) -> bool:
+        """Written (or failed) on this rank, without waiting."""
+        return (self.thread is None or not self.thread.is_alive()) and self.poll(block=False) is not None
+
     def join(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
+        while self.thread is not None and self.thread.is_alive():
+            self.thread.join(_SLICE)

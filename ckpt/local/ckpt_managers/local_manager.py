@@ -279,13 +279,26 @@ class LocalCheckpointManager:
                                            "maybe_finalize_async_calls(blocking=True) on that queue first")
             save.scheduled = True
             assert save.job is not None
-            save.job()  # this rank's write (the writer's answer; a failure is recorded, not raised)
+            save.job.deliver(save.poll(block=True))  # this rank's write; a failure is recorded, not raised
             self._finish_async(save)
         self._pending_async = None
 
     def wait(self) -> None:
         """Finalize a pending asynchronous save (collective)."""
         self._finalize_pending()
+
+    def maybe_finalize(self) -> bool:
+        """Finalize the pending asynchronous save if it is written on every rank, without waiting for the writer
+        (collective while a save of the manager's own is pending). True when no save is pending any more; False
+        while one is still being written somewhere, or is held by the caller's AsyncCallsQueue."""
+        save = self._pending_async
+        if save is None or save.finalized:
+            self._pending_async = None
+            return True
+        if save.scheduled or not self._dist.all_true(save.done()):
+            return False
+        self._finalize_pending()
+        return True
 
     def close(self) -> None:
         """Finalize a pending save and free the staging memory (collective)."""

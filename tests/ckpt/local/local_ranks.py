@@ -144,6 +144,31 @@ def through_queue(work: Path, rank: int, big: int = 0) -> dict:
     return out
 
 
+def writer_killed(work: Path, rank: int) -> dict:
+    """Rank 0's checkpoint writer process is SIGKILLed during an asynchronous local save: the save fails on every
+    rank, the previous iteration stays, and the next save runs on a new writer."""
+    from ckpt.async_ckpt.writer_process import default_writer
+
+    mgr, out = manager(work, rank), {}
+    mgr.save(state(rank, 1), iteration=1)
+    mgr.save(state(rank, 2, big=128 << 20), iteration=2, is_async=True)
+    first = default_writer().pid
+    if rank == 0:
+        os.kill(first, signal.SIGKILL)
+    try:
+        mgr.wait()
+        out["error"] = None
+    except LocalCheckpointError as exc:
+        out["error"] = str(exc)
+    out["found_after"] = mgr.find_latest()
+    mgr.save(state(rank, 3), iteration=3, is_async=True)
+    mgr.wait()
+    out["new_writer"] = default_writer().pid != first if rank == 0 else True
+    out.update(restore(mgr))
+    mgr.close()
+    return out
+
+
 def main() -> None:
     rank, port, work, scenario = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4]
     logging.basicConfig(level=logging.WARNING, format=f"rank{rank} %(levelname)s %(message)s")
@@ -169,6 +194,8 @@ def main() -> None:
         out["found_after_failure"] = mgr.find_latest()
     if scenario == "restore":
         out.update(restore(mgr))
+    if scenario == "writer_killed":
+        out.update(writer_killed(work, rank))
     if scenario == "queue":
         out.update(through_queue(work, rank))
         out["restored"] = restore(manager(work, rank))

@@ -66,6 +66,7 @@ def main() -> None:
             sd["rep"].fill_(step)
             sd["step"].fill_(step)
             out["kinds"].append(tiers.step(step, sd))
+            local.wait()  # steps longer than a local save: none is skipped
         tiers.close()
         # the same world size restores the local tier (newest), shard for shard
         fresh = state(world, -1)

@@ -136,3 +136,13 @@ def test_an_async_save_that_fails_on_one_node_fails_on_every_rank_through_the_qu
         assert r["error"].startswith("CheckpointWriteFailed") and "local iteration 1" in r["error"], r
         assert "not enough space" in r["error"] and "previous checkpoint is intact" in r["error"]
         assert r["files_after_error"] == []  # the failed iteration's files are removed on every rank
+
+
+def test_a_writer_process_killed_during_an_async_save_fails_that_save_everywhere_and_the_next_one_works(
+        tmp_path: Path) -> None:
+    res = run_ranks(tmp_path, "writer_killed")
+    for r in res:
+        assert "local checkpoint of iteration 2 failed" in r["error"] and "rank 0:" in r["error"]
+        assert "killed by SIGKILL" in r["error"] and "previous local checkpoint is kept" in r["error"]
+        assert r["found_after"] == 1 and r["new_writer"]
+    assert_restored(res, 3)

@@ -43,6 +43,7 @@ def main() -> None:
             sd[f"own_{rank}"].fill_(10.0 * step + rank)
             sd["step"].fill_(step)
             out["kinds"].append(tiers.step(step, sd))
+            local.wait()  # steps longer than a local save: none is skipped (which tier restores is then known)
         tiers.close()
     else:
         sd = state(rank, -1.0, -1)
