@@ -54,17 +54,26 @@ class WriterProcess:
     # ------------------------------------------------------------ life cycle
 
     def start(self) -> None:
-        """Start the process (no-op if it runs). Returns at once; it imports torch in the background."""
+        """Start the process (no-op if it runs). Returns at once; it imports torch in the background.
+
+        A process that already imported torch and runs no other thread (a rank at start, forked from the
+        launcher's warm template) forks the writer instead: no second interpreter importing torch for
+        seconds of CPU while the rank initialises (on a small node, the two cores a restart needs).
+        """
         if self.running():
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
         env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("OMP_NUM_THREADS", "1")
-        cmd = [self.python, "-m", "ckpt.async_ckpt.writer_main", str(theirs.fileno()), str(os.getpid()), str(self.nice)]
+        args = [str(theirs.fileno()), str(os.getpid()), str(self.nice)]
+        cmd = [self.python, "-m", "ckpt.async_ckpt.writer_main", *args]
         try:
-            self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                                         close_fds=True)
+            if _can_fork():
+                self.proc = _ForkedWriter(theirs.fileno(), args, cmd[:3])  # type: ignore[assignment]
+            else:
+                self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                             close_fds=True)
         finally:
             theirs.close()
         self.channel = Channel(ours)
@@ -275,6 +284,78 @@ def set_io_class(pid: int, io_class: int) -> None:
         subprocess.run(["ionice", "-c", str(io_class), "-p", str(pid)], check=True, capture_output=True, timeout=10)
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("cannot set the I/O class of checkpoint writer pid %d to %d: %s", pid, io_class, exc)
+
+
+def _can_fork() -> bool:
+    """torch is imported here already and no other thread runs (a fork then copies no lock held elsewhere)."""
+    if "torch" not in sys.modules:
+        return False
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+class _ForkedWriter:
+    """A writer forked from this process (what ``subprocess.Popen`` offers that ``WriterProcess`` uses)."""
+
+    def __init__(self, fd: int, args: list[str], title: list[str]) -> None:
+        pid = os.fork()
+        if pid == 0:  # the child: only its end of the socketpair and stdio, then the writer's loop
+            try:
+                _keep_only_fds((0, 1, 2, fd))
+                devnull = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(devnull, 0)
+                os.close(devnull)
+                from nvrx_common.process import set_process_title
+
+                set_process_title(title)
+                from ckpt.async_ckpt import writer_main
+
+                writer_main.main(args)
+            finally:
+                os._exit(70)
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = self.pid, 0
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"writer {self.pid}", timeout or 0.0)
+            time.sleep(0.005)
+        return self.returncode  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _keep_only_fds(keep: tuple[int, ...]) -> None:
+    """Close every inherited fd but KEEP (as ``close_fds=True`` does for a spawned process)."""
+    try:
+        fds = [int(n) for n in os.listdir("/proc/self/fd")]
+    except OSError:
+        fds = list(range(3, 1024))
+    for fd in fds:
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 # ---------------------------------------------------------------- the process-wide writer

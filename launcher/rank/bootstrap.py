@@ -317,8 +317,10 @@ def run_user_code(entry: str, args: list[str], module: bool) -> int:
     # First, before the monitor link's thread may read the environment: ps, top, pgrep -f and GPU process
     # lists then show the rank as torchrun's, not as the template process or `-m launcher.rank.bootstrap`.
     set_process_title(torchrun_command_line(entry, args, module))
-    _attach_to_monitor(time.monotonic())
-    ckpt_writer.start_if_requested(os.environ)  # nvrx launch --async-ckpt: this rank's writer, started once
+    started = time.monotonic()
+    # nvrx launch --async-ckpt: this rank's writer, started once; first, while no other thread runs (it is forked)
+    ckpt_writer.start_if_requested(os.environ)
+    _attach_to_monitor(started)
     inprocess = _inprocess_mode()
     _sync_sys_path_with_env()
     _forget_launcher_modules()

@@ -3,7 +3,7 @@
 usage: python snapshot_ranks.py RANK PORT WORKDIR
 
 Every 3 steps a save starts; the copy of the parameters and Adam's state is left to the publishing thread,
-which is made slow on purpose (it sleeps before copying), and the optimizer steps right after the save
+which is made slow on purpose (it copies only once the next optimizer step has begun), and the optimizer steps right after the save
 call. For each save the rank records the state's values at the call; the test compares them with what the
 checkpoint holds. It also records how often a tensor was copied a second time (the writer must take the
 snapshot's bytes where they lie) and how long optimizer steps waited for a copy.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -34,8 +35,13 @@ def _counting_copy(self, offset, tensor):  # noqa: ANN001, ANN202
     _copy_tensor(self, offset, tensor)
 
 
+STEP_ATTEMPTED = threading.Event()  # set by the first optimizer step pre-hook (registered before the saver's)
+
+
 def _slow_finish(self):  # noqa: ANN001, ANN202
-    time.sleep(0.3)  # the optimizer step after the save call comes long before this copy
+    STEP_ATTEMPTED.clear()
+    STEP_ATTEMPTED.wait(5)  # (bounded: close() takes a last save with no step after it) the next optimizer step has begun: the saver's hook must now hold it
+    time.sleep(0.2)
     _finish_copy(self)
 
 
@@ -65,6 +71,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    opt.register_step_pre_hook(lambda *_: STEP_ATTEMPTED.set())  # runs before the saver's own hook
     saver = ckpt.PeriodicCheckpointer(f"{work}/ckpts", model=model, optimizer=opt, every_steps=3, keep_last=None)
     saved: dict[str, dict] = {}
     for step in range(9):
