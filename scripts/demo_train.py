@@ -1,11 +1,12 @@
-"""A small DDP training job on CPU/gloo, written exactly as for torchrun.
+"""A small DDP training job on CPU/gloo, written as for torchrun, checkpointed the nvrx way.
 
-It trains a tiny regression model, checkpoints every few steps, and (for the demo) gives the
-launcher two faults to recover from: rank 1 crashes in the first attempt, and rank 0 hangs (a
-call that blocks the interpreter) in the second, which the rank monitor's automatic heartbeat
-catches. On each restart it resumes from the last checkpoint. Run it with:
+It trains a tiny regression model and saves an asynchronous checkpoint every 5 steps with one call per
+step (``ckpt.PeriodicCheckpointer``: the save copies the state and returns; writing and publishing happen
+in the background; on start it resumes from the newest complete checkpoint). For the demo it gives the
+launcher two faults to recover from: rank 1 crashes in the first attempt, and rank 0 hangs (a call that
+blocks the interpreter) in the second, which the rank monitor's automatic heartbeat catches. Run it with:
 
-    nvrx launch --nproc-per-node 2 --max-restarts 3 --ft-param-auto-heartbeat true \
+    nvrx launch --nproc-per-node 2 --max-restarts 3 --async-ckpt --ft-param-auto-heartbeat true \
         --ft-param-rank-heartbeat-timeout 3 scripts/demo_train.py --steps 60
 """
 
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import ckpt
+
 
 def main() -> int:
     p = argparse.ArgumentParser()
@@ -25,7 +28,7 @@ def main() -> int:
     p.add_argument("--crash-at", type=int, default=25, help="step at which rank 1 crashes in attempt 0 (-1: never)")
     p.add_argument("--hang-at", type=int, default=45, help="step at which rank 0 hangs in attempt 1 (-1: never)")
     p.add_argument("--step-time", type=float, default=0.05, help="seconds of extra (busy) compute per step")
-    p.add_argument("--ckpt", default=os.path.join(os.environ.get("NVRX_RUN_LOG_DIR", "."), "demo_ckpt.pt"))
+    p.add_argument("--ckpt", default=os.path.join(os.environ.get("NVRX_RUN_LOG_DIR", "."), "demo_ckpts"))
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -34,12 +37,8 @@ def main() -> int:
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    start = 0
-    if os.path.exists(args.ckpt):
-        state = torch.load(args.ckpt, weights_only=True)
-        model.module.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        start = state["step"] + 1
+    saver = ckpt.PeriodicCheckpointer(args.ckpt, model=model, optimizer=opt, every_steps=5)
+    start = saver.resume()  # steps already done by the newest complete checkpoint (0 on a fresh start)
     if rank == 0:
         print(f"attempt {attempt}: world size {world}, starting at step {start}", flush=True)
 
@@ -60,13 +59,9 @@ def main() -> int:
         if attempt == 1 and rank == 0 and step == args.hang_at:
             print(f"rank 0: simulated hang at step {step}", file=sys.stderr, flush=True)
             time.sleep(3600)  # blocks the interpreter: no automatic heartbeat, the monitor kills this rank
-        if step % 10 == 0 or step == args.steps - 1:
-            if rank == 0:
-                tmp = args.ckpt + ".tmp"
-                torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
-                os.replace(tmp, args.ckpt)
-                print(f"step {step}: loss {loss.item():.4f} (checkpoint saved)", flush=True)
-            dist.barrier()
+        if saver.step(step) and rank == 0:  # every 5 steps: copies the state, the rest in the background
+            print(f"step {step}: loss {loss.item():.4f} (checkpoint {saver.last_saved} started)", flush=True)
+    saver.close()  # the last save published, the writer stopped
     if rank == 0:
         print(f"done: final loss {loss.item():.4f}", flush=True)
     dist.destroy_process_group()
