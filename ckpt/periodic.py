@@ -47,6 +47,7 @@ from ckpt.snapshot import capturable, capture
 
 log = logging.getLogger("nvrx.ckpt.periodic")
 
+_SLICE = 0.2  # seconds: the training thread never blocks in one C call longer (hang detection sees it alive)
 STEP_KEY = "nvrx_steps_done"  # saved with every checkpoint: how many steps the state holds
 
 
@@ -297,7 +298,8 @@ class PeriodicCheckpointer:
         """Block until the last save's copy is complete (the parameters may then be changed in place)."""
         if not self._copied.is_set():
             started = time.perf_counter()
-            self._copied.wait()
+            while not self._copied.wait(_SLICE):  # in slices: the automatic heartbeat runs between them
+                pass
             self.copy_wait_seconds += time.perf_counter() - started
 
     def wait(self) -> None:
@@ -444,7 +446,7 @@ class _Finalizer:
         """Wait until the job in progress is done (raises its failure)."""
         with self._cond:
             while self._work is not None:
-                self._cond.wait()
+                self._cond.wait(_SLICE)  # in slices: the automatic heartbeat runs between them
         self.idle()
 
     def stop(self) -> None:
