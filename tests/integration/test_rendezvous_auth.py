@@ -106,9 +106,9 @@ def test_agents_with_different_secrets_fail_at_once(job: FaultJob, tmp_path: Pat
     host = job.start(*common, env={"NVRX_JOB_SECRET_FILE": str(secret_file(tmp_path / "a"))})
     assert wait_for(lambda: job.run_dir("mismatch").exists(), 60)
     wrong = secret_file(tmp_path / "b", b"another-secret-of-another-job-xyz")
-    res = job.run(*common, env={"NVRX_JOB_SECRET_FILE": str(wrong)}, timeout=60)
+    res = job.run(*common, env={"NVRX_JOB_SECRET_FILE": str(wrong)}, timeout=180)  # bounded; loaded machine
     one_line_error(res, "job secret", "differs", "127.0.0.1", "NVRX_JOB_SECRET_FILE")
-    res = job.run(*common, timeout=60)
+    res = job.run(*common, timeout=180)
     # one warning line (no secret: records unauthenticated) is expected before the error line
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "protected by a job secret and this agent has none" in one_line(res.stderr)
