@@ -164,6 +164,8 @@ class PeriodicCheckpointer:
         if not self._prepared and self._optimizer_ready():  # reserve staging now: the first save is warm
             self.checkpointer.prepare(self._state_dict())
             self._prepared = True
+            if self._finalizer is not None:  # its thread too, so the first save pays what later ones do
+                self._finalizer.start_thread()
         done = self._done = step + 1
         if self._falls_due(done):
             self._due = True
@@ -403,11 +405,16 @@ class _Finalizer:
         with self._cond:
             assert self._work is None, "one checkpoint job at a time"
             self._work = work
+            self.start_thread()
+            self._cond.notify_all()
+
+    def start_thread(self) -> None:
+        """Start the thread if it does not run (it waits for work)."""
+        with self._cond:
             if self._thread is None or not self._thread.is_alive():
                 self._stop = False
                 self._thread = threading.Thread(target=self._run, name="nvrx-ckpt-publish", daemon=True)
                 self._thread.start()
-            self._cond.notify_all()
 
     def start(self) -> None:
         """Publish the save just scheduled on the checkpointer."""
