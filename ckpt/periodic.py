@@ -157,11 +157,12 @@ class PeriodicCheckpointer:
         return started
 
     def _step(self, step: int) -> bool:
+        publishing = False
         if self._finalizer is None:
             self.checkpointer.maybe_finalize()
-        elif not self._finalizer.idle():  # (raises the reason if publishing the last save failed)
-            return self._defer(step)
-        if not self._prepared and self._optimizer_ready():  # reserve staging now: the first save is warm
+        else:
+            publishing = not self._finalizer.idle()  # (raises the reason if publishing the last save failed)
+        if not publishing and not self._prepared and self._optimizer_ready():  # reserve staging now: the first save is warm
             self.checkpointer.prepare(self._state_dict())
             self._prepared = True
             if self._finalizer is not None:  # its thread too, so the first save pays what later ones do
@@ -169,19 +170,12 @@ class PeriodicCheckpointer:
         done = self._done = step + 1
         if self._falls_due(done):
             self._due = True
+        # Every rank takes the same collectives and acts on their common answer: a rank that was still
+        # publishing at the top of this step may be idle by the time it answers, and then it saves too.
         if not self._due or not self._all_idle():
             return False
         self.save(done)
         return True
-
-    def _defer(self, step: int) -> bool:
-        """STEP while this rank still publishes the last save: note a save falling due, take the same collectives."""
-        done = self._done = step + 1
-        if self._falls_due(done):
-            self._due = True
-        if self._due:
-            self._all_idle()  # answers False (this rank is busy), but every rank must take part
-        return False
 
     def _all_idle(self) -> bool:
         """Nothing in flight on any rank, the same answer everywhere (inline publishing: pending counts agree)."""
