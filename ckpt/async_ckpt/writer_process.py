@@ -259,8 +259,8 @@ class WriterProcess:
     def _exit_reason(self, fallback: str) -> str:
         if self.proc is None:
             return fallback
-        try:
-            code = self.proc.wait(1.0)
+        try:  # its end of the channel closed: it is dying; on a loaded machine reaping it can take over a second
+            code = self.proc.wait(5.0)
         except subprocess.TimeoutExpired:
             return fallback
         if code < 0:
