@@ -193,6 +193,20 @@ class Slot:
         self._mm.close()
 
 
+def read_slot(path: Path) -> SlotSnapshot | None:
+    """One look at the slot file at PATH; None when it is gone or unreadable (its rank just ended or restarts)."""
+    try:
+        slot = Slot.attach(path)
+    except (SlotError, OSError):
+        return None
+    try:
+        return slot.snapshot()
+    except SlotError:
+        return None
+    finally:
+        slot.close()
+
+
 def _decode(raw: bytes) -> SlotSnapshot:
     qv = memoryview(raw).cast("q")
     dv = memoryview(raw).cast("d")

@@ -24,7 +24,7 @@ from typing import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from monitors.heartbeat import Slot, SlotError
+from monitors.heartbeat import read_slot
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 BUSY_FRACTION = 0.5   # of the gap, spent on the CPU by the main thread
@@ -65,16 +65,9 @@ def busy_peer(own_slot: Path, now: float, recent: float) -> str | None:
     for path in sorted(own_slot.parent.glob("*.slot")):
         if path == own_slot:
             continue
-        try:
-            slot = Slot.attach(path)
-        except (SlotError, OSError):
+        snap = read_slot(path)
+        if snap is None:
             continue
-        try:
-            snap = slot.snapshot()
-        except SlotError:
-            continue
-        finally:
-            slot.close()
         mark = max(snap.last_hb, snap.auto_hb, snap.last_section_end)
         if snap.hb_count or snap.auto_hb:
             if now - mark < recent:

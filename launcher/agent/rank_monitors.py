@@ -32,7 +32,7 @@ from typing import Any
 from monitors.client import ENV_AUTO_HEARTBEAT, ENV_SHM, ENV_SOCKET, ENV_TOKEN
 from monitors.events import (EventLog, HangDetected, MonitorAttach, MonitorConnect, MonitorDied, MonitorGaveUp,
                              MonitorSpawned, MonitorStuck, RankTiming, last_event)
-from monitors.heartbeat import Slot, SlotError
+from monitors.heartbeat import read_slot
 from monitors.progress_watchdog import watchdog_interval
 from nvrx_common.files import open_private, private_dir
 
@@ -216,16 +216,9 @@ class RankMonitorGroup:
         """
         found: dict[int, float] = {}
         for lr in range(self.nproc):
-            try:
-                slot = Slot.attach(self.paths(lr)[1])
-            except SlotError:
+            snap = read_slot(self.paths(lr)[1])
+            if snap is None:
                 continue
-            try:
-                snap = slot.snapshot()
-            except SlotError:
-                continue
-            finally:
-                slot.close()
             last = max(snap.last_hb, snap.auto_hb)
             if last > 0 and not snap.open_mask:  # a rank inside a section is not stalled, it is busy
                 found[lr] = last
