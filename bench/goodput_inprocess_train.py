@@ -31,7 +31,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from goodput_train import IN_FEATURES, TorchSaveCheckpoint, build_model, write_json  # noqa: E402
+from goodput_train import TorchSaveCheckpoint, build_model, train_step, write_json  # noqa: E402
 
 INPROCESS = os.environ.get("NVRX_INPROCESS") == "1"
 PENDING: list[str] = []  # faults asked for by the injector, acted on at the next step
@@ -148,17 +148,7 @@ def train_loop(args: argparse.Namespace, ddp: torch.nn.Module, opt: torch.optim.
                 # mismatched collective, the common hang of a distributed job); only an abort (the Wrapper's)
                 # or the process group's timeout ends it
                 dist.recv(torch.zeros(1), src=(rank + 1) % dist.get_world_size())
-            gen.manual_seed(step * 1000 + rank)
-            x = torch.randn(64, IN_FEATURES, generator=gen)
-            loss = torch.nn.functional.mse_loss(ddp(x), x)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if saver is not None:
-                t = time.perf_counter()
-                saver.step(step)
-                blocked += time.perf_counter() - t
-            time.sleep(args.pause)
+            blocked += train_step(ddp, opt, saver, gen, step, rank, args.pause)
             progress.write(f"{step} {time.time():.6f}\n")
     return blocked
 

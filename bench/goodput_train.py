@@ -113,18 +113,26 @@ def train(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Opt
     gen = torch.Generator()
     blocked = 0.0
     for step in range(start, args.steps):
-        gen.manual_seed(step * 1000 + rank)
-        x = torch.randn(64, IN_FEATURES, generator=gen)
-        loss = torch.nn.functional.mse_loss(model(x), x)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if saver is not None:
-            t = time.perf_counter()
-            saver.step(step)
-            blocked += time.perf_counter() - t
-        time.sleep(args.pause)
+        blocked += train_step(model, opt, saver, gen, step, rank, args.pause)
         log(step)
+    return blocked
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, saver: Any, gen: torch.Generator, step: int,
+               rank: int, pause: float) -> float:
+    """One step of the benchmark workload (the same batch for a step on every run); the seconds SAVER blocked."""
+    gen.manual_seed(step * 1000 + rank)
+    x = torch.randn(64, IN_FEATURES, generator=gen)
+    loss = torch.nn.functional.mse_loss(model(x), x)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    blocked = 0.0
+    if saver is not None:
+        t = time.perf_counter()
+        saver.step(step)
+        blocked = time.perf_counter() - t
+    time.sleep(pause)
     return blocked
 
 
