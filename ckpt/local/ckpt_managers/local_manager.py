@@ -230,14 +230,20 @@ class LocalCheckpointManager:
                                       else state_dict, id_)
         return [pack(sd, i, checksum=False) for sd, i in zip(got, ids)]
 
-    def _finish_async(self, save: AsyncLocalSave) -> None:
-        """Finalize an asynchronous save (collective): agree it is written everywhere, then remove older files."""
+    def _settle_async(self, save: AsyncLocalSave) -> bool:
+        """Mark SAVE as handled and wait for its exchange thread; False if it was handled already."""
         if save.finalized:
-            return
+            return False
         save.finalized = True
         if self._pending_async is save:
             self._pending_async = None
         save.join()
+        return True
+
+    def _finish_async(self, save: AsyncLocalSave) -> None:
+        """Finalize an asynchronous save (collective): agree it is written everywhere, then remove older files."""
+        if not self._settle_async(save):
+            return
         errors = [e for e in self._dist.all_gather_json(save.error) if e]
         self._pool.release(save.staging)
         if errors:
@@ -249,12 +255,8 @@ class LocalCheckpointManager:
 
     def _discard_async(self, save: AsyncLocalSave, remove_files: bool) -> None:
         """A queue dropped the save (its write failed on some rank): free the staging, remove its files."""
-        if save.finalized:
+        if not self._settle_async(save):
             return
-        save.finalized = True
-        if self._pending_async is save:
-            self._pending_async = None
-        save.join()
         self._pool.release(save.staging)
         if remove_files:
             self._remove_iteration(save.iteration)
