@@ -38,7 +38,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -414,26 +413,42 @@ def step_median(out: Path) -> float | None:
 
 def execute(spec: RunSpec, settings: Settings, schedule: list[Fault], table: dict[str, bl.Launcher],
             keep: bool) -> RunResult:
-    result = RunResult(spec)
     dirs = bl.RunDirs.create(spec.launcher, f"{spec.variant}-{spec.kind}")
     run_id = f"goodput-{uuid.uuid4().hex[:12]}"
     launcher = table[spec.launcher]
+
+    def injector(proc: subprocess.Popen, t0: float) -> Injector:
+        return Injector(proc, dirs.out, spec.kind, t0 + settings.run_timeout, spec.variant == "inprocess")
+
+    def after(result: RunResult) -> None:
+        if spec.launcher == "nvrx":
+            result.monitor = monitor_facts(dirs.logs)
+
+    return run_measured(spec, settings, schedule, dirs, run_id, command(spec, settings, dirs, run_id, launcher),
+                        bl.build_env(launcher, run_id), injector, after, keep)
+
+
+def run_measured(spec: RunSpec, settings: Settings, schedule: list[Fault], dirs: bl.RunDirs, run_id: str,
+                 cmd: list[str], env: dict[str, str], make_injector: Any, after: Any, keep: bool) -> RunResult:
+    """Run CMD, inject the SCHEDULE's faults (MAKE_INJECTOR(proc, t0)), measure; AFTER(result) adds facts.
+
+    Leaves no process behind and removes the run's files unless it failed or KEEP (bench_goodput_local too).
+    """
+    result = RunResult(spec)
+    faults = len(schedule) if spec.kind != "none" else 0
     console = open(dirs.console, "wb")  # noqa: SIM115 - closed below
     t0 = result.t0 = time.time()
-    proc = subprocess.Popen(command(spec, settings, dirs, run_id, launcher), cwd=bl.REPO_ROOT,
-                            env=bl.build_env(launcher, run_id), stdin=subprocess.DEVNULL, stdout=console,
+    proc = subprocess.Popen(cmd, cwd=bl.REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=console,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        injector = Injector(proc, dirs.out, spec.kind, t0 + settings.run_timeout, spec.variant == "inprocess")
-        fired = injector.run(schedule) if spec.kind != "none" else []
+        fired = make_injector(proc, t0).run(schedule) if faults else []
         try:
             result.rc = proc.wait(timeout=max(1.0, t0 + settings.run_timeout - time.time()))
         except subprocess.TimeoutExpired:
             result.error = f"not finished within {settings.run_timeout:.0f} s"
         result.exit_s = time.time() - t0
-        collect(result, dirs.out, t0, fired, len(schedule) if spec.kind != "none" else 0)
-        if spec.launcher == "nvrx":
-            result.monitor = monitor_facts(dirs.logs)
+        collect(result, dirs.out, t0, fired, faults)
+        after(result)
     finally:
         bl.kill_leftovers(proc, run_id)
         console.close()

@@ -23,7 +23,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -64,40 +63,27 @@ def command(spec: bg.RunSpec, settings: bg.Settings, dirs: bl.RunDirs, run_id: s
 
 def execute(spec: bg.RunSpec, settings: bg.Settings, schedule: list[bg.Fault], global_every: int,
             keep: bool) -> bg.RunResult:
-    result = bg.RunResult(spec)
     dirs = bl.RunDirs.create("nvrx", f"local-{spec.ckpt}-{spec.kind}")
     local_root = Path(tempfile.mkdtemp(prefix="nvrx-goodput-local-", dir="/dev/shm"))
     run_id = f"goodput-{uuid.uuid4().hex[:12]}"
-    console = open(dirs.console, "wb")  # noqa: SIM115 - closed below
-    t0 = result.t0 = time.time()
-    result.load = bg.os.getloadavg()[0]
-    proc = subprocess.Popen(command(spec, settings, dirs, run_id, local_root, global_every), cwd=bl.REPO_ROOT,
-                            env=bl.build_env(bl.make_launchers()["nvrx"], run_id), stdin=subprocess.DEVNULL,
-                            stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        injector = NodeLossInjector(proc, dirs.out, t0 + settings.run_timeout,
-                                    local_root if spec.kind == "nodeloss" else None)
-        fired = injector.run(schedule) if spec.kind != "none" else []
-        try:
-            result.rc = proc.wait(timeout=max(1.0, t0 + settings.run_timeout - time.time()))
-        except subprocess.TimeoutExpired:
-            result.error = f"not finished within {settings.run_timeout:.0f} s"
-        result.exit_s = time.time() - t0
-        bg.collect(result, dirs.out, t0, fired, len(schedule) if spec.kind != "none" else 0)
+    load = bg.os.getloadavg()[0]
+
+    def injector(proc: subprocess.Popen, t0: float) -> NodeLossInjector:
+        return NodeLossInjector(proc, dirs.out, t0 + settings.run_timeout,
+                                local_root if spec.kind == "nodeloss" else None)
+
+    def after(result: bg.RunResult) -> None:
+        result.load = load
         for f in result.faults:  # where each attempt after a fault resumed (a multiple of global-every: global tier)
             ready = bg.read_json(dirs.out / f"ready-a{f['attempt'] + 1}-r0.json") or {}
             f["resumed_at_step"] = ready.get("start_step")
+
+    try:
+        return bg.run_measured(spec, settings, schedule, dirs, run_id,
+                               command(spec, settings, dirs, run_id, local_root, global_every),
+                               bl.build_env(bl.make_launchers()["nvrx"], run_id), injector, after, keep)
     finally:
-        bl.kill_leftovers(proc, run_id)
-        console.close()
         shutil.rmtree(local_root, ignore_errors=True)
-        if not result.ok:
-            result.log_tail = bl.tail(dirs.console, 20)
-        if result.ok and not keep:
-            shutil.rmtree(dirs.root, ignore_errors=True)
-        else:
-            result.run_dir = str(dirs.root)
-    return result
 
 
 def plan(kinds: tuple[str, ...], local_every: int) -> list[bg.RunSpec]:
