@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from launcher.rank import bootstrap
 from nvrx_common.errors import NvrxError
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE = 1 << 20  # a spawn request carries a whole environment
 WARM_UP_IDLE = 0.2  # seconds without a request, once ranks run, before the template warms up
 WARM_NAME = "nvrx-tmpl-warm"  # the template's /proc/PID/comm once warm (forked ranks set their own name)
+WARMING_NAME = "nvrx-tmpl-w"  # ... + the number of the warm-up step it runs (a fork in between sees the last one)
 _SERVER_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # it ends with the agent, not by signal
 _ORIGINAL_HANDLERS = {sig: signal.getsignal(sig) for sig in _SERVER_IGNORES}  # what a rank must get back
 
@@ -131,21 +132,29 @@ class _Server:
         self.sel = selectors.DefaultSelector()
         self.children: dict[int, int] = {}  # pid -> pidfd
         self.sel.register(sock, selectors.EVENT_READ, None)
-        self.warm = False  # first-use costs paid (see _warm_up): at the first idle moment, after the first ranks
+        self.warm_up = WarmUp(WARM_UP_STEPS)  # first-use costs, paid step by step while ranks run (see _wait)
+        self.burst_intact = False  # every rank forked since the last request still runs: no respawn is coming
 
     def _wait(self) -> list:
-        """The next events; once ranks run and no request came for WARM_UP_IDLE seconds, warm the template first.
+        """The next events; while the ranks run and nothing is asked, warm the template one step at a time.
 
-        Waiting for the first ranks and a quiet moment keeps the warm-up off the start-up path (the agent
-        sends a round's spawn requests one after the other).
+        The first step waits for WARM_UP_IDLE quiet seconds (the agent sends a round's spawn requests one after
+        the other), the next ones follow at once; any event (a request, a rank's exit) pauses the warm-up, so a
+        respawn waits for one step at most, never for the whole warm-up. It resumes only while every rank forked
+        since the last request runs: after a rank's exit a respawn is likely, and it should find the server idle.
+        A step is done or not done when the server forks: the warm-up runs here, in the one thread, never
+        in another one a rank could inherit half-way.
         """
-        if not self.warm and self.children:
+        while not self.warm_up.done and self.children and self.burst_intact:
             ready = self.sel.select(timeout=WARM_UP_IDLE)
+            while not ready and not self.warm_up.done:
+                _set_comm(f"{WARMING_NAME}{self.warm_up.position}")
+                self.warm_up.step()
+                if self.warm_up.done:
+                    _set_comm(WARM_NAME)
+                ready = self.sel.select(timeout=0)
             if ready:
                 return ready
-            _warm_up()
-            self.warm = True
-            _set_comm(WARM_NAME)
         return self.sel.select()
 
     def serve(self) -> ChildJob | None:
@@ -175,6 +184,7 @@ class _Server:
             close_fds(fds)
             self._reply({"op": "refused", "id": msg.get("id"), "reason": f"bad request {msg.get('op')!r} with {len(fds)} fds"})
             return None
+        self.burst_intact = True
         if _cuda_initialized():
             close_fds(fds)
             self._reply({"op": "refused", "id": msg.get("id"), "reason": "CUDA is initialised in the fork server"})
@@ -235,6 +245,7 @@ class _Server:
         return ChildJob(entry=str(msg["entry"]), args=[str(a) for a in msg.get("args") or ()], module=bool(msg.get("module")))
 
     def _reap(self, pid: int) -> None:
+        self.burst_intact = False
         pidfd = self.children.pop(pid)
         self.sel.unregister(pidfd)
         os.close(pidfd)
@@ -313,41 +324,74 @@ def _import_optional(name: str) -> None:
         pass
 
 
-# What a rank saving and resuming with `ckpt` imports (0.05-0.25 s of compiling when bytecode is not cached).
-_CKPT_MODULES = ("ckpt.periodic", "ckpt.api", "ckpt.loader", "ckpt.manifest", "ckpt.publish", "ckpt.snapshot",
-                 "ckpt.async_ckpt.state_dict_saver", "ckpt.async_ckpt.filesystem_async", "ckpt.async_ckpt.core",
-                 "ckpt.async_ckpt.file_writer", "ckpt.async_ckpt.cached_metadata_filesystem_reader",
-                 "nvrx_common.files")
+def _build_throwaway_optimizer() -> None:
+    """Builds an optimizer over one zero tensor: imports the rest of what ``torch.optim`` needs; patches Adam.step once."""
+    import torch
+
+    torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
 
 
-def _warm_up() -> None:
-    """Pay once, in the template, the first-use costs every restarted rank would pay again.
+# The warm-up, in steps of at most ~0.5 s (idle machine). Measured on the benchmark workload (bench/bench_goodput.py),
+# a rank spent ~1 s building its first ``torch.optim`` optimizer (it imports ``torch._dynamo``, sympy, DTensor, parts of
+# FSDP and inductor), ~0.05 s on the DCP and DDP imports and ~0.1 s more on its first DCP load (serialization config,
+# fsspec). The first steps import, one at a time and outside torch._dynamo's package (whose import cannot be cut),
+# what the optimizer's import of torch._dynamo would import anyway (tests/unit/test_fork_warmup.py checks that the
+# steps import nothing the optimizer would not). Only imports and an optimizer over one zero tensor: nothing that
+# draws random numbers, changes torch's thread settings, starts a thread, or touches CUDA (each property is tested
+# in tests/integration/test_template_warmup.py).
+WARM_UP_STEPS: tuple[str | Callable[[], None], ...] = (
+    "mpmath", "sympy", "torch.fx.experimental.symbolic_shapes", "torch.distributed._functional_collectives",
+    "torch.distributed.tensor", "torch.onnx.ops", "torch.distributed.fsdp", "torch._dynamo",
+    _build_throwaway_optimizer,
+    "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+    "torch.nn.parallel",  # DistributedDataParallel
+    "torch.utils.serialization.config", "torch._weights_only_unpickler",  # torch.load / torch.save (and DCP) on first use
+    "torch.distributed.checkpoint._fsspec_filesystem",  # tried by every dcp.load/save (if fsspec is installed)
+    "torch.profiler._cupti_monitor",  # the first backward pass imports it
+    # what a rank saving and resuming with `ckpt` imports: set aside in the rank, handed back by its `import ckpt`
+    "ckpt.periodic", "ckpt.api", "ckpt.loader", "ckpt.manifest", "ckpt.publish", "ckpt.snapshot",
+    "ckpt.async_ckpt.state_dict_saver", "ckpt.async_ckpt.filesystem_async", "ckpt.async_ckpt.core",
+    "ckpt.async_ckpt.file_writer", "ckpt.async_ckpt.cached_metadata_filesystem_reader", "nvrx_common.files",
+)
 
-    Done when the server is first idle (the first ranks are forked before it, so start-up does not wait
-    for it; a request that comes meanwhile waits at most for what that rank would have paid itself).
-    Measured on the benchmark workload (bench/bench_goodput.py), a rank spent ~1 s building its first
-    ``torch.optim`` optimizer (it imports ``torch._dynamo``, sympy, parts of FSDP and inductor), ~0.05 s on
-    the DCP and DDP imports and ~0.1 s more on its first DCP load (serialization config, fsspec). Only imports and an optimizer over one zero tensor: nothing that draws random
-    numbers, changes torch's thread settings, starts a thread, or touches CUDA (each property is tested in
-    tests/integration/test_template_warmup.py). A failure here costs speed only, never the template.
+
+class WarmUp:
+    """Pays once, in the template, the first-use costs every restarted rank would pay again; one step per call.
+
+    A step is an import (skipped when its dependencies are not installed) or a callable. A failing step ends the
+    warm-up: it costs speed only, never the template. After each step the collector is run over what the step
+    made and the survivors are frozen, as after the template's imports: scanning them in every child would copy
+    most of the heap on write.
     """
-    try:
-        import torch
 
-        torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])  # imports torch._dynamo & co.; patches Adam.step once
-        import torch.distributed.checkpoint  # noqa: F401
-        import torch.distributed.checkpoint.state_dict  # noqa: F401
-        import torch.nn.parallel  # noqa: F401  (DistributedDataParallel)
-        import torch.utils.serialization.config  # noqa: F401  (torch.load / torch.save, and so DCP, import these
-        import torch._weights_only_unpickler  # noqa: F401   on first use)
-        _import_optional("torch.distributed.checkpoint._fsspec_filesystem")  # tried by every dcp.load/save
-        _import_optional("torch.profiler._cupti_monitor")  # (the first backward pass imports it)
-        for name in _CKPT_MODULES:  # set aside in the rank, handed back by its `import ckpt` (bootstrap)
-            _import_optional(name)
-    except Exception:  # noqa: BLE001 - an optional speed-up
-        log.debug("fork server warm-up failed", exc_info=True)
-    gc.collect()
-    gc.freeze()  # as after the imports: keep the collector off these objects in every child
+    def __init__(self, steps: Sequence[str | Callable[[], None]]) -> None:
+        self._steps = list(steps)
+        self.position = 0  # the number of steps done
+        self.failed: str | None = None  # the step that failed and ended the warm-up
+
+    @property
+    def done(self) -> bool:
+        return self.position >= len(self._steps)
+
+    def step(self) -> None:
+        """Run the next step."""
+        todo = self._steps[self.position]
+        self.position += 1
+        try:
+            if callable(todo):
+                todo()
+            else:
+                _import_optional(todo)
+        except Exception:  # noqa: BLE001 - an optional speed-up
+            log.debug("fork server warm-up failed at %r", todo, exc_info=True)
+            self.failed = getattr(todo, "__name__", str(todo))
+            self.position = len(self._steps)
+        gc.collect()
+        gc.freeze()
+
+    def run_all(self) -> None:
+        while not self.done:
+            self.step()
 
 
 def main(argv: list[str] | None = None) -> None:

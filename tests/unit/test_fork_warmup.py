@@ -1,0 +1,40 @@
+"""The template's warm-up is cut into steps (launcher/agent/fork_server.py WARM_UP_STEPS) by importing, before
+torch._dynamo, modules its import would load anyway. This holds only if those imports load exactly what building an
+optimizer loads, and if none of them fails on the installed torch (a failing step ends the warm-up early)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+PROBE = r'''
+import json, sys
+import torch, torch.distributed
+from launcher.agent import fork_server as fs
+if sys.argv[1] == "steps":
+    warm = fs.WarmUp(fs.WARM_UP_STEPS)
+    warm.run_all()
+    failed = warm.failed
+else:  # one optimizer, then the steps after it: what the warm-up did in one piece before it had steps
+    torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
+    for name in fs.WARM_UP_STEPS[fs.WARM_UP_STEPS.index(fs._build_throwaway_optimizer) + 1:]:
+        fs._import_optional(name)
+    failed = None
+print(json.dumps({"modules": sorted(sys.modules), "failed": failed}))
+'''
+
+
+def _modules_after(way: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", PROBE, way], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_the_steps_load_what_one_optimizer_loads_and_none_fails() -> None:
+    steps, whole = _modules_after("steps"), _modules_after("whole")
+    assert steps["failed"] is None
+    assert set(steps["modules"]) == set(whole["modules"])
+    assert "torch._dynamo" in steps["modules"]
