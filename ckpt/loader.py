@@ -116,31 +116,78 @@ def load_latest(root: str | Path, state_dict: dict[str, Any], *, process_group: 
                 verify: str | None = "full", allow_shared_writable: bool | None = None) -> CheckpointInfo | None:
     """Load the newest complete DCP checkpoint under ROOT into STATE_DICT (in place); None if there is none.
 
-    Every rank must call it (``torch.distributed.checkpoint.load`` is collective) and sees the same files.
-    CheckpointError if that checkpoint can be written by other users (``check_private``).
+    Every rank must call it (collective) and sees the same files. CheckpointError if that checkpoint can be
+    written by other users (``check_private``). Each rank reads straight into its tensors, checking the
+    recorded CRC-32 of every item it reads ("full"; ``ckpt.direct_load``), and the ranks agree in one
+    all-reduce; a state that reader cannot take goes through ``torch.distributed.checkpoint.load`` after a
+    verification pass. A damaged newest checkpoint is skipped for the next older one; if it had already
+    overwritten part of STATE_DICT and no older one loads, CheckpointError (not None: the state is not fresh).
     """
-    import torch.distributed.checkpoint as dcp
+    from ckpt.direct_load import DAMAGED, LOADED
+    from ckpt import direct_load
 
+    if verify not in ("full", "sizes", None):
+        raise ValueError(f"verify must be 'full', 'sizes' or None, not {verify!r}")
+    touched = None
     for info in list_checkpoints(root):
         if info.kind != "dcp":
             continue
-        if verify is not None:
+        check_private(info.path, allow_shared_writable)
+        status, why = LOADED, ""
+        try:
+            if verify is not None:
+                manifest_mod.verify(info.path, full=False)
+            metadata = load_metadata(info.path, allow_shared_writable)
+        except CheckpointError as exc:
+            status, why = DAMAGED, str(exc)
+        except Exception as exc:  # noqa: BLE001 - an unreadable .metadata: that checkpoint is damaged
+            status, why = DAMAGED, f"checkpoint {info.path} is damaged: unreadable metadata ({exc})"
+        read = status == LOADED  # the direct read writes into STATE_DICT as it goes
+        if read:
+            status, why = direct_load.load_direct(info.path, info.manifest, metadata, state_dict, check_crc=verify == "full")
+            if status == DAMAGED:
+                why = f"checkpoint {info.path} is damaged: {why}"
+        agreed = _agree(status, process_group)
+        if agreed == LOADED:
+            return info
+        if agreed == DAMAGED:
+            log.warning("skipping %s", why or f"{info.path} (damaged on another rank)")
+            touched = touched or (info.path if read else None)
+            continue
+        log.debug("%s: loading through DCP (%s)", info.path, why or "another rank needs it")
+        if verify == "full":
             try:
-                manifest_mod.verify(info.path, full=verify == "full")
+                manifest_mod.verify(info.path, full=True)
             except CheckpointError as exc:
                 log.warning("skipping %s", exc)
                 continue
-        check_private(info.path, allow_shared_writable)
+        import torch.distributed.checkpoint as dcp
+
         with warnings.catch_warnings():  # torch warns that one process loads alone; that is the intent here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state_dict, checkpoint_id=str(info.path), process_group=process_group)
         return info
+    if touched is not None:
+        raise CheckpointError(f"checkpoint {touched} was damaged after part of it was loaded, and no older "
+                              f"complete checkpoint under {root} could be loaded; the state is not a fresh start")
     return None
+
+
+def _agree(status: int, process_group: Any) -> int:
+    """The worst STATUS over the ranks of PROCESS_GROUP (one all-reduce; this rank's own without a group)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(process_group) <= 1:
+        return status
+    flag = torch.tensor([status], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
+    return int(flag.item())
 
 
 def load_metadata(path: str | Path, allow_shared_writable: bool | None = None) -> Any:
     """The DCP metadata of checkpoint PATH (for ``init_checkpoint_metadata_cache``); refused like load_latest."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from ckpt.async_ckpt.cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
 
-    check_private(path, allow_shared_writable)
-    return FileSystemReader(str(path)).read_metadata()
+    check_private(path, allow_shared_writable)  # (read once per version of the file: resume reads it three times)
+    return CachedMetadataFileSystemReader(str(path)).read_metadata()
