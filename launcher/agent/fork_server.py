@@ -150,6 +150,7 @@ class _Server:
             while not ready and not self.warm_up.done:
                 _set_comm(f"{WARMING_NAME}{self.warm_up.position}")
                 self.warm_up.step()
+                bootstrap.plan_forgetting()  # off the next fork's path
                 if self.warm_up.done:
                     _set_comm(WARM_NAME)
                 ready = self.sel.select(timeout=0)
@@ -193,6 +194,7 @@ class _Server:
 
     def _fork(self, msg: dict[str, Any], fds: list[int]) -> ChildJob | None:
         bootstrap.flush_stdio()
+        bootstrap.plan_forgetting()  # (made after each warm-up step already: here only if something else imported)
         try:
             pid = os.fork()
         except OSError as exc:
@@ -303,8 +305,9 @@ def _import_template() -> None:
 
     # Keep the collector off the template's objects in every child: scanning them would
     # copy-on-write most of the heap (a forked rank's exit took ~3x longer without this).
-    gc.collect()
+    # No gc.collect() first: it found ~40 objects to free and took ~0.1 s, on the start-up path.
     gc.freeze()
+    bootstrap.plan_forgetting()
 
 
 def _set_comm(name: str) -> None:

@@ -142,3 +142,23 @@ def test_cuda_is_not_initialised(observed) -> None:
     forked, plain = observed
     assert [rank["cuda_initialized"] for rank in forked] == [False, False]
     assert plain["cuda_initialized"] is False
+
+
+def test_a_forked_rank_imports_the_users_own_launcher_and_monitors_packages(tmp_path: Path, launcher) -> None:
+    """Our packages are unlisted in a forked rank (by the names the template noted before forking, plus any listed
+    later), so the user's packages of the same names are the ones imported."""
+    for name in ("launcher", "monitors", "slurm"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("MINE = True\n")
+    script = write_script(tmp_path / "uses_own.py", '''
+import json, os, sys
+import launcher, monitors, slurm
+with open(sys.argv[1].replace("{RANK}", os.environ["RANK"]), "w") as fh:
+    json.dump([getattr(m, "MINE", False) for m in (launcher, monitors, slurm)], fh)
+''')
+    done = launcher.run("--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), str(script),
+                        str(tmp_path / "own-{RANK}.json"), env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [json.loads((tmp_path / f"own-{rank}.json").read_text()) for rank in (0, 1)] == [[True] * 3] * 2
+    events = [json.loads(line) for f in (tmp_path / "logs").rglob("agent-*.jsonl") for line in f.read_text().splitlines()]
+    assert [e["how"] for e in events if e.get("ev") == "rank_start"] == ["fork", "fork"]

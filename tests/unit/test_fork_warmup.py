@@ -38,3 +38,21 @@ def test_the_steps_load_what_one_optimizer_loads_and_none_fails() -> None:
     assert steps["failed"] is None
     assert set(steps["modules"]) == set(whole["modules"])
     assert "torch._dynamo" in steps["modules"]
+
+
+def test_the_forget_plan_covers_our_modules_listed_after_it(monkeypatch) -> None:
+    """A forked rank checks the names the template noted plus those listed since: never fewer than ours."""
+    import types
+
+    from launcher.rank import bootstrap
+
+    monkeypatch.setattr(bootstrap, "_FORGET_PLAN", None)
+    bootstrap.plan_forgetting()
+    count, names = bootstrap._FORGET_PLAN
+    assert count == len(sys.modules) and "launcher.rank.bootstrap" in names
+    assert all(name.split(".")[0] in bootstrap._OWN_PACKAGES for name in names)
+    monkeypatch.setitem(sys.modules, "monitors.listed_after_the_plan", types.ModuleType("monitors.listed_after_the_plan"))
+    ours = {name for name in sys.modules if name.split(".")[0] in bootstrap._OWN_PACKAGES}
+    checked = bootstrap._names_to_check()
+    assert "monitors.listed_after_the_plan" in checked and ours <= set(checked)
+    assert len(checked) < len(sys.modules)  # not every name
