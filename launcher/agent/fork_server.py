@@ -132,7 +132,9 @@ class _Server:
         self.sel = selectors.DefaultSelector()
         self.children: dict[int, int] = {}  # pid -> pidfd
         self.sel.register(sock, selectors.EVENT_READ, None)
-        self.warm_up = WarmUp(WARM_UP_STEPS)  # first-use costs, paid step by step while ranks run (see _wait)
+        self.entry: tuple[str, bool] | None = None  # the last request's (entry, module): what ranks run
+        # first-use costs, paid step by step while ranks run (see _wait); last, the user's script is compiled
+        self.warm_up = WarmUp([*WARM_UP_STEPS, self._precompile_entry])
         self.burst_intact = False  # every rank forked since the last request still runs: no respawn is coming
 
     def _wait(self) -> list:
@@ -157,6 +159,10 @@ class _Server:
             if ready:
                 return ready
         return self.sel.select()
+
+    def _precompile_entry(self) -> None:
+        if self.entry is not None:
+            bootstrap.precompile(*self.entry)
 
     def serve(self) -> ChildJob | None:
         """Serve until the agent goes away (None), or return the job in a forked child."""
@@ -186,6 +192,7 @@ class _Server:
             self._reply({"op": "refused", "id": msg.get("id"), "reason": f"bad request {msg.get('op')!r} with {len(fds)} fds"})
             return None
         self.burst_intact = True
+        self.entry = (str(msg.get("entry")), bool(msg.get("module")))
         if _cuda_initialized():
             close_fds(fds)
             self._reply({"op": "refused", "id": msg.get("id"), "reason": "CUDA is initialised in the fork server"})

@@ -8,6 +8,9 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
 
 PROBE = r'''
 import json, sys
@@ -56,3 +59,34 @@ def test_the_forget_plan_covers_our_modules_listed_after_it(monkeypatch) -> None
     checked = bootstrap._names_to_check()
     assert "monitors.listed_after_the_plan" in checked and ours <= set(checked)
     assert len(checked) < len(sys.modules)  # not every name
+
+
+PRECOMPILED = r'''
+import sys
+from launcher.rank import bootstrap
+script = sys.argv[1]
+bootstrap.precompile(script, False)
+expected = bootstrap._COMPILED[bootstrap.os.path.abspath(script)][1]
+if sys.argv[2] == "edit":
+    with open(script, "a") as fh:
+        fh.write("print('edited')\n")
+sys.modules["__precompiled__"] = expected
+bootstrap._run_script(script, [])
+'''
+
+
+def _run_precompiled(tmp_path, how: str) -> list[str]:
+    script = tmp_path / "user.py"
+    script.write_text("import sys\nprint(sys._getframe().f_code is sys.modules['__precompiled__'], __name__, sys.argv)\n")
+    done = subprocess.run([sys.executable, "-c", PRECOMPILED, str(script), how], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_a_rank_runs_the_script_compiled_by_the_template(tmp_path) -> None:
+    assert _run_precompiled(tmp_path, "same") == [f"True __main__ ['{tmp_path / 'user.py'}']"]
+
+
+def test_a_script_edited_since_is_compiled_again(tmp_path) -> None:
+    assert _run_precompiled(tmp_path, "edit") == [f"False __main__ ['{tmp_path / 'user.py'}']", "edited"]
