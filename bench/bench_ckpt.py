@@ -329,6 +329,12 @@ def verdicts(res: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         add(world, "warm blocked <= 1.5x copy floor", ours["warm_blocked_over_copy"], 1.5, "x floor")
         add(world, "warm durable <= 1.25x disk floor", ours["warm_durable_over_disk"], 1.25, "x floor")
+        # issue 14: the first save costs at most 1.5x a warm one (the same run's warm blocked time)
+        add(world, "cold blocked <= 1.5x warm (first save, no notice)", ours["cold_blocked_s"] / ours["warm_blocked_s"],
+            1.5, "x warm")
+        if prepared:
+            add(world, "cold blocked <= 1.5x warm (staging prepared)", prepared["cold_blocked_s"] / ours["warm_blocked_s"],
+                1.5, "x warm")
         if peer:
             add(world, "warm blocked < DCP async_save warm", ours["warm_blocked_over_copy"],
                 peer["warm_blocked_over_copy"], "x floor")
