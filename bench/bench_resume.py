@@ -1,4 +1,4 @@
-"""Resume benchmark: what ``PeriodicCheckpointer.resume`` costs a restarted rank, part by part, for the goodput workload.
+"""Resume benchmark: what ``PeriodicCheckpointer.resume`` costs a restarted rank, part by part (goodput workload).
 
     python bench/bench_resume.py                 # 2 ranks, 5 rounds of each way (~1 minute)
     python bench/bench_resume.py --rounds 3 --big

@@ -82,6 +82,10 @@ class AsyncCheckpointer:
         which this save takes over: nothing is copied again). STAGING_ERROR: the capture failed on this rank;
         every rank abandons this save and raises the reason.
         """
+        if snapshot is None and not default_pool().buffers:
+            log.info("first save without reserved staging memory: this save faults it in while training "
+                     "waits (several times a later save); ckpt.resume(root, state) or ckpt.prepare(state) at "
+                     "start reserves it in the background")
         try:
             self._refuse_pending(path)
             final = Path(os.path.abspath(path))

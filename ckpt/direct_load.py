@@ -108,6 +108,7 @@ def _check_tensor(fqn: str, value: Any, md: Any, tensor_md: type) -> None:
     import torch
 
     if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.device.type != "cpu" \
+            or value.layout != torch.strided or value.is_quantized or value.is_conj() or value.is_neg() \
             or not value.is_contiguous() or not isinstance(md, tensor_md):
         raise _Ineligible(f"{fqn!r} is not a plain contiguous CPU tensor saved whole")
     chunks = md.chunks

@@ -144,7 +144,8 @@ def load_latest(root: str | Path, state_dict: dict[str, Any], *, process_group: 
             status, why = DAMAGED, f"checkpoint {info.path} is damaged: unreadable metadata ({exc})"
         read = status == LOADED  # the direct read writes into STATE_DICT as it goes
         if read:
-            status, why = direct_load.load_direct(info.path, info.manifest, metadata, state_dict, check_crc=verify == "full")
+            status, why = direct_load.load_direct(info.path, info.manifest, metadata, state_dict,
+                                                  check_crc=verify == "full")
             if status == DAMAGED:
                 why = f"checkpoint {info.path} is damaged: {why}"
         agreed = _agree(status, process_group)

@@ -63,7 +63,8 @@ def data_member_offset(path: Path, fqn: str) -> int:
 
     md = load_metadata(path)
     info = md.storage_data[MetadataIndex(fqn, [0] * len(md.state_dict_metadata[fqn].size))]
-    with open(path / info.relative_path, "rb") as f, zipfile.ZipFile(FileSlice(f.fileno(), info.offset, info.length)) as zf:
+    with open(path / info.relative_path, "rb") as f, \
+            zipfile.ZipFile(FileSlice(f.fileno(), info.offset, info.length)) as zf:
         member = next(i for i in zf.infolist() if _is_data_member(i.filename))
         f.seek(info.offset + member.header_offset)
         header = f.read(30)
