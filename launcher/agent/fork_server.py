@@ -351,7 +351,8 @@ def _build_throwaway_optimizer() -> None:
 # in tests/integration/test_template_warmup.py).
 WARM_UP_STEPS: tuple[str | Callable[[], None], ...] = (
     "mpmath", "sympy", "torch.fx.experimental.symbolic_shapes", "torch.distributed._functional_collectives",
-    "torch.distributed.tensor", "torch.onnx.ops", "torch.distributed.fsdp", "torch._dynamo",
+    "torch.distributed.tensor", "torch.onnx.ops", "torch.distributed.fsdp",
+    "torch._functorch._aot_autograd.collect_metadata_analysis", "torch._dynamo",
     _build_throwaway_optimizer,
     "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
     "torch.nn.parallel",  # DistributedDataParallel
