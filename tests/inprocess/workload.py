@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.rank import inprocess
+from launcher.rank.inprocess import pg_graveyard
 from launcher.rank.inprocess import rank_assignment as ra
 from launcher.rank.inprocess import rank_filter as rf
 
@@ -92,6 +93,8 @@ def inject(action: str, call_wrapper: inprocess.CallWrapper) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         record("ignoring_sigterm")
         ctypes.PyDLL(None).sleep(120)
+    if action == "recv_hang":  # waits in gloo for a message no peer sends, while the peers wait in all_reduce
+        dist.recv(torch.zeros(1), src=(dist.get_rank() + 1) % dist.get_world_size())
     if action == "raise_after":  # a second fault, PLAN["raise_after_seconds"] after the first
         time.sleep(float(PLAN.get("raise_after_seconds", 1.0)))
         raise ValueError("injected fault")
@@ -113,6 +116,25 @@ def inject(action: str, call_wrapper: inprocess.CallWrapper) -> None:
         time.sleep(120)
 
 
+def make_ddp(layers: int) -> torch.nn.Module:
+    """A DDP model whose gradients travel in one gloo all-reduce per layer, started during backward.
+
+    Buckets of one small layer each: after an abort the gloo workers still hold many of these all-reduce works,
+    and each one, created inside ``backward()``, carries a Python object that only the GIL can release."""
+    torch.manual_seed(0)  # the same initial weights on every rank and iteration
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(layers)))
+    first_bucket = dist._DEFAULT_FIRST_BUCKET_BYTES
+    dist._DEFAULT_FIRST_BUCKET_BYTES = 1  # the first bucket too holds one layer
+    try:
+        return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
+    finally:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = first_bucket
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randn(8, 32, generator=torch.Generator().manual_seed(step * 100 + dist.get_rank()))
+
+
 def train(call_wrapper: inprocess.CallWrapper) -> str:
     iteration = call_wrapper.iteration
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PLAN.get("gloo_timeout", 60)))
@@ -122,16 +144,29 @@ def train(call_wrapper: inprocess.CallWrapper) -> str:
     planned = PLAN.get("actions", {})
     actions = planned.get(str(iteration), planned.get("*", {})).get(str(INITIAL_RANK), {})
     tensor = torch.ones(4)
+    ddp = make_ddp(PLAN["ddp_layers"]) if PLAN.get("ddp_layers") else None
     try:
         for step in range(PLAN.get("steps", 3)):
             if actions.get("at_step") == step:
                 inject(actions["do"], call_wrapper)
-            dist.all_reduce(tensor)
+            if ddp is None:
+                dist.all_reduce(tensor)
+            else:  # inline: no frame of a helper keeps the model alive in a traceback
+                ddp.zero_grad(set_to_none=True)
+                ddp(batch(step)).square().mean().backward()
+                with torch.no_grad():
+                    for p in ddp.parameters():
+                        p -= 0.01 * p.grad
             time.sleep(PLAN.get("step_seconds", 0.01))
+        if ddp is not None:
+            tensor = torch.stack([p.detach().double().sum() for p in ddp.parameters()]).sum().reshape(1)
     except inprocess.RestartInterrupt:
+        ddp = None  # a user dropping the model at once: its reducer held the last reference to the process group
         record("interrupted", iteration=iteration)
         raise
     except Exception as exc:
+        ddp = None
+        exc.__traceback__ = None  # nor do the frames of the call that raised
         record("error", iteration=iteration, error=f"{type(exc).__name__}: {str(exc)[:120]}")
         raise
     record("done", iteration=iteration, rank=rank, world=world, value=float(tensor[0]))
@@ -140,6 +175,8 @@ def train(call_wrapper: inprocess.CallWrapper) -> str:
 
 
 def main() -> int:
+    if PLAN.get("ddp_layers"):  # DDP imports torch._dynamo on first use (~1 s): as a user's optimizer would, before
+        import torch._dynamo  # noqa: F401  # the Wrapper, so a soft timeout never lands inside that import
     wrapper = inprocess.Wrapper(**PLAN.get("wrapper", {}), **components())
     if PLAN.get("debug"):
         import logging
@@ -154,7 +191,7 @@ def main() -> int:
         except BaseException as exc:
             record("wrapper_error", kind=type(exc).__name__, message=str(exc), call=call)
             raise
-        record("returned", result=result, call=call)
+        record("returned", result=result, call=call, kept_groups=pg_graveyard.kept())
     return 0
 
 

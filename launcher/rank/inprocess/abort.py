@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import abc
 import logging
+from typing import Any
 
-from launcher.rank.inprocess import gloo_unblock
+from launcher.rank.inprocess import gloo_unblock, pg_graveyard
 from launcher.rank.inprocess.state import State
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,8 @@ class AbortTorchDistributed(Abort):
     gloo: its abort does not wake a blocked collective (see ``gloo_unblock``), so the group's TCP
     connections are shut down first. Then ``_abort_process_group`` (NCCL communicators are aborted
     there) and the process-group registry is cleared, so the next iteration can call
-    ``init_process_group`` again.
+    ``init_process_group`` again. The aborted groups stay referenced (``pg_graveyard``) until their gloo
+    workers are idle, so their destructor never runs in the restart path while a worker needs the GIL.
     """
 
     def __init__(self, torch_fr_trace_path: str | None = None) -> None:
@@ -46,6 +48,7 @@ class AbortTorchDistributed(Abort):
         closed = gloo_unblock.shutdown_gloo_connections()
         if not (dist.is_available() and dist.is_initialized()):
             return state
+        pg_graveyard.keep(_process_groups(dist))
         abort_all = getattr(dist.distributed_c10d, "_abort_process_group", None)
         try:
             if abort_all is not None:
@@ -63,6 +66,16 @@ class AbortTorchDistributed(Abort):
 
     def __repr__(self) -> str:
         return "AbortTorchDistributed()"
+
+
+def _process_groups(dist: Any) -> list[Any]:
+    """Every process group torch.distributed knows of (the default one and the subgroups)."""
+    c10d = dist.distributed_c10d
+    groups = list(getattr(getattr(c10d, "_world", None), "pg_map", {}) or {})
+    world = getattr(c10d.GroupMember, "WORLD", None)
+    if world is not None and world not in groups:
+        groups.append(world)
+    return groups
 
 
 class AbortTransformerEngine(Abort):

@@ -27,7 +27,7 @@ import types
 from pathlib import Path
 from typing import Any, Callable
 
-from launcher.rank.inprocess import gloo_unblock
+from launcher.rank.inprocess import gloo_unblock, pg_graveyard
 from launcher.rank.inprocess.barrier import StoreBarrier, empty_decision
 from launcher.rank.inprocess.call_wrapper import CallWrapper, set_current
 from launcher.rank.inprocess.exceptions import (ConfigurationError, HealthCheckError, InprocessError, RankTerminated,
@@ -50,6 +50,7 @@ _sessions = itertools.count()
 _active = threading.local()
 ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
 LINGER_TIMEOUT = 30.0  # how long a store-hosting rank waits for the others to read the final decision
+GRAVEYARD_WAIT = 0.5  # at an iteration start, how long to wait for gloo workers to go idle before freeing old groups
 
 
 def _previous_session(session: str) -> str | None:
@@ -399,6 +400,7 @@ class RestartSession:
             raise _Restart(f"rank(s) {sorted(missing)} were lost before iteration {iteration} started")
         if state.active:
             self._point_env_at_pg_store(iteration)
+        pg_graveyard.release_if_idle(wait=GRAVEYARD_WAIT)
         gloo_unblock.mark_iteration_start()
         return int(decision["fault_base"])
 
