@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import types
+import warnings
 from typing import NoReturn
 
 # Imported before the launcher's root leaves sys.path (below): ranks attach to their monitor with these.
@@ -230,9 +231,13 @@ def precompile(entry: str, module: bool) -> None:
     try:
         with open(abspath, "rb") as fh:
             source = fh.read()
-        _COMPILED[abspath] = (source, _compile_script(source, abspath))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            code = _compile_script(source, abspath)
     except (OSError, SyntaxError, ValueError):
-        pass  # the rank reports it, as python would
+        return  # the rank reports it, as python would
+    if not caught:  # a script that warns when compiled is compiled by each rank, which shows the warnings as python does
+        _COMPILED[abspath] = (source, code)
 
 
 def _run_script(path: str, args: list[str]) -> None:

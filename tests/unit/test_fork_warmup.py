@@ -90,3 +90,17 @@ def test_a_rank_runs_the_script_compiled_by_the_template(tmp_path) -> None:
 
 def test_a_script_edited_since_is_compiled_again(tmp_path) -> None:
     assert _run_precompiled(tmp_path, "edit") == [f"False __main__ ['{tmp_path / 'user.py'}']", "edited"]
+
+
+def test_a_script_that_warns_when_compiled_is_left_to_the_rank(tmp_path) -> None:
+    """Its compile-time warnings must show in the rank, as `python script.py` shows them, not in the template."""
+    from launcher.rank import bootstrap
+
+    script = tmp_path / "warns.py"
+    script.write_text("x = 'a \\d'\nassert (x, 'never empty')\n")  # an invalid escape and an always-true assert
+    bootstrap.precompile(str(script), False)
+    assert str(script) not in bootstrap._COMPILED
+    quiet = tmp_path / "quiet.py"
+    quiet.write_text("x = 1\n")
+    bootstrap.precompile(str(quiet), False)
+    assert bootstrap._COMPILED.pop(str(quiet))[0] == b"x = 1\n"
