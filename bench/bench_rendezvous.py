@@ -2,7 +2,9 @@
 """How the rendezvous grows with the number of agents: N simulated agents against one real store.
 
 Each simulated agent is the real ``launcher.agent.rendezvous.Rendezvous`` (no ranks): the main process
-hosts the store and runs agent 0; worker processes run the others, one thread each. Per N it measures:
+hosts the store and runs agent 0 as a full agent; worker processes run the others, each with one connection,
+a thread for its blocking rendezvous calls and its keepalive on the process's one shared keepalive thread
+(SimAgent says why). Per N it measures:
 
 - ``close``: "go" -> every agent has returned from ``next_round()`` (round 0 closes at N = MAX nodes);
 - ``failure``: agent 0 writes a ``failed`` stop record -> every agent's ``wait_stop()`` has returned;
@@ -25,6 +27,7 @@ Writes bench/results/rendezvous.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -44,7 +47,7 @@ import psutil  # noqa: E402
 
 from launcher.agent.config import RdzvSettings  # noqa: E402
 from launcher.agent.rdzv_auth import generate_secret, load_secret  # noqa: E402
-from launcher.agent.rendezvous import Rendezvous  # noqa: E402
+from launcher.agent.rendezvous import Rendezvous, SharedKeepalive, SharedRecords  # noqa: E402
 from launcher.agent.rdzv_records import StopKind  # noqa: E402
 from launcher.agent.store import _join, open_rendezvous_store  # noqa: E402
 from monitors.events import EventLog  # noqa: E402
@@ -79,32 +82,42 @@ def free_port() -> int:
 
 
 class SimAgent:
-    """The real rendezvous of one agent; records wall-clock times of what the benchmark measures."""
+    """The real rendezvous of one agent; records wall-clock times of what the benchmark measures.
 
-    def __init__(self, settings: RdzvSettings, log_dir: Path, name: str, host: bool = False) -> None:
+    A simulated agent in a worker process is light: one store connection (it makes one call at a time), its
+    keepalive on the process's SharedKeepalive (one thread, one connection for all its agents), and records its
+    process's agents already checked (SharedRecords: the same bytes are verified and parsed once per process, as
+    each real agent does once on its own node); its join, close, stop, watch and every store request are the
+    real Rendezvous calls. The store host's agent (agent 0) is a full agent: its own
+    keepalive thread and connections, as `nvrx launch` runs it.
+    """
+
+    def __init__(self, settings: RdzvSettings, log_dir: Path, name: str, host: bool = False,
+                 keepalive: SharedKeepalive | None = None, records: SharedRecords | None = None) -> None:
         # the others join as agents on other machines would (the endpoint is not theirs to host)
         self.rs = open_rendezvous_store(settings) if host else _join(settings.host, settings.port, settings, False)
         self.rdzv = Rendezvous(self.rs, settings, max_restarts=100,
-                               events=EventLog(log_dir / f"agent-{name}.jsonl", source="agent"), node_id=name)
-        for purpose in ("watch", "keepalive", "join-wait"):  # connections an agent has after its first round
-            self.rdzv._client(purpose)
+                               events=EventLog(log_dir / f"agent-{name}.jsonl", source="agent"), node_id=name,
+                               shared_keepalive=keepalive, one_connection=not host, shared_records=records)
         self.t: dict[str, float] = {}
 
-    def run(self, victim: bool, ctl) -> None:
-        ctl.wait([GO])
+    def run(self, victim: bool, go: threading.Event, kill: threading.Event, counter) -> None:
+        go.wait()
+        cpu = time.thread_time()
         r0 = self.rdzv.next_round()
         self.t["closed"] = time.time()
+        self.t["cpu_join"] = time.thread_time() - cpu  # this agent's own CPU for a join (its thread only)
         self.t["r0"] = self.view(r0)
-        ctl.add(READY + "/0", 1)
+        counter.add(READY + "/0", 1)
         self.rdzv.wait_stop(r0.round)
         self.t["stop_seen"] = time.time()
         r1 = self.rdzv.next_round()
         self.t["round1"] = time.time()
         self.t["r1"] = self.view(r1)
         self.rdzv.start_keepalive(r1)
-        ctl.add(READY + "/1", 1)
+        counter.add(READY + "/1", 1)
         if victim:
-            ctl.wait([READY + "/kill"])
+            kill.wait()
             self.rdzv.stop_keepalive()  # this node goes silent: its neighbours must notice
             self.t["silent"] = time.time()
         rec = self.rdzv.wait_stop(r1.round)
@@ -113,30 +126,38 @@ class SimAgent:
         self.rdzv.stop_keepalive()
 
     def view(self, result) -> list:
-        """What this agent was told about a round: [round, its group rank, its node id, every member's id]."""
-        return [result.round, result.group_rank, self.rdzv.node_id, [node.node_id for node in result.nodes]]
+        """What this agent was told about a round: [round, its group rank, its node id, a digest of every member's
+        id in order, the id at its group rank]. (A digest, not the list: N lists of N ids is O(N^2) memory in the
+        host that collects them, which is not the store's.)"""
+        ids = [node.node_id for node in result.nodes]
+        return [result.round, result.group_rank, self.rdzv.node_id, members_digest(ids), ids[result.group_rank],
+                len(ids)]
+
+
+def members_digest(ids: list[str]) -> str:
+    return hashlib.sha256("\n".join(ids).encode()).hexdigest()[:32]
 
 
 def consistent(times: list[dict], n: int) -> bool:
-    """Every agent was in both rounds with the same members, and its group rank is its place among them."""
+    """Every agent was in both rounds with the same members (digest), and its group rank is its place among them."""
     for name in ("r0", "r1"):
         views = [t.get(name) for t in times]
-        if any(v is None for v in views) or len({json.dumps(v[3]) for v in views}) != 1:
+        if any(v is None for v in views) or len({v[3] for v in views}) != 1:
             return False
-        members = views[0][3]
-        if len(members) != n or sorted(v[1] for v in views) != list(range(n)):
+        if views[0][5] != n or sorted(v[1] for v in views) != list(range(n)):
             return False
-        if any(members[v[1]] != v[2] or v[0] != views[0][0] for v in views):
+        if any(v[4] != v[2] or v[0] != views[0][0] for v in views):
             return False
     return True
 
 
-def _connected(settings: RdzvSettings, log_dir: Path, name: str, tries: int = 5) -> SimAgent:
+def _connected(settings: RdzvSettings, log_dir: Path, name: str, keepalive: SharedKeepalive,
+               records: SharedRecords, tries: int = 5) -> SimAgent:
     """A simulated agent; connecting is retried (hundreds of agents connecting at once on 2 loaded cores can
     exceed the 5 s handshake bound, which is not what this benchmark measures)."""
     for attempt in range(tries):
         try:
-            return SimAgent(settings, log_dir, name)
+            return SimAgent(settings, log_dir, name, keepalive=keepalive, records=records)
         except Exception:
             if attempt == tries - 1:
                 raise
@@ -145,20 +166,34 @@ def _connected(settings: RdzvSettings, log_dir: Path, name: str, tries: int = 5)
 
 
 def worker_main(port: int, n: int, first: int, count: int, log_dir: str, victim: int) -> None:
-    """A worker process: agents FIRST..FIRST+COUNT-1, one thread each; prints their times as JSON."""
+    """A worker process: agents FIRST..FIRST+COUNT-1, a thread each for their blocking rendezvous calls, one
+    shared keepalive thread; prints their times as JSON."""
     from launcher.agent.store import RendezvousStore  # noqa: F401  (imports torch once, before the threads)
     import torch.distributed as dist
 
+    def client() -> "dist.TCPStore":
+        return dist.TCPStore("127.0.0.1", port, is_master=False)
+
     settings = settings_for(port, n, Path(log_dir) / "job_secret")
-    agents = [_connected(settings, Path(log_dir), f"a{i:05d}") for i in range(first, first + count)]
-    ctls = [dist.TCPStore("127.0.0.1", port, is_master=False) for _ in agents]
-    ctls[0].add(READY + "/connected", count)
-    threads = [threading.Thread(target=a.run, args=(first + i == victim, c), daemon=True)
-               for i, (a, c) in enumerate(zip(agents, ctls))]
+    keepalive = SharedKeepalive(client, KEEPALIVE_INTERVAL)
+    records = SharedRecords()
+    agents = [_connected(settings, Path(log_dir), f"a{i:05d}", keepalive, records)
+              for i in range(first, first + count)]
+    waiter, counter = client(), client()  # the benchmark's own signals: one blocking, one for counts
+    go, kill = threading.Event(), threading.Event()
+    threads = [threading.Thread(target=a.run, args=(first + i == victim, go, kill, counter), daemon=True)
+               for i, a in enumerate(agents)]
     for t in threads:
         t.start()
+    counter.add(READY + "/connected", count)
+    waiter.wait([GO])
+    go.set()
+    if first <= victim < first + count:
+        waiter.wait([READY + "/kill"])
+        kill.set()
     for t in threads:
         t.join()
+    keepalive.close()
     print(json.dumps([a.t for a in agents]), flush=True)
 
 
@@ -203,12 +238,15 @@ def measure(n: int, procs: int) -> dict:
         first += count
     wait_count(ctl, READY + "/connected", n - 1, 300)
     rss0 = me.memory_info().rss
+    machine0 = psutil.cpu_times()
     t_go = time.time()
     ctl.set(GO, "1")
     r0 = host.rdzv.next_round()
     host.t["closed"] = time.time()
     host.t["r0"] = host.view(r0)
     wait_count(ctl, READY + "/0", n - 1, 300)  # every other agent is in (or about to be in) wait_stop
+    machine1 = psutil.cpu_times()
+    rss_closed = me.memory_info().rss
     cpu0, t_cpu0 = me.cpu_times(), time.monotonic()
     time.sleep(1.0)  # only the store's server threads work in this process now: serving the waiting agents
     cpu1, t_cpu1 = me.cpu_times(), time.monotonic()
@@ -219,16 +257,19 @@ def measure(n: int, procs: int) -> dict:
     host.t["r1"] = host.view(r1)
     host.rdzv.start_keepalive(r1)
     wait_count(ctl, READY + "/1", n - 1, 300)
+    rss_restarted = me.memory_info().rss
+    connections = sum(1 for c in me.net_connections(kind="tcp")
+                      if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port)
     t_kill = time.time()
     ctl.set(READY + "/kill", "1")
     host.t["dead_kind"] = str(host.rdzv.wait_stop(r1.round).kind)
     host.t["dead_seen"] = time.time()
     host.rdzv.stop_keepalive()
+    rss = me.memory_info().rss  # before the children's reports are read: those are the benchmark's, not the store's
     times = [host.t]
     for child in children:
         out, _ = child.communicate(timeout=300)
         times += json.loads(out.strip().splitlines()[-1])
-    rss = me.memory_info().rss
     busy = ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (t_cpu1 - t_cpu0)
     silent = next(t["silent"] for t in times if "silent" in t)
     host.rdzv.close()
@@ -246,9 +287,19 @@ def measure(n: int, procs: int) -> dict:
         "store_probe_ms": round(probe_ms, 3),
         "store_host_rss_mb": round(rss / 2**20, 1),
         "store_host_rss_growth_mb": round((rss - rss0) / 2**20, 1),
+        "store_host_rss_growth_close_mb": round((rss_closed - rss0) / 2**20, 1),
+        "store_host_rss_growth_restart_mb": round((rss_restarted - rss_closed) / 2**20, 1),
+        "store_connections": connections,
+        "machine_cpu_s_during_close": round(_busy(machine1) - _busy(machine0), 2),
+        "agent_cpu_ms_per_join": round(1000 * sorted(t["cpu_join"] for t in times if "cpu_join" in t)[(n - 1) // 2], 2),
         "consistent": consistent(times, n),
         "dead_node_kinds": sorted({t.get("dead_kind", "?") for t in times}),
     }
+
+
+def _busy(t) -> float:
+    """CPU seconds the whole machine spent busy (every process: the agents' workers, the store, others)."""
+    return t.user + t.system + t.nice + getattr(t, "irq", 0) + getattr(t, "softirq", 0)
 
 
 def table(rows: list[dict]) -> str:

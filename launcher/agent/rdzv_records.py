@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from nvrx_common.errors import NvrxError
 
@@ -34,8 +34,10 @@ class StopKind(str, enum.Enum):
 FAULT_KINDS = (StopKind.FAILED, StopKind.NODE_LEFT)  # only these spend the restart budget
 
 
-@dataclass(frozen=True)
-class NodeInfo:
+class NodeInfo(NamedTuple):
+    """One member of a round. A named tuple (immutable, as a frozen dataclass would be), because every agent
+    builds one per member from each closed record: ten times cheaper to make than a frozen dataclass."""
+
     node_id: str
     addr: str
     nproc: int
@@ -139,6 +141,25 @@ def parse_node(obj: Any) -> NodeInfo:
     return NodeInfo(obj["node_id"], obj["addr"], obj["nproc"])
 
 
+def parse_nodes(objs: list) -> tuple[NodeInfo, ...]:
+    """The nodes of a closed round, each checked as parse_node does (its message for the first bad one).
+
+    Every agent reads every closed record, so the common case is inlined: a 1,024-node record costs each agent
+    well under a millisecond instead of several (and a simulation of N agents on one machine N times that).
+    """
+    out = []
+    for obj in objs:
+        nid = addr = nproc = None
+        if type(obj) is dict:
+            nid, addr, nproc = obj.get("node_id"), obj.get("addr"), obj.get("nproc")
+        if not (type(nid) is str and type(addr) is str and type(nproc) is int
+                and 0 < len(nid) <= 512 and 0 < len(addr) <= 512 and nproc >= 1):
+            parse_node(obj)  # raises BadRecord saying what is wrong
+            raise BadRecord(f"a node is {_shown(obj)}")  # not reached: the checks above are parse_node's
+        out.append(NodeInfo(nid, addr, nproc))
+    return tuple(out)
+
+
 def parse_join(raw: bytes | str) -> dict:
     """A join record (NodeInfo fields plus the joiner's --node-rank, maybe null)."""
     obj = _json_object(raw)
@@ -148,14 +169,16 @@ def parse_join(raw: bytes | str) -> dict:
 
 
 def parse_closed(raw: bytes | str) -> dict:
-    """A closed round: its number, restart count and members (or the error that stopped it from closing)."""
+    """A closed round: its number, restart count and members (or the error that stopped it from closing); its
+    "nodes" come back as a tuple of NodeInfo."""
     obj = _json_object(raw)
     _need(obj, "round", _is_count)
     _need(obj, "restart_count", _is_count)
     _need(obj, "nodes", lambda v: isinstance(v, list) and len(v) <= MAX_NODES)
     if "error" in obj:
         _need(obj, "error", _is_name)
-    ids = [parse_node(n).node_id for n in obj["nodes"]]
+    obj["nodes"] = parse_nodes(obj["nodes"])  # parsed once: the members as NodeInfo, in group-rank order
+    ids = [n.node_id for n in obj["nodes"]]
     if len(set(ids)) != len(ids):
         raise BadRecord("a node is listed twice")
     if not ids and "error" not in obj:

@@ -42,7 +42,7 @@ from torch.distributed import TCPStore
 from launcher.agent.config import RdzvSettings
 from launcher.agent.rdzv_auth import JOB_WIDE, RejectedRecords
 from launcher.agent.rdzv_records import (FAULT_KINDS, BadRecord, NodeInfo, RoundResult, StopKind, StopRecord,
-                                         parse_closed, parse_join, parse_node, parse_pg)
+                                         parse_closed, parse_join, parse_pg)
 from launcher.agent.store import (
     PortInUse,
     RendezvousError,
@@ -192,6 +192,18 @@ def watched_nodes(result: RoundResult, span: int = 2) -> list[tuple[int, NodeInf
     return [(g, result.nodes[g]) for g in sorted(picks)]
 
 
+def _present_slots(store: TCPStore, slots: list[int], keys: list[str]) -> list[int]:
+    """The SLOTS whose KEYS exist: one check when all do, else the halves in turn. A joiner writes its record
+    right after taking its slot, so the missing ones are a few recent slots: O(missing x log N) checks, not one
+    request per slot."""
+    if store.check(keys):
+        return list(slots)
+    if len(slots) == 1:
+        return []
+    mid = len(slots) // 2
+    return _present_slots(store, slots[:mid], keys[:mid]) + _present_slots(store, slots[mid:], keys[mid:])
+
+
 class _JoinSlots:
     """What the closing agent knows of a round's join slots: valid joins (kept once read), and when each slot
     still without a valid record was first seen (given up after JOIN_SLOT_GRACE)."""
@@ -235,6 +247,96 @@ def _parse_hint(body: str) -> int:
     return value
 
 
+class KeepaliveTask:
+    """One node's keepalive in one round: each tick writes its next signed beat and looks at its ring
+    neighbours (reporting node_left for one silent past keepalive_timeout). Driven by the agent's own thread,
+    or by a SharedKeepalive."""
+
+    def __init__(self, rdzv: "Rendezvous", result: RoundResult) -> None:
+        self.rdzv = rdzv
+        self.round = result.round
+        self.alive = _Liveness(watched_nodes(result), rdzv.settings.keepalive_timeout)
+        self.watching = bool(self.alive.state)
+        self.key = rdzv.keys.beat(result.round, rdzv.node_id)
+        self.seq = 0
+
+    def tick(self, store: TCPStore) -> None:
+        self.seq += 1
+        store.set(self.key, self.rdzv._seal(self.key, self.round, {"seq": self.seq}))
+        if self.watching:
+            self.watching = self.rdzv._watch_once(store, self.round, self.alive)
+
+
+class SharedKeepalive:
+    """Drives the keepalive tasks of many simulated agents in one process from one thread and one connection,
+    every INTERVAL seconds, instead of a thread and a connection per agent (which starve each other on a few
+    cores: beats come late and healthy nodes are reported silent). Each task does exactly what it does on an
+    agent's own thread."""
+
+    def __init__(self, connect: Callable[[], TCPStore], interval: float) -> None:
+        self._connect = connect
+        self._interval = interval
+        self._tasks: list[KeepaliveTask] = []
+        self._lock = threading.Lock()  # held while a tick runs, so remove() returns only after the task's last tick
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, task: KeepaliveTask) -> None:
+        with self._lock:
+            self._tasks.append(task)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="nvrx-shared-keepalive", daemon=True)
+                self._thread.start()
+
+    def remove(self, task: KeepaliveTask) -> None:
+        with self._lock:
+            if task in self._tasks:
+                self._tasks.remove(task)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self._interval + 5.0)
+
+    def _run(self) -> None:
+        store = self._connect()
+        next_tick = time.monotonic()
+        while not self._stop.is_set():
+            with self._lock:
+                for task in list(self._tasks):
+                    try:
+                        task.tick(store)
+                    except (dist.DistError, RendezvousError) as exc:
+                        log.warning("keepalive of %s stopped (%s)", task.rdzv.node_id, str(exc).splitlines()[0])
+                        self._tasks.remove(task)
+            next_tick += self._interval
+            self._stop.wait(max(0.0, next_tick - time.monotonic()))
+
+
+class SharedRecords:
+    """Records already checked and parsed, shared by the simulated agents of one process (keyed by store key,
+    round and the exact bytes): N agents in one process reading the same 1,024-node closed record would otherwise
+    spend N times what each real agent spends once on its own node. Parsed records are never modified."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parsed: dict[tuple[str, int, bytes], Any] = {}
+
+    def check(self, key: str, r: int, raw: bytes | str, check: Callable[[], T]) -> T:
+        ident = (key, r, raw.encode() if isinstance(raw, str) else bytes(raw))
+        with self._lock:
+            if ident in self._parsed:
+                return self._parsed[ident]
+        value = check()  # BadRecord: not cached, every agent reports it as it would alone
+        with self._lock:
+            if len(self._parsed) >= self.LIMIT:
+                self._parsed.clear()
+            self._parsed[ident] = value
+        return value
+
+
 class Rendezvous:
     """One agent's view of the job-wide rendezvous: rounds, stops, the restart budget, keepalive."""
 
@@ -245,7 +347,15 @@ class Rendezvous:
         max_restarts: int,
         events: EventLog,
         node_id: str | None = None,
+        shared_keepalive: "SharedKeepalive | None" = None,
+        one_connection: bool = False,
+        shared_records: "SharedRecords | None" = None,
     ) -> None:
+        """SHARED_KEEPALIVE, ONE_CONNECTION and SHARED_RECORDS are for simulated agents (bench/bench_rendezvous.py):
+        many agents in one process beat from one thread, an agent that makes one call at a time uses its main
+        connection for every purpose, and the agents of a process check and parse each identical record once. A
+        real agent has none of them: its watcher and keepalive threads need connections of their own, and it
+        reads each record once anyway."""
         self.rs = rs
         self.auth = rs.auth
         self.settings = settings
@@ -267,6 +377,10 @@ class Rendezvous:
         self._succeeded: set[int] = set()
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()
+        self._ka_task: KeepaliveTask | None = None
+        self._shared_keepalive = shared_keepalive
+        self._one_connection = one_connection
+        self._shared_records = shared_records
         self._joiner = 0  # this agent's join index in the round it is joining
 
     @property
@@ -277,7 +391,7 @@ class Rendezvous:
 
     def _client(self, purpose: str = "main") -> TCPStore:
         """The main client for short calls; one extra connection per background purpose."""
-        if purpose == "main" and self.rs.store is not None:
+        if (purpose == "main" or self._one_connection) and self.rs.store is not None:
             return self.rs.store
         with self._lock:
             if purpose not in self._clients:
@@ -303,6 +417,8 @@ class Rendezvous:
 
     def _check(self, key: str, r: int, raw: bytes, parse: Callable[[str], T]) -> T:
         """RAW read from KEY as the record PARSE makes of it, if it is signed for KEY and round R (BadRecord if not)."""
+        if self._shared_records is not None:
+            return self._shared_records.check(key, r, raw, lambda: parse(self.auth.open(key, r, raw)))
         return parse(self.auth.open(key, r, raw))
 
     def _read(self, store: TCPStore, key: str, r: int, parse: Callable[[str], T], fatal: bool) -> T | None:
@@ -391,7 +507,7 @@ class Rendezvous:
                 record = self._wait_closed(store, r, started)
                 if record.get("error"):
                     raise RendezvousMismatch(record["error"])
-                if any(n["node_id"] == self.node_id for n in record["nodes"]):
+                if any(n.node_id == self.node_id for n in record["nodes"]):
                     return self._enter_round(store, r, record, started)
                 self._standby(store, r, record)
                 r = self._open_round(store, r + 1)
@@ -422,7 +538,7 @@ class Rendezvous:
     def _join(self, store: TCPStore, r: int) -> None:
         j = store.add(self.keys.r(r, "count"), 1) - 1
         key = self.keys.join(r, j)
-        store.set(key, self._seal(key, r, {**asdict(self.info), "node_rank": self.settings.node_rank}))
+        store.set(key, self._seal(key, r, {**self.info._asdict(), "node_rank": self.settings.node_rank}))
         self._joiner = j
         log.debug("joined round %d as joiner %d", r, j)
         self.events.emit(RdzvJoin(round=r, node_id=self.node_id))
@@ -476,13 +592,7 @@ class Rendezvous:
         """
         todo = slots.open_slots(count, 2 * self.settings.max_nodes + 64)
         if todo:
-            keys = [self.keys.join(r, j) for j in todo]
-            if store.check(keys):
-                present = todo
-            elif now - min(slots.first_seen.get(j, now) for j in todo) < JOIN_SLOT_GRACE / 10:
-                present = []  # joiners write their record right after taking a slot: look again next poll
-            else:  # one by one, to find the slots that stay empty
-                present = [j for j, k in zip(todo, keys) if store.check([k])]
+            present = _present_slots(store, todo, [self.keys.join(r, j) for j in todo])
             raws = store.multi_get([self.keys.join(r, j) for j in present]) if present else []
             for j, raw in zip(present, raws):
                 try:
@@ -537,7 +647,7 @@ class Rendezvous:
 
     def _previous_order(self, store: TCPStore, r: int) -> list[str]:
         record = self._closed_of(store, r - 1) if r > 0 else None
-        return [n["node_id"] for n in record["nodes"]] if record else []
+        return [n.node_id for n in record["nodes"]] if record else []
 
     def _restarts_before(self, store: TCPStore, r: int) -> int:
         """The job-wide restart count when round R starts: what round R-1's (signed) stop record says."""
@@ -562,7 +672,7 @@ class Rendezvous:
         self._closed[r], _ = self._put_first(store, key, r, self._seal(key, r, record), parse_closed)
 
     def _enter_round(self, store: TCPStore, r: int, record: dict, started: float) -> RoundResult:
-        nodes = tuple(parse_node(n) for n in record["nodes"])
+        nodes = record["nodes"]
         g = next(i for i, n in enumerate(nodes) if n.node_id == self.node_id)
         addr, port, hosted = self._pg_endpoint(store, r, g, nodes)
         result = RoundResult(r, g, nodes, record["restart_count"], addr, port, hosted)
@@ -636,7 +746,7 @@ class Rendezvous:
 
     def _wait_standby(self, store: TCPStore, r: int, record: dict) -> None:
         """No timeout while the round lives; a round whose nodes fell silent is ended as node_left."""
-        members = [(g, parse_node(n)) for g, n in enumerate(record["nodes"])]
+        members = list(enumerate(record["nodes"]))
         alive = _Liveness(members, self.settings.keepalive_timeout)
         next_check = 0.0
         backoff = _Backoff(self._closing)
@@ -713,7 +823,7 @@ class Rendezvous:
             closed = self._closed_of(store, round)
             if closed is None:
                 return 0
-            members = {n["node_id"] for n in closed["nodes"]}
+            members = {n.node_id for n in closed["nodes"]}
             count = min(int(store.add(self.keys.r(round, "count"), 0)), len(members) + 64)
             joins = (self._read_if(store, self.keys.join(round, j), round, parse_join) for j in range(count))
             return len({j["node_id"] for j in joins if j is not None and j["node_id"] not in members})
@@ -753,7 +863,7 @@ class Rendezvous:
             closed = self._closed_of(store, round)
             if closed is None:
                 raise BadStoreRecord(f"round {round} has no valid closed record in the rendezvous store")
-            members = [n["node_id"] for n in closed["nodes"]]
+            members = [n.node_id for n in closed["nodes"]]
             g = g if g is not None else members.index(self.node_id)
             key = self.keys.succeeded(round, g)
             store.set(key, self._seal(key, round, {"node_id": self.node_id}))
@@ -778,12 +888,18 @@ class Rendezvous:
     # ------------------------------------------------------------ keepalive
 
     def start_keepalive(self, result: RoundResult) -> None:
-        """Beat this node's signed sequence and watch neighbours until stop_keepalive()."""
+        """Beat this node's signed sequence and watch neighbours until stop_keepalive(): on a thread of its own
+        with its own connection, or on the shared driver given at construction (simulated agents)."""
         self.stop_keepalive()
+        task = KeepaliveTask(self, result)
+        self._ka_task = task
+        if self._shared_keepalive is not None:
+            self._shared_keepalive.add(task)
+            return
         self._ka_stop = threading.Event()
         self._ka_thread = threading.Thread(
             target=self._keepalive_loop,
-            args=(result, self._ka_stop),
+            args=(task, self._ka_stop),
             name=f"nvrx-keepalive-r{result.round}",
             daemon=True,
         )
@@ -791,35 +907,44 @@ class Rendezvous:
 
     def stop_keepalive(self) -> None:
         self._ka_stop.set()
+        if self._ka_task is not None and self._shared_keepalive is not None:
+            self._shared_keepalive.remove(self._ka_task)
+        self._ka_task = None
         if self._ka_thread is not None:
             self._ka_thread.join(timeout=self.settings.keepalive_interval + 5.0)
             self._ka_thread = None
 
-    def _keepalive_loop(self, result: RoundResult, stop: threading.Event) -> None:
+    def _keepalive_loop(self, task: "KeepaliveTask", stop: threading.Event) -> None:
         try:
             store = self._client("keepalive")
-            alive = _Liveness(watched_nodes(result), self.settings.keepalive_timeout)
-            watching = bool(alive.state)
-            key = self.keys.beat(result.round, self.node_id)
-            seq = 0
             while not stop.is_set():
-                seq += 1
-                store.set(key, self._seal(key, result.round, {"seq": seq}))
-                if watching:
-                    watching = self._watch_once(store, result.round, alive)
+                task.tick(store)
                 stop.wait(self.settings.keepalive_interval)
         except (dist.DistError, RendezvousError) as exc:
             if not stop.is_set() and not self._closing.is_set():
                 log.warning("keepalive stopped: lost the rendezvous store (%s)", str(exc).splitlines()[0])
 
     def _read_beats(self, store: TCPStore, r: int, alive: _Liveness) -> None:
-        """Feed ALIVE the watched nodes' valid beat sequence numbers of round R."""
-        for node_id in alive.state:
-            alive.update(node_id, self._read_if(store, self.keys.beat(r, node_id), r, _parse_seq))
+        """Feed ALIVE the watched nodes' valid beat sequence numbers of round R: one check and one multi_get for
+        all of them (key by key only while some has not beaten yet)."""
+        ids = list(alive.state)
+        keys = [self.keys.beat(r, n) for n in ids]
+        if not keys:
+            return
+        if store.check(keys):
+            found = list(zip(ids, keys, store.multi_get(keys)))
+        else:
+            found = [(n, k, store.get(k)) for n, k in zip(ids, keys) if store.check([k])]
+        for node_id, key, raw in found:
+            try:
+                alive.update(node_id, self._check(key, r, raw, _parse_seq))
+            except BadRecord as exc:
+                self._bad_record(key, raw, exc, fatal=False)
 
     def _watch_once(self, store: TCPStore, r: int, alive: _Liveness) -> bool:
-        """One look at the neighbours; False once the round is over (nothing left to watch)."""
-        if store.check([self.keys.r(r, "stop")]) and self._stop_of(store, r) is not None:
+        """One look at the neighbours; False once the round is over (known from this agent's stop watcher: no
+        request; a silent neighbour of a round that already stopped finds that stop record instead)."""
+        if r in self._stops:
             return False
         self._read_beats(store, r, alive)
         silent = alive.silent()
