@@ -193,3 +193,47 @@ def test_a_missing_optional_module_is_skipped() -> None:
     steps = fork_server.WarmUp(["this_module_does_not_exist_anywhere", "json"])
     steps.run_all()
     assert steps.done and steps.failed is None
+
+
+def test_after_a_rank_exit_the_warm_up_waits_for_the_respawn(tmp_path: Path) -> None:
+    """A rank's exit means a respawn is likely: the template takes no further step until the next request comes,
+    so that request finds it idle. (The pause before the request gives a template that went on the time to.)"""
+    script = write_script(tmp_path / "rank.py", RANK)
+    tmpl = _Template({**os.environ, **ENV})
+    try:
+        tmpl.receive("ready")
+        tmpl.spawn(1, script, [str(tmp_path / "a.json"), "hold"], tmp_path / "a.log")
+        tmpl.spawned(1)
+        tmpl.spawn(2, script, [str(tmp_path / "b.json"), "hold"], tmp_path / "b.log")
+        b_pid = tmpl.spawned(2)
+        assert wait_for(lambda: _comm(tmpl.proc.pid).startswith(fork_server.WARMING_NAME), 120, interval=0.001)
+        os.kill(tmpl.proc.pid, signal.SIGSTOP)
+        try:
+            os.kill(b_pid, signal.SIGKILL)
+            assert wait_for(lambda: _zombie_or_gone(b_pid), 30)
+        finally:
+            os.kill(tmpl.proc.pid, signal.SIGCONT)
+        tmpl.collect_exits(1)
+        paused_at = _comm(tmpl.proc.pid)
+        time.sleep(1.0)
+        tmpl.spawn(3, script, [str(tmp_path / "c.json"), "report"], tmp_path / "c.log")
+        tmpl.spawned(3)
+        assert wait_for((tmp_path / "c.json").exists, 120), (tmp_path / "c.log").read_text()[-3000:]
+        c = json.loads((tmp_path / "c.json").read_text())
+    finally:
+        (tmp_path / "release").touch()
+        tmpl.close()
+    assert paused_at.startswith(fork_server.WARMING_NAME), f"stopped too late to test (template was {paused_at!r})"
+    assert c["template_comm"] == paused_at  # no step between the exit and the next request
+    step = int(paused_at[len(fork_server.WARMING_NAME):])
+    if step < fork_server.WARM_UP_STEPS.index("torch._dynamo"):
+        assert "torch._dynamo" not in c["modules"]
+    assert c["optimizer_ok"] and c["template_threads"] == 1
+
+
+def _zombie_or_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
