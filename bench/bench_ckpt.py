@@ -22,6 +22,8 @@ and ckpt.prepare() do), which reserves and faults in the staging memory on a bac
 bench waits for that (start-up work, untimed, reported as reserve_s) before the first save, as a training
 loop would be busy with its first steps; only its cold save is of interest.
 ours_overlap: overlap_write=True (the writer starts writing while the copy is still going on).
+ours_mapped: ours as it staged before (a new buffer faulted in with MADV_POPULATE_WRITE, then copied through its
+mapping; now a new buffer is filled with pwrite), the peer of ours' cold save in the same run.
 Plan cache: planning time of our save with and without the cache at 2 ranks (1 GiB state, and a state
 of many small tensors where planning matters more).
 """
@@ -48,7 +50,7 @@ sys.path.insert(0, str(REPO))
 
 from bench_launch import machine_info, save_json  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
-METHODS = ("ours", "ours_prepared", "ours_overlap", "dcp_save", "dcp_async", "torch_save")
+METHODS = ("ours", "ours_mapped", "ours_prepared", "ours_overlap", "dcp_save", "dcp_async", "torch_save")
 
 
 # ---------------------------------------------------------------- rank side
@@ -133,8 +135,11 @@ def _saver(method: str, world: int, enable_cache: bool, state: dict, setup: dict
     if method.startswith("ours"):
         import ckpt
         from ckpt.async_ckpt import state_dict_saver
-        from ckpt.async_ckpt.staging import default_pool
+        from ckpt.async_ckpt.staging import StagingPool, default_pool
 
+        if method == "ours_mapped":  # the staging before pwrite: a new buffer faulted in, then copied through its mapping
+            acquire = StagingPool.acquire
+            StagingPool.acquire = lambda pool, nbytes, populate=True: acquire(pool, nbytes, populate=True)
         t0 = time.perf_counter()
         cp = ckpt.AsyncCheckpointer(enable_cache=enable_cache, overlap_write=method == "ours_overlap",
                                     state_dict=state if method == "ours_prepared" else None)
@@ -329,12 +334,13 @@ def verdicts(res: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         add(world, "warm blocked <= 1.5x copy floor", ours["warm_blocked_over_copy"], 1.5, "x floor")
         add(world, "warm durable <= 1.25x disk floor", ours["warm_durable_over_disk"], 1.25, "x floor")
-        # issue 14: the first save costs at most 1.5x a warm one (the same run's warm blocked time)
-        add(world, "cold blocked <= 1.5x warm (first save, no notice)", ours["cold_blocked_s"] / ours["warm_blocked_s"],
-            1.5, "x warm")
-        if prepared:
-            add(world, "cold blocked <= 1.5x warm (staging prepared)", prepared["cold_blocked_s"] / ours["warm_blocked_s"],
-                1.5, "x warm")
+        # issue 14: the first save blocks at most 1.5x a warm one; each against its own copy floor (the load drifts)
+        warm = ours["warm_blocked_over_copy"]
+        add(world, "cold blocked <= 1.5x warm (first save, no notice)", ours["cold_blocked_over_copy"] / warm, 1.5,
+            "x warm")
+        for name, other in (("staging prepared", prepared), ("as before: populate + mapped copy", r.get("ours_mapped"))):
+            if other:
+                add(world, f"cold blocked <= 1.5x warm ({name})", other["cold_blocked_over_copy"] / warm, 1.5, "x warm")
         if peer:
             add(world, "warm blocked < DCP async_save warm", ours["warm_blocked_over_copy"],
                 peer["warm_blocked_over_copy"], "x floor")

@@ -257,7 +257,7 @@ class FileSystemWriterAsync(StorageWriter):
                 self._finish_in_place(files, layout, order)
                 return
             log.debug("%s: the snapshot's layout does not hold; copying it once more", self.path)
-        buffer = self.pool.acquire(offset)
+        buffer = self.pool.acquire(offset, populate=False)  # (a new one is filled by pwrite: no page faults)
         job = {"op": "write", "dir": str(self.partial_path), "files": files, "fsync": self.sync_files}
         job_id = self._submit_early(job, buffer)
         try:

@@ -8,6 +8,7 @@ belongs to one pending save until that save is finalized (a retry re-writes from
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import io
 import itertools
@@ -51,22 +52,29 @@ class StagingBuffer:
         self._u8: Any = None
         self.in_use = False
         self.fresh = True  # no page of it has been touched yet (first use pays the page faults)
+        self.populated = False  # every page is allocated and mapped here (copies through the mapping run warm)
         self.warming: threading.Event | None = None  # set while reserve() faults the pages in
 
     def populate(self) -> None:
         """Fault every page in now (MADV_POPULATE_WRITE, else by writing zeros), so copies into it run warm."""
         self.fresh = False
-        try:
-            import ctypes
+        self.populated = True
+        if not self._madvise_populate():
+            self.bytes_view().zero_()
 
+    def map_pages(self) -> None:
+        """Map pages pwrite already filled (no data changes), so later copies go through the mapping, warm."""
+        if self._madvise_populate():
+            self.populated = True
+
+    def _madvise_populate(self) -> bool:
+        try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             address = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
-            if libc.madvise(address, self.capacity, _MADV_POPULATE_WRITE) == 0:
-                return
-        except (OSError, AttributeError, TypeError):
-            pass
-        self.bytes_view().zero_()
+            return libc.madvise(address, self.capacity, _MADV_POPULATE_WRITE) == 0
+        except (OSError, AttributeError, TypeError, ValueError):  # (ValueError: the mapping was closed)
+            return False
 
     def bytes_view(self) -> Any:
         """The whole buffer as a uint8 tensor (created once; views of it are cheap)."""
@@ -77,16 +85,35 @@ class StagingBuffer:
         return self._u8
 
     def copy_tensor(self, offset: int, tensor: Any) -> None:
-        """Copy TENSOR's values into [offset, offset+nbytes) (from any device, any strides)."""
+        """Copy TENSOR's values into [offset, offset+nbytes) (from any device, any strides).
+
+        Into a buffer not populated through the mapping, a plain CPU tensor is written to the memfd with
+        pwrite: the kernel allocates each page and fills it in one go, where a first copy through the mapping
+        pays a fault per page plus zeroing it (measured 2-3x a warm copy for a fresh buffer; pwrite ~1-1.3x).
+        """
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0:
             return
+        if not self.populated and _plain_cpu(tensor):
+            self._pwrite(offset, memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B"))
+            return
+        # (no populate() here: its fallback writes zeros over what pwrite already put in)
         dst = self.bytes_view()[offset: offset + nbytes].view(tensor.dtype).view(tensor.shape)
         dst.copy_(tensor.detach())
 
     def copy_bytes(self, offset: int, data: Any) -> None:
         view = memoryview(data).cast("B")
+        if not self.populated:
+            self._pwrite(offset, view)
+            return
         self.mm[offset: offset + len(view)] = view
+
+    def _pwrite(self, offset: int, view: memoryview) -> None:
+        if offset + len(view) > self.capacity:
+            raise ValueError(f"{len(view)} bytes at {offset} do not fit staging buffer {self.id} ({self.capacity})")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
 
     def close(self) -> None:
         for hook in list(_close_hooks):
@@ -104,6 +131,14 @@ class StagingBuffer:
             os.close(self.fd)
         except OSError:
             pass
+
+
+def _plain_cpu(tensor: Any) -> bool:
+    """TENSOR's bytes lie in this process's memory exactly as they are saved (contiguous, CPU, no lazy bits)."""
+    import torch
+
+    return tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_quantized \
+        and not tensor.is_conj() and not tensor.is_neg() and tensor.is_contiguous()
 
 
 class StagingPool:
@@ -142,7 +177,9 @@ class StagingPool:
         for event in events:
             event.wait()
 
-    def acquire(self, nbytes: int) -> StagingBuffer:
+    def acquire(self, nbytes: int, populate: bool = True) -> StagingBuffer:
+        """A free buffer of at least NBYTES. POPULATE=False: a new one is left unpopulated for a caller that
+        copies only through ``copy_tensor`` / ``copy_bytes`` (they write plain CPU data without faults)."""
         with self._lock:
             pending = [b.warming for b in self._buffers if b.warming is not None and b.capacity >= nbytes]
         for event in pending:  # a reserved buffer that fits is still being faulted in: it is worth the wait
@@ -157,12 +194,15 @@ class StagingPool:
                     self._drop(small)
                 buf = StagingBuffer(nbytes)
                 self._buffers.append(buf)
-                buf.populate()  # one call that allocates every page beats a page fault per 4 KiB in the copy
+                if populate:
+                    buf.populate()  # one call that allocates every page beats a page fault per 4 KiB in the copy
                 log.debug("new staging buffer %d of %d bytes", buf.id, buf.capacity)
             buf.in_use = True
             return buf
 
     def release(self, buf: StagingBuffer) -> None:
+        if buf.fresh and not buf.populated:  # its first save filled it by pwrite: map it (background) for the next
+            threading.Thread(target=buf.map_pages, name="nvrx-ckpt-map", daemon=True).start()
         with self._lock:
             buf.in_use = False
             buf.fresh = False

@@ -78,7 +78,7 @@ def main() -> None:
     cp.wait()
 
     # A: no staging memory on rank 1 (as when the node is out of memory)
-    def no_memory(self: staging.StagingPool, nbytes: int) -> staging.StagingBuffer:
+    def no_memory(self: staging.StagingPool, nbytes: int, populate: bool = True) -> staging.StagingBuffer:
         raise MemoryError(f"cannot allocate {nbytes} bytes of staging memory (injected)")
 
     out["A"] = failing_save(cp, root, 2.0, (staging.StagingPool, "acquire", no_memory) if rank == 1 else None)
