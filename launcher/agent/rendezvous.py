@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from launcher.agent.config import RdzvSettings
-from launcher.agent.rdzv_auth import JOB_WIDE, RejectedRecords
+from launcher.agent.rdzv_auth import JOB_WIDE, ForgedRecord, RejectedRecords
 from launcher.agent.rdzv_records import (FAULT_KINDS, BadRecord, NodeInfo, RoundResult, StopKind, StopRecord,
                                          parse_closed, parse_join, parse_pg)
 from launcher.agent.store import (
@@ -444,6 +444,43 @@ class Rendezvous:
                 "another program wrote to it: keep the endpoint's port private to the job's nodes and relaunch"
             )
 
+    def _count(self, key: str, delta: int, repair: Callable[[TCPStore], int]) -> int:
+        """Counter KEY after adding DELTA (a hint, never a decision), on a connection of its own.
+
+        The store drops the connection of any client that adds to a value that is not an integer, so a program
+        without the secret could cut an agent off by writing one. Here only the counter connection is lost: the
+        value is reported (rdzv_forged_record), replaced by what REPAIR counts in the store (compare_set: one
+        agent's repair wins), and the add is retried on a new connection. A store that is really gone raises
+        RendezvousError when reconnecting.
+        """
+        for _ in range(PUT_TRIES):
+            try:
+                return int(self._client("counter").add(key, delta))
+            except dist.DistError:
+                self._drop_client("counter")
+            probe = self._client("counter")
+            raw = probe.get(key) if probe.check([key]) else b""
+            if not raw or raw.strip().lstrip(b"-").isdigit():
+                continue  # gone, or already repaired: add again
+            self._bad_record(key, raw, ForgedRecord("a counter that is not an integer: written without the job "
+                                                    "secret"), fatal=False)
+            probe.compare_set(key, raw, str(repair(probe)))
+        raise BadStoreRecord(f"another program keeps overwriting the counter {key} in the rendezvous store at "
+                             f"{self.rs.host}:{self.rs.port}; keep the endpoint's port private to the job's nodes")
+
+    def _join_slots_used(self, store: TCPStore, r: int) -> int:
+        """A join counter to repair: one past the highest slot of round R with a record (slots past the limit the
+        closer looks at do not count). A joiner between its add and its record may share a slot with a later one:
+        that node then stands by for this round (a delay, the cost of the forged counter)."""
+        for j in range(2 * self.settings.max_nodes + 63, -1, -1):
+            if store.check([self.keys.join(r, j)]):
+                return j + 1
+        return 0
+
+    def _drop_client(self, purpose: str) -> None:
+        with self._lock:
+            self._clients.pop(purpose, None)
+
     def _put_first(self, store: TCPStore, key: str, r: int, value: str, parse: Callable[[str], T]) -> tuple[T, bool]:
         """Write VALUE at KEY unless a valid record is there: (the record that stands, whether it is ours).
 
@@ -536,7 +573,7 @@ class Rendezvous:
         return r
 
     def _join(self, store: TCPStore, r: int) -> None:
-        j = store.add(self.keys.r(r, "count"), 1) - 1
+        j = self._count(self.keys.r(r, "count"), 1, lambda probe: self._join_slots_used(probe, r)) - 1
         key = self.keys.join(r, j)
         store.set(key, self._seal(key, r, {**self.info._asdict(), "node_rank": self.settings.node_rank}))
         self._joiner = j
@@ -567,7 +604,7 @@ class Rendezvous:
                     self._closed[r] = record
                     return record
             self._raise_if_finished(store)
-            count = int(store.add(self.keys.r(r, "count"), 0))
+            count = self._count(self.keys.r(r, "count"), 0, lambda probe: self._join_slots_used(probe, r))
             now = time.monotonic()
             valid, pending = self._gather_joins(store, r, count, slots, now) if count >= s.min_nodes else (0, 0)
             if valid >= s.min_nodes:
@@ -808,7 +845,7 @@ class Rendezvous:
             self._stops_seen.add(rec.round)
             self._stops[rec.round] = rec
         if self._result is not None and self._result.round == rec.round:
-            store.add(self.keys.r(rec.round, "acked"), 1)
+            self._count(self.keys.r(rec.round, "acked"), 1, lambda probe: 0)
         log.info("round %d stopped: %s by %s (restarts %d%s)", rec.round, rec.kind, rec.by_node,
                  rec.restart_count, ", giving up" if rec.give_up else "")
         self.events.emit(RdzvStop(round=rec.round, kind=str(rec.kind), by_node=rec.by_node,
@@ -824,7 +861,8 @@ class Rendezvous:
             if closed is None:
                 return 0
             members = {n.node_id for n in closed["nodes"]}
-            count = min(int(store.add(self.keys.r(round, "count"), 0)), len(members) + 64)
+            count = min(self._count(self.keys.r(round, "count"), 0, lambda probe: self._join_slots_used(probe, round)),
+                        len(members) + 64)
             joins = (self._read_if(store, self.keys.join(round, j), round, parse_join) for j in range(count))
             return len({j["node_id"] for j in joins if j is not None and j["node_id"] not in members})
 
@@ -867,8 +905,9 @@ class Rendezvous:
             g = g if g is not None else members.index(self.node_id)
             key = self.keys.succeeded(round, g)
             store.set(key, self._seal(key, round, {"node_id": self.node_id}))
-            if store.add(self.keys.r(round, "succeeded"), 1) >= len(members) and self._all_succeeded(store, round,
-                                                                                                    members):
+            done = self._count(self.keys.r(round, "succeeded"), 1,
+                               lambda probe: sum(probe.check([self.keys.succeeded(round, i)]) for i in range(len(members))))
+            if done >= len(members) and self._all_succeeded(store, round, members):
                 self._report_stop(store, round, StopKind.SUCCEEDED, {"nodes": len(members)})
 
     def _all_succeeded(self, store: TCPStore, r: int, members: list[str]) -> bool:
@@ -970,7 +1009,8 @@ class Rendezvous:
             if not store.check([self.keys.r(res.round, "stop")]):
                 return
             deadline = time.monotonic() + min(self.settings.keepalive_timeout, LINGER_MAX)
-            while store.add(self.keys.r(res.round, "acked"), 0) < len(res.nodes) and time.monotonic() < deadline:
+            while self._count(self.keys.r(res.round, "acked"), 0, lambda probe: 0) < len(res.nodes) \
+                    and time.monotonic() < deadline:
                 time.sleep(MAX_POLL)
 
     def close(self) -> None:

@@ -373,6 +373,28 @@ def test_forged_records_cannot_form_stop_or_keep_alive(cluster: Cluster) -> None
         assert (watching.result(timeout=WAIT).kind, watching.result().restart_count) == ("interrupted", 1)
 
 
+def test_counters_overwritten_with_garbage_are_reported_and_repaired(cluster: Cluster) -> None:
+    """A plain TCPStore client without the secret overwrites the join, success and ack counters with non-integers
+    (the store drops any connection that then adds to such a value): the agents report each (rdzv_forged_record),
+    repair it and the round forms and succeeds as usual."""
+    s = make_settings(free_port(), job_secret=b"the-job-secret-0123456789", job_secret_file="test")
+    a, b = cluster.agent(s, "node-a"), cluster.agent(s, "node-b")
+    evil, p = forger(s.port), "nvrx/job/"
+    evil.set(p + "r0/count", "not-a-number")
+    ra, rb = in_parallel(a.rdzv.next_round, b.rdzv.next_round)
+    assert [n.node_id for n in ra.nodes] == [n.node_id for n in rb.nodes] == ["node-a", "node-b"]
+    evil.set(p + "r0/succeeded", "garbage")
+    evil.set(p + "r0/acked", "{}")
+    a.rdzv.node_succeeded(0)
+    b.rdzv.node_succeeded(0)
+    stop = a.rdzv.wait_stop(0)
+    assert (stop.kind, stop.restart_count, stop.give_up) == ("succeeded", 0, False)
+    assert b.rdzv.wait_stop(0) == stop
+    forged = {e["key"] for e in a.evs("rdzv_forged_record") + b.evs("rdzv_forged_record")}
+    assert {p + "r0/count", p + "r0/succeeded", p + "r0/acked"} <= forged, forged
+    assert int(evil.add(p + "r0/count", 0)) == 2  # repaired to the slots in use
+
+
 def test_an_empty_join_slot_is_left_out_after_a_grace(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """A join counter bumped by a program without the secret (slots that never get a valid join record) delays an
     elastic round by at most JOIN_SLOT_GRACE; the round then closes with the agents that did join."""
