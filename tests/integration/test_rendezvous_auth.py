@@ -137,8 +137,8 @@ def test_256_signed_agents_agree_on_the_rounds(tmp_path: Path, launcher) -> None
     form round 0, restart into round 1 after a failure and notice a silent node, within a bound; every agent got
     the same members in both rounds and a distinct group rank that is its place among them."""
     out = tmp_path / "rdzv.json"
-    cmd = [sys.executable, str(REPO / "bench" / "bench_rendezvous.py"), "--agents", "256", "--procs", "4",
-           "--output", str(out)]
+    cmd = [sys.executable, str(REPO / "bench" / "bench_rendezvous.py"), "--agents", "256", "--procs", "2",
+           "--keepalive", "0.25,1.5", "--output", str(out)]
     res = subprocess.run(cmd, cwd=REPO, env=launcher.env(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
