@@ -268,7 +268,14 @@ class Agent:
                                          self._round_error_files[lr]))
                  for lr in range(nproc)]
         self._drop_stale_requests()
-        self.workers.start(specs, attempt=result.restart_count)
+        # Beat before the ranks start: waiting for the fork server can outlast keepalive_timeout on a loaded node,
+        # and its neighbours would report it lost.
+        self._rdzv.start_keepalive(result)
+        try:
+            self.workers.start(specs, attempt=result.restart_count)
+        except BaseException:
+            self._rdzv.stop_keepalive()
+            raise
         self._absorbed: list[RankExit] = []  # --inprocess: failed ranks the Wrapper of the others continues without
         self._rank_succeeded = False
         if self.monitors is not None and not self.monitors.started:
@@ -276,7 +283,6 @@ class Agent:
             # the background, so starting them here keeps them off the ranks' start-up critical path.
             self.monitors.start()
         watch = self._watch_stop(result.round)
-        self._rdzv.start_keepalive(result)
         if self._stragglers is not None:
             self._stragglers.start(result)
         try:
