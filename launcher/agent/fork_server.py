@@ -327,10 +327,14 @@ def _set_comm(name: str) -> None:
 
 
 def _import_optional(name: str) -> None:
-    """Import NAME if its dependencies are installed (torch tries some modules only if fsspec is there)."""
+    """Import NAME if its dependencies are installed (torch tries some modules only if fsspec is there).
+
+    Only a missing module is skipped: any other ImportError (a circular import when steps run in an order torch
+    did not foresee) ends the warm-up (WarmUp.step), so a half-imported package is not built on.
+    """
     try:
         importlib.import_module(name)
-    except ImportError:
+    except ModuleNotFoundError:
         pass
 
 

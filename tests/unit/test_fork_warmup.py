@@ -104,3 +104,15 @@ def test_a_script_that_warns_when_compiled_is_left_to_the_rank(tmp_path) -> None
     quiet.write_text("x = 1\n")
     bootstrap.precompile(str(quiet), False)
     assert bootstrap._COMPILED.pop(str(quiet))[0] == b"x = 1\n"
+
+
+def test_a_circular_import_ends_the_warm_up(tmp_path, monkeypatch) -> None:
+    """Not skipped like a missing module: later steps would build on a half-imported package."""
+    from launcher.agent import fork_server
+
+    (tmp_path / "nvrx_circ_a.py").write_text("from nvrx_circ_b import B\nA = 1\n")
+    (tmp_path / "nvrx_circ_b.py").write_text("from nvrx_circ_a import A\nB = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    steps = fork_server.WarmUp(["nvrx_circ_a", "json"])
+    steps.step()
+    assert steps.done and steps.failed == "nvrx_circ_a"
