@@ -259,10 +259,12 @@ class KeepaliveTask:
         self.watching = bool(self.alive.state)
         self.key = rdzv.keys.beat(result.round, rdzv.node_id)
         self.seq = 0
+        self.last_beat = 0.0  # wall clock of the last beat written (what a silent node's detection counts from)
 
     def tick(self, store: TCPStore) -> None:
         self.seq += 1
         store.set(self.key, self.rdzv._seal(self.key, self.round, {"seq": self.seq}))
+        self.last_beat = time.time()
         if self.watching:
             self.watching = self.rdzv._watch_once(store, self.round, self.alive)
 
@@ -280,6 +282,7 @@ class SharedKeepalive:
         self._lock = threading.Lock()  # held while a tick runs, so remove() returns only after the task's last tick
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.slowest_pass = 0.0  # seconds: the longest pass over all tasks (beats come that far apart at worst)
 
     def add(self, task: KeepaliveTask) -> None:
         with self._lock:
@@ -302,6 +305,7 @@ class SharedKeepalive:
         store = self._connect()
         next_tick = time.monotonic()
         while not self._stop.is_set():
+            started = time.monotonic()
             with self._lock:
                 for task in list(self._tasks):
                     try:
@@ -309,6 +313,7 @@ class SharedKeepalive:
                     except (dist.DistError, RendezvousError) as exc:
                         log.warning("keepalive of %s stopped (%s)", task.rdzv.node_id, str(exc).splitlines()[0])
                         self._tasks.remove(task)
+            self.slowest_pass = max(self.slowest_pass, time.monotonic() - started)
             next_tick += self._interval
             self._stop.wait(max(0.0, next_tick - time.monotonic()))
 
@@ -944,14 +949,16 @@ class Rendezvous:
         )
         self._ka_thread.start()
 
-    def stop_keepalive(self) -> None:
+    def stop_keepalive(self) -> float | None:
+        """Stop beating; returns when the last beat was written (wall clock), None if there was none."""
         self._ka_stop.set()
-        if self._ka_task is not None and self._shared_keepalive is not None:
-            self._shared_keepalive.remove(self._ka_task)
-        self._ka_task = None
+        task, self._ka_task = self._ka_task, None
+        if task is not None and self._shared_keepalive is not None:
+            self._shared_keepalive.remove(task)  # returns after the task's last tick
         if self._ka_thread is not None:
             self._ka_thread.join(timeout=self.settings.keepalive_interval + 5.0)
             self._ka_thread = None
+        return (task.last_beat or None) if task is not None else None
 
     def _keepalive_loop(self, task: "KeepaliveTask", stop: threading.Event) -> None:
         try:
