@@ -131,6 +131,7 @@ class SimAgent:
         rec = self.rdzv.wait_stop(r1.round)
         self.t["dead_seen"] = time.time()
         self.t["dead_kind"] = str(rec.kind)
+        self.t["dead_by"] = rec.by_node
         self.rdzv.stop_keepalive()
 
     def view(self, result) -> list:
@@ -306,6 +307,7 @@ def measure(n: int, procs: int) -> dict:
         "agent_cpu_ms_per_join": round(1000 * sorted(t["cpu_join"] for t in times if "cpu_join" in t)[(n - 1) // 2], 2),
         "consistent": consistent(times, n),
         "dead_node_kinds": sorted({t.get("dead_kind", "?") for t in times}),
+        "dead_node_reported_by": sorted({t.get("dead_by", "?") for t in times}),
     }
 
 
