@@ -11,7 +11,7 @@ already warm, as in nvrx's rank template) resume from that directory two ways, a
   all-reduce (``ckpt.direct_load``).
 * ``dcp``: the previous way, a checksum pass over every file, then ``torch.distributed.checkpoint.load``.
 
-Per rank: constructor (its own gloo group), optimizer-state allocation, the load, the rest of ``resume``
+Per rank, after a barrier: constructor (its own gloo group), optimizer-state allocation, the load, the rest of ``resume``
 (sweep, plan cache, staging reservation, ``set_state_dict``), and the first training step after it.
 The slowest rank counts; medians over rounds; ratios direct / dcp from the same run. JSON: bench/results/resume.json.
 """
@@ -75,6 +75,7 @@ def rank_main(args: argparse.Namespace) -> None:
         ckpt.api.load_latest = old_load
     timed(ckpt.api, "load_latest", "load")
     timed(ckpt.periodic, "_allocate_optimizer_state", "alloc_optim")
+    dist.barrier()  # both ranks start resuming together (process start-up skew is not the resume's)
     t = time.perf_counter()
     saver = ckpt.periodic.PeriodicCheckpointer(args.dir, model=model.module, optimizer=opt, every_steps=10)
     times["construct"] = time.perf_counter() - t
