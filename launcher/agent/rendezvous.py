@@ -273,49 +273,59 @@ class SharedKeepalive:
     """Drives the keepalive tasks of many simulated agents in one process from one thread and one connection,
     every INTERVAL seconds, instead of a thread and a connection per agent (which starve each other on a few
     cores: beats come late and healthy nodes are reported silent). Each task does exactly what it does on an
-    agent's own thread."""
+    agent's own thread, including its first beat at once when it starts."""
 
     def __init__(self, connect: Callable[[], TCPStore], interval: float) -> None:
         self._connect = connect
         self._interval = interval
         self._tasks: list[KeepaliveTask] = []
+        self._fresh: list[KeepaliveTask] = []  # added since the last pass: beat now, not at the next pass
         self._lock = threading.Lock()  # held while a tick runs, so remove() returns only after the task's last tick
-        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._stop = False
         self._thread: threading.Thread | None = None
         self.slowest_pass = 0.0  # seconds: the longest pass over all tasks (beats come that far apart at worst)
 
     def add(self, task: KeepaliveTask) -> None:
         with self._lock:
             self._tasks.append(task)
+            self._fresh.append(task)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="nvrx-shared-keepalive", daemon=True)
                 self._thread.start()
+        self._wake.set()
 
     def remove(self, task: KeepaliveTask) -> None:
         with self._lock:
-            if task in self._tasks:
-                self._tasks.remove(task)
+            for tasks in (self._tasks, self._fresh):
+                if task in tasks:
+                    tasks.remove(task)
 
     def close(self) -> None:
-        self._stop.set()
+        self._stop = True
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(self._interval + 5.0)
 
     def _run(self) -> None:
         store = self._connect()
-        next_tick = time.monotonic()
-        while not self._stop.is_set():
+        next_pass = time.monotonic()
+        while not self._stop:
+            self._wake.clear()  # before taking the fresh tasks: one added from now on wakes the next wait at once
             started = time.monotonic()
+            full = started >= next_pass
             with self._lock:
-                for task in list(self._tasks):
+                due, self._fresh = (list(self._tasks) if full else self._fresh), []
+                for task in due:
                     try:
                         task.tick(store)
                     except (dist.DistError, RendezvousError) as exc:
                         log.warning("keepalive of %s stopped (%s)", task.rdzv.node_id, str(exc).splitlines()[0])
                         self._tasks.remove(task)
-            self.slowest_pass = max(self.slowest_pass, time.monotonic() - started)
-            next_tick += self._interval
-            self._stop.wait(max(0.0, next_tick - time.monotonic()))
+            if full:
+                self.slowest_pass = max(self.slowest_pass, time.monotonic() - started)
+                next_pass += self._interval
+            self._wake.wait(max(0.0, next_pass - time.monotonic()))
 
 
 class SharedRecords:
