@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt.async_ckpt.file_writer import FileSlice, _is_data_member
+from nvrx_common.errors import NvrxError
 
 log = logging.getLogger("nvrx.ckpt.direct_load")
 
@@ -33,11 +34,11 @@ LOADED, INELIGIBLE, DAMAGED = 0, 1, 2  # ordered: the ranks agree on the worst a
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # zip local file header: signature ... name length, extra length
 
 
-class Damaged(Exception):
+class Damaged(NvrxError):
     """The bytes of an item differ from what the manifest recorded."""
 
 
-class _Ineligible(Exception):
+class _Ineligible(NvrxError):
     """The state (or this checkpoint) needs DCP's general loader."""
 
 
