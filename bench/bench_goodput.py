@@ -666,8 +666,9 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     p = argparse.ArgumentParser(description="Goodput under crashes and hangs: nvrx vs torchrun, side by side.")
     p.add_argument("--steps", type=int, help="training steps (default 2000; --quick 400)")
     p.add_argument("--faults", type=int, help="faults per faulty run (default 4; --quick 2)")
-    p.add_argument("--interval", type=float, help="mean seconds of training per attempt before its fault (default 28)")
-    p.add_argument("--jitter", type=float, help="+- seconds around --interval (default 6)")
+    p.add_argument("--interval", type=float, help="mean seconds of training per attempt before its fault (default 16:"
+                   " 4 faults must fit in ~85 s of fault-free training on this 2-core VM)")
+    p.add_argument("--jitter", type=float, help="+- seconds around --interval (default 3)")
     p.add_argument("--seed", type=int, default=14)
     p.add_argument("--save-every", type=int, help="the save200 variant's torch.save interval in steps (default 200)")
     p.add_argument("--pause", type=float, default=0.01, help="seconds slept per step after its compute (default 0.01)")
@@ -703,8 +704,8 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
         LOG.warning("ft_launcher is not installed here (no nvidia_resiliency_ext): left out")
         wanted.remove("ft_launcher")
     settings = Settings(
-        steps=steps, faults=pick(args.faults, 4, 2), interval=pick(args.interval, 28.0, 7.0),
-        jitter=pick(args.jitter, 6.0, 2.0), seed=args.seed, save_every=pick(args.save_every, 200, 100),
+        steps=steps, faults=pick(args.faults, 4, 2), interval=pick(args.interval, 16.0, 7.0),
+        jitter=pick(args.jitter, 3.0, 2.0), seed=args.seed, save_every=pick(args.save_every, 200, 100),
         pause=args.pause, hang_timeout=args.hang_timeout, auto_timeout=args.auto_timeout,
         auto_timeout_min=args.auto_timeout_min, auto_timeout_warmup=args.auto_timeout_warmup, soft_timeout=args.soft_timeout, pg_timeout=args.pg_timeout,
         big=args.big,
