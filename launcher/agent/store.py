@@ -147,6 +147,15 @@ def _handshake(host: str, port: int, timeout: float) -> TCPStore | BaseException
     return box[0] if box else None
 
 
+def _timed_out(exc: BaseException) -> bool:
+    """A TCPStore handshake that gave up waiting (torch raises it as a plain error whose text says so).
+
+    torch resolves the peer's address for every connection; a resolver that drops a query stalls it
+    for its retry interval (5 s by default), which looks exactly like a listener that never answers.
+    """
+    return isinstance(exc, TimeoutError) or "timed out" in str(exc)
+
+
 def connect_client(
     host: str,
     port: int,
@@ -162,6 +171,7 @@ def connect_client(
     start = time.monotonic()
     delay = 0.05
     reason = "no attempt made"
+    stalls = 0  # handshakes that timed out: one is forgiven (a name lookup stall), two mean "not a store"
     while True:
         reason = _probe(host, port, min(PROBE_TIMEOUT, max(0.1, wait)))
         if reason is None:
@@ -169,6 +179,12 @@ def connect_client(
             if isinstance(got, TCPStore):
                 got.set_timeout(_td(DEFAULT_OP_TIMEOUT))
                 return got
+            if got is None or _timed_out(got):
+                stalls += 1
+                if stalls == 1:
+                    log.warning("store %s:%d did not answer within %.0f s (a slow name lookup?); trying once more",
+                                host, port, handshake_timeout)
+                    continue
             if got is None:
                 raise PortInUse(
                     f"port {port} on {host} is in use by another program (it accepts connections but does not "

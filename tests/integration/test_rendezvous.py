@@ -467,6 +467,70 @@ def test_port_held_by_a_plain_socket() -> None:
         holder.close()  # releases the abandoned handshake thread
 
 
+def _stall_first_connection(target_port: int) -> tuple[socket.socket, list[socket.socket]]:
+    """A loopback listener that holds its first connection silent and pipes later ones to TARGET_PORT.
+
+    It stands for a store whose first handshake stalls (torch resolves every peer's address; a resolver
+    that drops a query holds the connection for seconds), not for a listener that never answers.
+    """
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    held: list[socket.socket] = []
+    stalled: list[socket.socket] = []
+
+    def pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def handle(conn: socket.socket) -> None:
+        try:
+            first = conn.recv(65536)
+        except OSError:
+            return
+        if not first:  # a plain connect-and-close probe
+            return
+        if not stalled:
+            stalled.append(conn)  # the first handshake: never answered
+            return
+        upstream = socket.create_connection(("127.0.0.1", target_port))
+        held.append(upstream)
+        upstream.sendall(first)
+        threading.Thread(target=pipe, args=(conn, upstream), daemon=True).start()
+        pipe(upstream, conn)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            held.append(conn)
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, held
+
+
+def test_a_stalled_first_handshake_is_tried_once_more() -> None:
+    server, port = start_store_server("127.0.0.1")
+    listener, held = _stall_first_connection(port)
+    try:
+        client = connect_client("127.0.0.1", listener.getsockname()[1], wait=0.5, handshake_timeout=1.0)
+        client.set("through-the-second-connection", "yes")
+        assert server.get("through-the-second-connection") == b"yes"
+        assert len(held) >= 3  # the silent first handshake, then the piped one and its upstream
+        del client
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+        del server
+
+
 def test_port_held_by_a_foreign_tcpstore() -> None:
     foreign, port = start_store_server("127.0.0.1")
     try:
