@@ -182,7 +182,7 @@ def connect_client(
             if got is None or _timed_out(got):
                 stalls += 1
                 if stalls == 1:
-                    log.warning("store %s:%d did not answer within %.0f s (a slow name lookup?); trying once more",
+                    log.debug("store %s:%d did not answer within %.0f s (a slow name lookup?); trying once more",
                                 host, port, handshake_timeout)
                     continue
             if got is None:
