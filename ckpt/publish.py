@@ -288,7 +288,7 @@ def check_destination(final: Path) -> None:
 
 def _refuse_missing_parent(final: Path, root: Path) -> None:
     """Raise unless ROOT's parent is an existing directory (then creating ROOT alone is safe)."""
-    if root.exists():  # not a directory (checked by the caller)
+    if root.exists() and not root.is_dir():  # another rank may have created it since the caller looked
         raise CheckpointError(f"cannot save checkpoint {final}: {root} is a file, not a directory; "
                               "choose another checkpoint path")
     ancestor = next(a for a in root.parents if a.exists())  # the file system root always does
