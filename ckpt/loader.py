@@ -148,7 +148,7 @@ def load_latest(root: str | Path, state_dict: dict[str, Any], *, process_group: 
                                                   check_crc=verify == "full")
             if status == DAMAGED:
                 why = f"checkpoint {info.path} is damaged: {why}"
-        agreed = _agree(status, process_group)
+        agreed = max_over_ranks(status, process_group)
         if agreed == LOADED:
             return info
         if agreed == DAMAGED:
@@ -174,14 +174,17 @@ def load_latest(root: str | Path, state_dict: dict[str, Any], *, process_group: 
     return None
 
 
-def _agree(status: int, process_group: Any) -> int:
-    """The worst STATUS over the ranks of PROCESS_GROUP (one all-reduce; this rank's own without a group)."""
+def max_over_ranks(value: int, process_group: Any = None) -> int:
+    """The largest VALUE over the ranks of PROCESS_GROUP (one tiny all-reduce; this rank's own without a group).
+
+    How ranks reach one answer (the worst load status, "anyone due for a save?") without a store round trip.
+    """
     import torch
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(process_group) <= 1:
-        return status
-    flag = torch.tensor([status], dtype=torch.int32)
+        return value
+    flag = torch.tensor([value], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
     return int(flag.item())
 

@@ -42,7 +42,7 @@ from typing import Any
 
 from ckpt.api import AsyncCheckpointer
 from ckpt.errors import CheckpointError
-from ckpt.loader import find_latest_checkpoint
+from ckpt.loader import find_latest_checkpoint, max_over_ranks
 from ckpt.snapshot import capturable, capture
 
 log = logging.getLogger("nvrx.ckpt.periodic")
@@ -217,15 +217,8 @@ class PeriodicCheckpointer:
         return self._any_rank(late)
 
     def _any_rank(self, flag: bool) -> bool:
-        """FLAG or-ed over the ranks: the same answer everywhere (one tiny all-reduce)."""
-        import torch
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return flag
-        value = torch.tensor([int(flag)], dtype=torch.int32)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.process_group)
-        return bool(value.item())
+        """FLAG or-ed over the ranks: the same answer everywhere."""
+        return bool(max_over_ranks(int(flag), self.process_group))
 
     def save(self, done: int) -> None:
         """Start a save of the current state as ``step_<DONE>`` now (collective; returns after the copy).
