@@ -131,6 +131,19 @@ def pid_gone(pid: int) -> bool:
         return True
 
 
+def listening(port: int, host: str = "127.0.0.1") -> bool:
+    """Something accepts connections on HOST:PORT: the agent that hosts a rendezvous store is serving it.
+
+    Tests that start one agent as the store's host must wait for this, not for its log directory: that
+    exists before the agent binds the port, and a second agent started in between would host instead.
+    """
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

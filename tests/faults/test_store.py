@@ -16,7 +16,7 @@ from launcher.agent.rdzv_auth import RecordAuth, load_secret
 from launcher.agent.rdzv_records import BadRecord, parse_closed, parse_join, parse_pg
 from launcher.agent.rendezvous import parse_stop
 
-from tests.conftest import free_port, one_line_error, wait_for
+from tests.conftest import free_port, listening, one_line_error, wait_for
 from tests.faults.conftest import one_line
 
 pytestmark = pytest.mark.slow
@@ -151,7 +151,7 @@ def test_store_host_lost(job):
     common = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hostlost",
               "--nproc-per-node", "1", "--term-timeout", "2"]
     host = job.start(*common, *job.train(1000), env={"FAULT_STEP_TIME": "0.1"})
-    assert wait_for(lambda: job.run_dir("hostlost").exists(), 30)
+    assert wait_for(lambda: listening(port), 60)  # HOST hosts the store, not OTHER
     other = job.start(*common, *job.train(1000), env={"FAULT_STEP_TIME": "0.1"})
     job.wait_running(rank=1)
     host.kill()

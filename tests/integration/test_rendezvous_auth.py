@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from tests.conftest import REPO, free_port, one_line_error, wait_for
+from tests.conftest import REPO, free_port, listening, one_line_error, wait_for
 from tests.faults.conftest import FaultJob, one_line
 
 
@@ -46,7 +46,7 @@ def two_agents(job: FaultJob, run_id: str, secret: Path, steps: int, fault: str,
             "--term-timeout", "5", *extra, *job.train(steps, fault)]
     env = {"FAULT_STEP_TIME": "0.1", "NVRX_JOB_SECRET_FILE": str(secret)}
     host = job.start(*args, env=env)
-    assert wait_for(lambda: job.run_dir(run_id).exists(), 60)
+    assert wait_for(lambda: listening(port), 60)  # hosting the store, not only started
     return port, host, job.start(*args, env=env)
 
 
@@ -104,7 +104,7 @@ def test_agents_with_different_secrets_fail_at_once(job: FaultJob, tmp_path: Pat
     common = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mismatch",
               "--nproc-per-node", "1", "--term-timeout", "2", *job.train(5)]
     host = job.start(*common, env={"NVRX_JOB_SECRET_FILE": str(secret_file(tmp_path / "a"))})
-    assert wait_for(lambda: job.run_dir("mismatch").exists(), 60)
+    assert wait_for(lambda: listening(port), 60)  # hosting the store, not only started
     wrong = secret_file(tmp_path / "b", b"another-secret-of-another-job-xyz")
     res = job.run(*common, env={"NVRX_JOB_SECRET_FILE": str(wrong)}, timeout=180)  # bounded; loaded machine
     one_line_error(res, "job secret", "differs", "127.0.0.1", "NVRX_JOB_SECRET_FILE")
