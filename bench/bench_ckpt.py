@@ -14,7 +14,9 @@ Per save: blocked = the call until it returns to the training loop; durable = th
 is on disk (ours: wait() published it; dcp_async: the future; torch_save: + fsync). The first save of
 a process is "cold", the others "warm" (medians). Floors, measured next to every save in the same
 process on the same tensors (the machine is shared, so load drifts): just before it, a copy of the
-state into already-allocated buffers; just after it, a sequential write + fsync of as many bytes.
+state into already-allocated buffers; just after it, the allocation floor (as many bytes of new zeroed
+shared memory: a fresh memfd populated with MADV_POPULATE_WRITE, what the kernel does before anyone can
+copy into new pages) and a sequential write + fsync of as many bytes.
 Ratios are per save (save / its own floors), then the median. Cold figures are the median of the first
 save of --cold-runs fresh process sets (default 3; the extra runs do one save each). ours_prepared: the
 checkpointer is given the state when it is created (AsyncCheckpointer(state_dict=...), as ckpt.resume()
@@ -22,8 +24,10 @@ and ckpt.prepare() do), which reserves and faults in the staging memory on a bac
 bench waits for that (start-up work, untimed, reported as reserve_s) before the first save, as a training
 loop would be busy with its first steps; only its cold save is of interest.
 ours_overlap: overlap_write=True (the writer starts writing while the copy is still going on).
-ours_mapped: ours as it staged before (a new buffer faulted in with MADV_POPULATE_WRITE, then copied through its
-mapping; now a new buffer is filled with pwrite), the peer of ours' cold save in the same run.
+ours_mapped: a new buffer faulted in with MADV_POPULATE_WRITE, then copied through its mapping (the staging before
+2026-11-26); ours_pwrite: a new buffer filled by pwrite on one thread (before 2026-11-27); ours now fills a new
+buffer with pwrite on one thread and populate + mapped copies on the others (StagingBuffer.fill). Both are peers
+of ours' cold save in the same run. Cold saves are also reported against the allocation floor + the copy floor.
 Plan cache: planning time of our save with and without the cache at 2 ranks (1 GiB state, and a state
 of many small tensors where planning matters more).
 """
@@ -50,7 +54,7 @@ sys.path.insert(0, str(REPO))
 
 from bench_launch import machine_info, save_json  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
-METHODS = ("ours", "ours_mapped", "ours_prepared", "ours_overlap", "dcp_save", "dcp_async", "torch_save")
+METHODS = ("ours", "ours_mapped", "ours_pwrite", "ours_prepared", "ours_overlap", "dcp_save", "dcp_async", "torch_save")
 
 
 # ---------------------------------------------------------------- rank side
@@ -112,6 +116,27 @@ class Floors:
             b.copy_(t)
         return time.perf_counter() - t0
 
+    def alloc(self) -> float:
+        """New zeroed shared memory for as many bytes: a fresh memfd, every page allocated, zeroed and mapped."""
+        import ctypes
+        import mmap
+
+        nbytes = sum(b.numel() * b.element_size() for b in self.bufs)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        t0 = time.perf_counter()
+        fd = os.memfd_create("nvrx-bench-alloc-floor", os.MFD_CLOEXEC)
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        anchor = ctypes.c_char.from_buffer(mm)
+        if libc.madvise(ctypes.addressof(anchor), nbytes, 23) != 0:  # MADV_POPULATE_WRITE (Linux >= 5.14)
+            mm.write(bytes(nbytes))  # (older kernels: touch every page)
+        elapsed = time.perf_counter() - t0
+        del anchor
+        mm.close()
+        os.close(fd)
+        return elapsed
+
     def disk(self) -> float:
         t0 = time.perf_counter()
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -140,6 +165,10 @@ def _saver(method: str, world: int, enable_cache: bool, state: dict, setup: dict
         if method == "ours_mapped":  # the staging before pwrite: a new buffer faulted in, then copied through its mapping
             acquire = StagingPool.acquire
             StagingPool.acquire = lambda pool, nbytes, populate=True: acquire(pool, nbytes, populate=True)
+        if method == "ours_pwrite":  # the staging before the lanes: a new buffer filled by pwrite on one thread
+            from ckpt.async_ckpt import staging
+
+            staging._default_lanes = lambda: 1
         t0 = time.perf_counter()
         cp = ckpt.AsyncCheckpointer(enable_cache=enable_cache, overlap_write=method == "ours_overlap",
                                     state_dict=state if method == "ours_prepared" else None)
@@ -219,10 +248,12 @@ def rank_main(cfg: dict[str, Any]) -> None:
         _barrier(world)
         blocked, durable, extra = save(state, workdir / f"{method}-{k}")
         _barrier(world)
+        alloc_floor = floors.alloc()
+        _barrier(world)
         disk_floor = floors.disk()
         _barrier(world)
         samples.append({"blocked_s": blocked, "durable_s": durable, "copy_floor_s": copy_floor,
-                        "disk_floor_s": disk_floor, **extra})
+                        "alloc_floor_s": alloc_floor, "disk_floor_s": disk_floor, **extra})
         if rank == 0:
             shutil.rmtree(workdir / f"{method}-{k}", ignore_errors=True)
         _barrier(world)
@@ -296,10 +327,14 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     for s in per_save:
         s["blocked_over_copy"] = s["blocked_s"] / s["copy_floor_s"]
         s["durable_over_disk"] = s["durable_s"] / s["disk_floor_s"]
+        s["blocked_over_alloc_copy"] = s["blocked_s"] / (s["alloc_floor_s"] + s["copy_floor_s"])
     warm = per_save[1:] or per_save
     out: dict[str, Any] = {"cold_blocked_s": per_save[0]["blocked_s"], "cold_durable_s": per_save[0]["durable_s"],
-                           "cold_blocked_over_copy": per_save[0]["blocked_over_copy"]}
-    for key in ("blocked_s", "durable_s", "copy_floor_s", "disk_floor_s", "blocked_over_copy", "durable_over_disk"):
+                           "cold_blocked_over_copy": per_save[0]["blocked_over_copy"],
+                           "cold_alloc_floor_s": per_save[0]["alloc_floor_s"],
+                           "cold_blocked_over_alloc_copy": per_save[0]["blocked_over_alloc_copy"]}
+    for key in ("blocked_s", "durable_s", "copy_floor_s", "alloc_floor_s", "disk_floor_s", "blocked_over_copy",
+                "durable_over_disk"):
         out[f"warm_{key}"] = _med([s[key] for s in warm])
     for key in ("plan", "stage", "write", "publish"):
         if key in per_save[0]:
@@ -315,7 +350,8 @@ def with_cold_runs(first: dict[str, Any], extra: list[dict[str, Any]]) -> dict[s
     """FIRST's summary with its cold figures replaced by the medians over FIRST and the EXTRA runs' first saves."""
     runs = [first, *extra]
     out = dict(first)
-    for key in ("cold_blocked_s", "cold_durable_s", "cold_blocked_over_copy"):
+    for key in ("cold_blocked_s", "cold_durable_s", "cold_blocked_over_copy", "cold_alloc_floor_s",
+                "cold_blocked_over_alloc_copy"):
         out[key] = _med([r[key] for r in runs])
         out[f"{key}_runs"] = [r[key] for r in runs]
     return out
@@ -338,9 +374,13 @@ def verdicts(res: dict[str, Any]) -> list[dict[str, Any]]:
         warm = ours["warm_blocked_over_copy"]
         add(world, "cold blocked <= 1.5x warm (first save, no notice)", ours["cold_blocked_over_copy"] / warm, 1.5,
             "x warm")
-        for name, other in (("staging prepared", prepared), ("as before: populate + mapped copy", r.get("ours_mapped"))):
+        for name, other in (("staging prepared", prepared), ("as before: populate + mapped copy", r.get("ours_mapped")),
+                            ("as before: pwrite on one thread", r.get("ours_pwrite"))):
             if other:
                 add(world, f"cold blocked <= 1.5x warm ({name})", other["cold_blocked_over_copy"] / warm, 1.5, "x warm")
+        # what no staging can beat without notice: the kernel's new zeroed pages + the copy, measured next to the save
+        add(world, "cold blocked <= alloc floor + copy floor (first save, no notice)",
+            ours["cold_blocked_over_alloc_copy"], 1.0, "x (alloc+copy)")
         if peer:
             add(world, "warm blocked < DCP async_save warm", ours["warm_blocked_over_copy"],
                 peer["warm_blocked_over_copy"], "x floor")
@@ -356,16 +396,18 @@ def table(res: dict[str, Any], cache: dict[str, Any] | None, checks: list[dict[s
         return "-" if v is None else f"{v:.{digits}f}"
 
     lines = ["| ranks | method | blocked cold s | blocked warm s | durable cold s | durable warm s "
-             "| warm blocked / copy floor | warm durable / disk floor | copy floor s | disk floor s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| warm blocked / copy floor | cold blocked / (alloc + copy floor) | warm durable / disk floor "
+             "| copy floor s | alloc floor s | disk floor s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for world, r in res.items():
         for m in METHODS:
             if m not in r:
                 continue
             s = r[m]
             lines.append(f"| {world} | {m} | {f(s['cold_blocked_s'])} | {f(s['warm_blocked_s'])} | {f(s['cold_durable_s'])} "
-                         f"| {f(s['warm_durable_s'])} | {f(s['warm_blocked_over_copy'], 2)} | {f(s['warm_durable_over_disk'], 2)} "
-                         f"| {f(s['warm_copy_floor_s'])} | {f(s['warm_disk_floor_s'])} |")
+                         f"| {f(s['warm_durable_s'])} | {f(s['warm_blocked_over_copy'], 2)} "
+                         f"| {f(s['cold_blocked_over_alloc_copy'], 2)} | {f(s['warm_durable_over_disk'], 2)} "
+                         f"| {f(s['warm_copy_floor_s'])} | {f(s['cold_alloc_floor_s'])} | {f(s['warm_disk_floor_s'])} |")
     if cache:
         lines += ["", "| plan cache (2 ranks) | tensors | plan without cache s | plan with cache s | saved per checkpoint s |",
                   "|---|---|---|---|---|"]
@@ -417,12 +459,13 @@ def main() -> None:
             r: dict[str, Any] = {}
             for m in methods:
                 loads[f"{world}/{m}"] = _load()
-                saves = 2 if m == "ours_prepared" else args.saves  # only its first (cold) save differs from ours
+                saves = 2 if m in ("ours_prepared", "ours_mapped", "ours_pwrite") else args.saves  # only their cold save differs
                 first = summarize(run(m, world, args, workdir, saves=saves))
                 extra = [summarize(run(m, world, args, workdir, saves=1)) for _ in range(args.cold_runs - 1)]
                 r[m] = with_cold_runs(first, extra)
                 print(f"  {world} rank(s) {m}: blocked {r[m]['cold_blocked_s']:.3f} cold (median of {args.cold_runs}: "
-                      f"{', '.join(f'{v:.3f}' for v in r[m]['cold_blocked_s_runs'])}) / {r[m]['warm_blocked_s']:.3f} warm "
+                      f"{', '.join(f'{v:.3f}' for v in r[m]['cold_blocked_s_runs'])}; "
+                      f"{r[m]['cold_blocked_over_alloc_copy']:.2f}x alloc+copy floor) / {r[m]['warm_blocked_s']:.3f} warm "
                       f"({r[m]['warm_blocked_over_copy']:.2f}x copy floor), durable {r[m]['warm_durable_s']:.3f} warm "
                       f"({r[m]['warm_durable_over_disk']:.2f}x disk floor) (load {loads[f'{world}/{m}']})", flush=True)
             results[str(world)] = r

@@ -93,11 +93,17 @@ def capture(state: dict[str, Any], pool: StagingPool | None = None,
     pool = pool or default_pool()
     sizes: list[int] = []
     tensor_bytes, values = _layout(state, sizes)
-    buffer = pool.acquire(tensor_bytes + values * _BYTES_SLACK)
+    buffer = pool.acquire(tensor_bytes + values * _BYTES_SLACK, populate=False)  # (a new one: fill() allocates it)
     pending: list[tuple[Any, Any]] = []
+    copies: list[tuple[int, Any, Any]] = []
     try:
         offset = [0]
-        captured = _copy(state, buffer, offset, defer, pending)
+        captured = _copy(state, buffer, offset, defer, pending, copies)
+        if buffer.populated:  # warm: straight through the mapping
+            for _, source, view in copies:
+                view.detach().copy_(source)
+        else:  # a new buffer: its pages are allocated as they are filled, by several threads
+            buffer.fill([(start, source) for start, source, _ in copies])
     except BaseException:
         pool.release(buffer)
         raise
@@ -105,15 +111,16 @@ def capture(state: dict[str, Any], pool: StagingPool | None = None,
 
 
 def _copy(obj: Any, buffer: StagingBuffer, offset: list[int], defer: Callable[[Any], bool] | None,
-          pending: list[tuple[Any, Any]]) -> Any:
+          pending: list[tuple[Any, Any]], copies: list[tuple[int, Any, Any]]) -> Any:
+    """OBJ's structure with each tensor a view of BUFFER; the copies to make now go to COPIES (offset, source, view)."""
     import torch
 
     if isinstance(obj, dict):
-        return {k: _copy(v, buffer, offset, defer, pending) for k, v in obj.items()}
+        return {k: _copy(v, buffer, offset, defer, pending, copies) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_copy(v, buffer, offset, defer, pending) for v in obj]
+        return [_copy(v, buffer, offset, defer, pending, copies) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_copy(v, buffer, offset, defer, pending) for v in obj)
+        return tuple(_copy(v, buffer, offset, defer, pending, copies) for v in obj)
     if isinstance(obj, torch.Tensor):
         start = offset[0]
         nbytes = obj.numel() * obj.element_size()
@@ -122,7 +129,7 @@ def _copy(obj: Any, buffer: StagingBuffer, offset: list[int], defer: Callable[[A
         if defer is not None and nbytes and defer(obj):
             pending.append((obj, view))
         elif nbytes:
-            view.copy_(obj.detach())
+            copies.append((start, obj.detach(), view))
         if obj.requires_grad:  # the saved properties stay those of the original
             view.requires_grad_(True)
         return view

@@ -257,18 +257,19 @@ class FileSystemWriterAsync(StorageWriter):
                 self._finish_in_place(files, layout, order)
                 return
             log.debug("%s: the snapshot's layout does not hold; copying it once more", self.path)
-        buffer = self.pool.acquire(offset, populate=False)  # (a new one is filled by pwrite: no page faults)
+        buffer = self.pool.acquire(offset, populate=False)  # (a new one is filled by fill(): pwrite + populating lanes)
         job = {"op": "write", "dir": str(self.partial_path), "files": files, "fsync": self.sync_files}
         job_id = self._submit_early(job, buffer)
         try:
+            if not job_id:  # nobody reads the buffer before it is full: one fill (a new buffer by several threads)
+                buffer.fill([(entry["off"], self._objects[item.index.fqn] if kind == "bytes"
+                              else _resolved_tensor(planner, item)) for entry, item, kind in order])
             reported = 0
-            for entry, item, kind in order:
+            for entry, item, kind in order if job_id else ():
                 if kind == "bytes":
                     buffer.copy_bytes(entry["off"], self._objects[item.index.fqn])
                 else:
-                    tensor = planner.resolve_data(item)
-                    _check_tensor(item, tensor)
-                    buffer.copy_tensor(entry["off"], tensor)
+                    buffer.copy_tensor(entry["off"], _resolved_tensor(planner, item))
                 end = entry["off"] + entry["nbytes"]
                 if job_id and end - reported >= _PROGRESS_STEP:
                     job_id = self._report(job_id, end)
@@ -533,6 +534,12 @@ def _check_tensor(item: WriteItem, tensor: Any) -> None:
     if tuple(tensor.shape) != tuple(td.chunk.sizes) or tensor.dtype != td.properties.dtype:
         raise CheckpointError(f"{item.index.fqn!r} changed while it was being saved: planned {tuple(td.chunk.sizes)} "
                               f"{td.properties.dtype}, found {tuple(tensor.shape)} {tensor.dtype}")
+
+
+def _resolved_tensor(planner: SavePlanner, item: WriteItem) -> Any:
+    tensor = planner.resolve_data(item)
+    _check_tensor(item, tensor)
+    return tensor
 
 
 def _storage_info(name: str, offset: int, length: int) -> Any:

@@ -16,13 +16,15 @@ import logging
 import mmap
 import os
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 log = logging.getLogger("nvrx.ckpt.staging")
 
 ALIGN = 64  # item offsets inside a buffer (cache-line aligned copies)
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _GRANULE = 2 << 20  # buffer sizes are rounded up to this
+_CHUNK = 32 << 20  # one lane's unit of work when several threads fill a new buffer (a multiple of the page size)
+_MAX_LANES = 4
 _ids = itertools.count(1)
 _close_hooks: list[Any] = []  # weak methods called with a buffer before it is closed (the writer unmaps it)
 
@@ -67,12 +69,12 @@ class StagingBuffer:
         if self._madvise_populate():
             self.populated = True
 
-    def _madvise_populate(self) -> bool:
+    def _madvise_populate(self, start: int = 0, length: int | None = None) -> bool:
+        """MADV_POPULATE_WRITE over [start, start+length) (default: all); False if it failed or is unsupported."""
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            address = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
-            return libc.madvise(address, self.capacity, _MADV_POPULATE_WRITE) == 0
+            address = ctypes.addressof(ctypes.c_char.from_buffer(self.mm, start))
+            return _libc().madvise(address, self.capacity - start if length is None else length,
+                                   _MADV_POPULATE_WRITE) == 0
         except (OSError, AttributeError, TypeError, ValueError):  # (ValueError: the mapping was closed)
             return False
 
@@ -100,6 +102,56 @@ class StagingBuffer:
         # (no populate() here: its fallback writes zeros over what pwrite already put in)
         dst = self.bytes_view()[offset: offset + nbytes].view(tensor.dtype).view(tensor.shape)
         dst.copy_(tensor.detach())
+
+    def fill(self, copies: Sequence[tuple[int, Any]], lanes: int | None = None) -> None:
+        """Copy each (offset, tensor or bytes-like) of COPIES into the buffer, as ``copy_tensor`` / ``copy_bytes`` would.
+
+        A buffer not populated yet (its first save) is filled by LANES threads (default: torch's intra-op
+        threads, as a warm copy uses): one writes chunks from the front with pwrite (the kernel allocates each
+        page and fills it, no zeroing, but one writer at a time per memfd), the others take chunks from the
+        back, populating each (allocate + zero + map, no file lock) and copying through the mapping. Chunks
+        split the buffer at page-aligned boundaries, so no page is written by two lanes.
+        """
+        pieces: list[tuple[int, int, int]] = []  # (offset, source address, nbytes) of plain CPU tensors
+        keep: list[Any] = []  # the tensors those addresses point into, alive until the copy is done
+        for offset, data in copies:
+            if not hasattr(data, "data_ptr"):
+                self.copy_bytes(offset, data)
+                continue
+            nbytes = data.numel() * data.element_size()
+            if nbytes and offset + nbytes > self.capacity:
+                raise ValueError(f"{nbytes} bytes at {offset} do not fit staging buffer {self.id} ({self.capacity})")
+            if self.populated or not _plain_cpu(data) or nbytes == 0:
+                self.copy_tensor(offset, data)
+            else:
+                pieces.append((offset, data.data_ptr(), nbytes))
+                keep.append(data)
+        lanes = _default_lanes() if lanes is None else max(1, lanes)
+        chunks = _chunks(pieces)
+        if lanes == 1 or len(chunks) < 2:
+            for chunk in chunks:
+                self._pwrite_chunk(chunk)
+            return
+        self.bytes_view()  # (created here, not raced for by the lanes)
+        _libc()
+        _run_lanes(chunks, min(lanes, len(chunks)), self._pwrite_chunk, self._map_and_copy)
+        del keep
+
+    def _pwrite_chunk(self, chunk: list[tuple[int, int, int]]) -> None:
+        for offset, address, nbytes in chunk:
+            self._pwrite(offset, memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B"))
+
+    def _map_and_copy(self, chunk: list[tuple[int, int, int]]) -> None:
+        """Populate CHUNK's pages in one call, then copy through the mapping (pwrite if populating fails:
+        a plain store into a page the kernel cannot provide would be a SIGBUS, pwrite an OSError)."""
+        start = chunk[0][0] // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(self.capacity, -(-(chunk[-1][0] + chunk[-1][2]) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        if not self._madvise_populate(start, end - start):
+            self._pwrite_chunk(chunk)
+            return
+        base = self.bytes_view().data_ptr()
+        for offset, address, nbytes in chunk:
+            ctypes.memmove(base + offset, address, nbytes)  # (releases the GIL)
 
     def copy_bytes(self, offset: int, data: Any) -> None:
         view = memoryview(data).cast("B")
@@ -131,6 +183,71 @@ class StagingBuffer:
             os.close(self.fd)
         except OSError:
             pass
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+def _default_lanes() -> int:
+    """As many threads as a warm copy uses (torch's intra-op threads), at most _MAX_LANES."""
+    import torch
+
+    return max(1, min(_MAX_LANES, torch.get_num_threads(), os.cpu_count() or 1))
+
+
+def _chunks(pieces: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """PIECES (offset, address, nbytes) cut at multiples of _CHUNK and grouped by chunk, in offset order."""
+    out: list[list[tuple[int, int, int]]] = []
+    last = -1
+    for offset, address, nbytes in sorted(pieces):
+        while nbytes:
+            index = offset // _CHUNK
+            n = min(nbytes, (index + 1) * _CHUNK - offset)
+            if index != last:
+                out.append([])
+                last = index
+            out[-1].append((offset, address, n))
+            offset, address, nbytes = offset + n, address + n, nbytes - n
+    return out
+
+
+def _run_lanes(chunks: list[Any], lanes: int, front: Any, back: Any) -> None:
+    """FRONT(chunk) on one helper thread from the first chunk on, BACK(chunk) on this thread and LANES-2 more from
+    the last one back, until they meet. The first error stops every lane (after its current chunk) and is raised."""
+    lock = threading.Lock()
+    bounds = [0, len(chunks)]
+    errors: list[BaseException] = []
+
+    def take(from_front: bool) -> Any:
+        with lock:
+            if errors or bounds[0] >= bounds[1]:
+                return None
+            if from_front:
+                bounds[0] += 1
+                return chunks[bounds[0] - 1]
+            bounds[1] -= 1
+            return chunks[bounds[1]]
+
+    def lane(from_front: bool) -> None:
+        try:
+            while (chunk := take(from_front)) is not None:
+                (front if from_front else back)(chunk)
+        except BaseException as exc:  # (this thread's interruption included: the helpers stop, then it is raised)
+            with lock:
+                errors.append(exc)
+
+    helpers = [threading.Thread(target=lane, args=(i == 0,), name="nvrx-ckpt-fill", daemon=True) for i in range(lanes - 1)]
+    for t in helpers:
+        t.start()
+    lane(False)
+    for t in helpers:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def _plain_cpu(tensor: Any) -> bool:
@@ -179,7 +296,7 @@ class StagingPool:
 
     def acquire(self, nbytes: int, populate: bool = True) -> StagingBuffer:
         """A free buffer of at least NBYTES. POPULATE=False: a new one is left unpopulated for a caller that
-        copies only through ``copy_tensor`` / ``copy_bytes`` (they write plain CPU data without faults)."""
+        copies only through ``fill`` / ``copy_tensor`` / ``copy_bytes`` (they allocate its pages as they fill them)."""
         with self._lock:
             pending = [b.warming for b in self._buffers if b.warming is not None and b.capacity >= nbytes]
         for event in pending:  # a reserved buffer that fits is still being faulted in: it is worth the wait
