@@ -39,15 +39,17 @@ class JobResult:
 
 
 def run_job(tmp_path: Path, world: int, plan: dict[str, Any], timeout: float = 90.0,
-            script: Path = WORKLOAD) -> JobResult:
+            script: Path = WORKLOAD, agent_store: bool = False) -> JobResult:
     """Start WORLD ranks of SCRIPT, wait for all of them (killing everything after TIMEOUT), check for leftovers.
 
     SCRIPT reads its plan from $NVRX_TEST_PLAN and appends JSON lines with an "event" key to
-    $NVRX_TEST_OUT/rank<RANK>.jsonl."""
+    $NVRX_TEST_OUT/rank<RANK>.jsonl. AGENT_STORE: this process hosts the store at MASTER_ADDR:MASTER_PORT
+    (a real TCPStore on loopback) and the ranks are told so (TORCHELASTIC_USE_AGENT_STORE=True), as under
+    ``nvrx launch``; otherwise rank 0 hosts the Wrapper's store."""
     out = tmp_path / "out"
     out.mkdir()
     token = uuid.uuid4().hex
-    port = free_port()
+    agent, port = _host_store() if agent_store else (None, free_port())  # agent: serves until we return
     procs = {}
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
@@ -55,6 +57,8 @@ def run_job(tmp_path: Path, world: int, plan: dict[str, Any], timeout: float = 9
                    NVRX_TEST_OUT=str(out), NVRX_TEST_TOKEN=token, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        if agent_store:
+            env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         procs[rank] = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL,
                                        stderr=open(out / f"stderr{rank}", "w"), cwd=tmp_path)
     deadline = time.monotonic() + timeout
@@ -73,6 +77,13 @@ def run_job(tmp_path: Path, world: int, plan: dict[str, Any], timeout: float = 9
         events[rank] = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     return JobResult({r: p.returncode for r, p in procs.items()},
                      {r: (out / f"stderr{r}").read_text() for r in procs}, events, leftovers, out)
+
+
+def _host_store() -> tuple[Any, int]:
+    """A TCPStore server on 127.0.0.1 (a fresh port) in this process: the agent's store; (server, port)."""
+    from nvrx_common.net import start_store_server
+
+    return start_store_server("127.0.0.1")
 
 
 def _leftovers(token: str, wait: float = 5.0) -> list[Any]:

@@ -135,8 +135,71 @@ def batch(step: int) -> torch.Tensor:
     return torch.randn(8, 32, generator=torch.Generator().manual_seed(step * 100 + dist.get_rank()))
 
 
+def in_init_process_group(thread_id: int) -> bool:
+    """Whether THREAD_ID is inside torch's init_process_group right now (read from its Python frames)."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_name == "init_process_group" and "distributed" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def kill_inside_init(iteration: int) -> None:
+    """PLAN["kill_in_init"] = {"rank": R, "iteration": I}: SIGKILL rank R (only its process: its monitor process
+    lives on) once its main thread is inside init_process_group of iteration I and every peer has entered it too."""
+    spec = PLAN.get("kill_in_init")
+    if not spec or spec["rank"] != INITIAL_RANK or spec["iteration"] != iteration:
+        return
+    import signal
+    import threading
+
+    main = threading.get_ident()
+    peers = [r for r in range(int(os.environ["WORLD_SIZE"])) if r != INITIAL_RANK]
+
+    def entered(rank: int) -> bool:
+        path = OUT / f"rank{rank}.jsonl"
+        return path.exists() and any(json.loads(line).get("event") == "init_enter"
+                                     and json.loads(line).get("iteration") == iteration
+                                     for line in path.read_text().splitlines())
+
+    late = PLAN.get("late_init", {})
+    waited_for = [r for r in peers if not (late.get("rank") == r and late.get("iteration") == iteration)]
+
+    def killer() -> None:
+        while not (in_init_process_group(main) and all(entered(r) for r in waited_for)):
+            time.sleep(0.01)
+        time.sleep(float(spec.get("delay", 0.2)))  # let the peers get into the store/gloo rendezvous
+        record("killed_in_init", iteration=iteration, inside=in_init_process_group(main))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=killer, daemon=True).start()
+
+
+def join_late(iteration: int, call_wrapper: inprocess.CallWrapper) -> None:
+    """PLAN["late_init"] = {"rank": R, "iteration": I, and "seconds": S or "after_kill": true}: rank R, busy (it
+    keeps making progress), reaches init_process_group S seconds late, or only after another rank was killed
+    inside it; the peers wait there for it meanwhile."""
+    late = PLAN.get("late_init", {})
+    if late.get("rank") != INITIAL_RANK or late.get("iteration") != iteration:
+        return
+    killed = lambda: any("killed_in_init" in p.read_text() for p in OUT.glob("rank*.jsonl"))  # noqa: E731
+    until = time.monotonic() + float(late.get("seconds", 60))
+    record("joining_late", iteration=iteration)
+    while time.monotonic() < until and not (late.get("after_kill") and killed()):
+        call_wrapper.ping()
+        time.sleep(0.01)
+    if late.get("after_kill"):
+        time.sleep(0.2)
+        if late.get("then") == "raise":  # gives up instead of joining a group whose store host is gone
+            raise RuntimeError("injected: gave up joining late")
+
+
 def train(call_wrapper: inprocess.CallWrapper) -> str:
     iteration = call_wrapper.iteration
+    kill_inside_init(iteration)
+    join_late(iteration, call_wrapper)
+    record("init_enter", iteration=iteration)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PLAN.get("gloo_timeout", 60)))
     rank, world = dist.get_rank(), dist.get_world_size()
     record("start", iteration=iteration, rank=rank, world=world, env_rank=os.environ["RANK"],

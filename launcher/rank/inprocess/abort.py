@@ -47,6 +47,7 @@ class AbortTorchDistributed(Abort):
 
         closed = gloo_unblock.shutdown_gloo_connections()
         if not (dist.is_available() and dist.is_initialized()):
+            forget_partial_init()
             return state
         pg_graveyard.keep(_process_groups(dist))
         abort_all = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -66,6 +67,30 @@ class AbortTorchDistributed(Abort):
 
     def __repr__(self) -> str:
         return "AbortTorchDistributed()"
+
+
+def forget_partial_init() -> None:
+    """Undo what an ``init_process_group`` that never finished left behind, when no default group exists.
+
+    torch names each new group after a counter (``_world.group_count``) and keys the group's rendezvous by that
+    name; it is reset only when a default group is destroyed. An ``init_process_group`` that failed or was
+    interrupted part-way (its store's host died, a restart came) has counted its group on this rank only, so in
+    the next iteration this rank would rendezvous under another name than its peers and every rank would wait
+    for the others for good (seen: both ranks in gloo's ``createAndConnectAllPairs`` until the hard timeout).
+    Only touches torch when torch.distributed is already loaded."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or dist.is_initialized():
+        return
+    world = getattr(getattr(dist, "distributed_c10d", None), "_world", None)
+    try:
+        if world is not None and world.group_count:
+            log.debug("resetting torch's process-group counter (%d) left by an unfinished init_process_group",
+                      world.group_count)
+            world.group_count = 0
+    except Exception:
+        log.debug("could not reset torch's process-group counter", exc_info=True)
 
 
 def _process_groups(dist: Any) -> list[Any]:

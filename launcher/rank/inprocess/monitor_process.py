@@ -229,14 +229,17 @@ class _Monitor:
         return False
 
     def _tick(self) -> bool:
-        """One round of beating and watching; True when this process should end."""
+        """One round of beating and watching; True when this process should end.
+
+        The hard timeout comes first and needs no store: a rank stuck because the store's host died must
+        still be ended."""
+        if self._hard_timeout_expired():
+            return True
         try:
             now = time.monotonic()
             if now >= self._next_beat:  # heartbeat_interval and monitor_process_interval may differ
                 self._next_beat = now + self.heartbeat_interval
                 self.store.heartbeat(self.rank)
-            if self._hard_timeout_expired():
-                return True
             if self.watching:
                 self._watch_peers()
         except Exception as exc:
@@ -254,7 +257,10 @@ class _Monitor:
             return False
         reason = f"hard timeout: no progress for {stalled:.1f} s (hard_timeout={self.hard_timeout:g} s); terminated"
         log.error("%s", reason)
-        self._record(self.rank, reason)
+        try:
+            self._record(self.rank, reason)
+        except Exception as exc:  # the store's host died (the case the hard timeout exists for): terminate anyway
+            log.warning("could not record the hard timeout in the store (%s)", first_line(exc))
         self._terminate()
         self._remove_slot()
         return True

@@ -5,13 +5,18 @@ this iteration started with, it waits ``last_call_wait`` so that concurrent faul
 recorded too, then, through the ``InterruptGate``, runs the abort and raises ``RestartInterrupt`` in
 the main thread. It also records a soft timeout when the main thread made no progress for
 ``soft_timeout`` seconds, and notices a swallowed interrupt (logged at DEBUG with its location, then
-raised again). If the store stops answering it interrupts the main thread and reports the loss, which
+raised again). While the main thread is inside ``init_process_group`` (or ``new_group``) it is waiting for
+its peers to join, a rendezvous like the Wrapper's barriers: there ``rendezvous_timeout`` (the Wrapper's
+``barrier_timeout``) applies instead of the soft timeout, so a slow start-up on a loaded machine is not
+taken for a hang (a peer that fails meanwhile is recorded by its own rank or monitor process; the
+monitor process's hard timeout still applies). If the store stops answering it interrupts the main thread and reports the loss, which
 ends the Wrapper with a clear message.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from typing import Callable
@@ -25,13 +30,27 @@ log = logging.getLogger(__name__)
 
 SOFT_TIMEOUT_REASON = "soft timeout"
 STORE_FAILURES_TOLERATED = 3  # consecutive failed polls before the store counts as lost
+# torch.distributed calls that create a process group: each waits in C++ for every member to join
+RENDEZVOUS_CALLS = frozenset({"init_process_group", "new_group"})
+
+
+def in_rendezvous(thread_id: int) -> str | None:
+    """The torch.distributed call that creates a process group THREAD_ID is inside right now, if any."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in RENDEZVOUS_CALLS and "torch" in code.co_filename and "distributed" in code.co_filename:
+            return code.co_name
+        frame = frame.f_back
+    return None
 
 
 class InprocessMonitorThread:
     """The Wrapper's thread in the rank: watches the store and this rank's progress while an iteration runs."""
 
     def __init__(self, store: StoreMixin, gate: InterruptGate, recorder: ProgressRecorder, abort: Callable[[], None],
-                 *, rank: int, interval: float, last_call_wait: float, soft_timeout: float) -> None:
+                 *, rank: int, interval: float, last_call_wait: float, soft_timeout: float,
+                 rendezvous_timeout: float | None = None) -> None:
         self.store = store
         self.gate = gate
         self.recorder = recorder
@@ -40,12 +59,14 @@ class InprocessMonitorThread:
         self.interval = interval
         self.last_call_wait = last_call_wait
         self.soft_timeout = soft_timeout
+        self.rendezvous_timeout = max(soft_timeout, rendezvous_timeout or soft_timeout)
         self.store_lost: str | None = None
         self._cv = threading.Condition()
         self._armed = False
         self._iteration = 0
         self._fault_base = 0
         self._soft_reported = False
+        self._rendezvous_noted = False
         self._stalled_restart: int | None = None  # the last iteration restarted while this rank was stalled
         self._stop = False
         self._seen: RestartInterrupt | None = None  # the last interrupt instance known not to be swallowed
@@ -62,6 +83,7 @@ class InprocessMonitorThread:
             self._iteration = iteration
             self._fault_base = fault_base
             self._soft_reported = False
+            self._rendezvous_noted = False
             self._cv.notify_all()
 
     @property
@@ -107,7 +129,8 @@ class InprocessMonitorThread:
                 failures += 1
                 if failures >= STORE_FAILURES_TOLERATED and self.store_lost is None:
                     self.store_lost = first_line(exc)
-                    log.error("the in-process store stopped answering (%s); interrupting", self.store_lost)
+                    log.error("the in-process restart store at %s stopped answering (%s); the job cannot continue "
+                              "without it: interrupting", self.store.describe(), self.store_lost)
                     self._interrupt()
 
     def _poll(self, iteration: int, base: int) -> None:
@@ -144,11 +167,22 @@ class InprocessMonitorThread:
         if not progress.running or self._soft_reported:
             return
         stalled = progress.stalled_for(time.monotonic())
-        if stalled > self.soft_timeout:
-            self._soft_reported = True
-            reason = f"{SOFT_TIMEOUT_REASON}: no progress for {stalled:.1f} s (soft_timeout={self.soft_timeout:g} s)"
-            log.warning("%s", reason)
-            self.store.record_fault(self.rank, iteration, reason)
+        if stalled <= self.soft_timeout:
+            return
+        call = in_rendezvous(self.gate.thread_id)
+        if call is not None and stalled <= self.rendezvous_timeout:
+            if not self._rendezvous_noted:
+                self._rendezvous_noted = True
+                log.info("no progress for %.1f s inside %s (waiting for the other ranks to join): the barrier timeout "
+                         "(%g s) applies there, not the soft timeout", stalled, call, self.rendezvous_timeout)
+            return
+        self._soft_reported = True
+        where = f" inside {call}" if call is not None else ""
+        limit = (f"barrier_timeout={self.rendezvous_timeout:g} s" if call is not None
+                 else f"soft_timeout={self.soft_timeout:g} s")
+        reason = f"{SOFT_TIMEOUT_REASON}: no progress for {stalled:.1f} s{where} ({limit})"
+        log.warning("%s", reason)
+        self.store.record_fault(self.rank, iteration, reason)
 
     def _interrupt(self, nudge: bool = True) -> None:
         before = RestartInterrupt.last

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from launcher.rank.inprocess import gloo_unblock, pg_graveyard
+from launcher.rank.inprocess.abort import forget_partial_init
 from launcher.rank.inprocess.barrier import StoreBarrier, empty_decision
 from launcher.rank.inprocess.call_wrapper import CallWrapper, set_current
 from launcher.rank.inprocess.exceptions import (ConfigurationError, HealthCheckError, InprocessError, RankTerminated,
@@ -165,7 +166,7 @@ class RestartSession:
         self.monitor_thread = InprocessMonitorThread(
             client, self.gate, self.recorder, self._abort_from_monitor, rank=self.rank,
             interval=settings.monitor_thread_interval, last_call_wait=settings.last_call_wait,
-            soft_timeout=settings.soft_timeout).start()
+            soft_timeout=settings.soft_timeout, rendezvous_timeout=settings.barrier_timeout).start()
         self.call_wrapper = CallWrapper(self.gate, self.recorder)
         self.call_wrapper.state = self.state
         self._make_current()
@@ -215,6 +216,7 @@ class RestartSession:
         if "_factory_kwargs" not in vars(store):
             store._factory_kwargs = kwargs
         store.use_session(self.session)
+        _warn_if_hosting_under_launcher(store)
         return self._past_the_previous_server(store, kwargs)
 
     def _past_the_previous_server(self, store: StoreMixin, kwargs: dict[str, Any]) -> StoreMixin:
@@ -401,6 +403,7 @@ class RestartSession:
         if state.active:
             self._point_env_at_pg_store(iteration)
         pg_graveyard.release_if_idle(wait=GRAVEYARD_WAIT)
+        forget_partial_init()  # whatever the abort component was: every rank names its next group alike
         gloo_unblock.mark_iteration_start()
         return int(decision["fault_base"])
 
@@ -863,6 +866,17 @@ def _clear_frames(exc: BaseException) -> None:
 
 def _default_store(settings: RestartSettings) -> bool:
     return settings.store_factory is TCPStore and not settings.store_kwargs
+
+
+_hosting_warned = threading.Event()
+
+
+def _warn_if_hosting_under_launcher(store: StoreMixin) -> None:
+    """Under ``nvrx launch`` the agent normally hosts the store; say once if this rank does (``--master-port``)."""
+    if getattr(store, "_hosting", False) and os.environ.get("NVRX_ROUND") is not None and not _hosting_warned.is_set():
+        _hosting_warned.set()
+        log.warning("this rank hosts the in-process restart store (nvrx launch --master-port): if its process dies the "
+                    "whole job ends; without --master-port the launcher's agent hosts the store and the job survives")
 
 
 _deferral_logged = threading.Event()
