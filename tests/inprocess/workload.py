@@ -224,13 +224,15 @@ def train(call_wrapper: inprocess.CallWrapper) -> str:
         if ddp is not None:
             tensor = torch.stack([p.detach().double().sum() for p in ddp.parameters()]).sum().reshape(1)
     except inprocess.RestartInterrupt:
-        ddp = None  # a user dropping the model at once: its reducer held the last reference to the process group
+        # recorded first: dropping a big DDP model can take longer than a short soft timeout on a loaded machine,
+        # and the Wrapper then raises the interrupt again (taken as swallowed), which would skip the record
         record("interrupted", iteration=iteration)
+        ddp = None  # a user dropping the model at once: its reducer held the last reference to the process group
         raise
     except Exception as exc:
+        record("error", iteration=iteration, error=f"{type(exc).__name__}: {str(exc)[:120]}")
         ddp = None
         exc.__traceback__ = None  # nor do the frames of the call that raised
-        record("error", iteration=iteration, error=f"{type(exc).__name__}: {str(exc)[:120]}")
         raise
     record("done", iteration=iteration, rank=rank, world=world, value=float(tensor[0]))
     dist.destroy_process_group()
