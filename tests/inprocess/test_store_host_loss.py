@@ -12,7 +12,7 @@ waits there too and another has not arrived yet:
   other ranks restart without rank 0 and finish.
 
 And a rank that waits in ``init_process_group`` for a peer that is slow to arrive (a loaded machine) is not
-restarted by the soft timeout: the barrier timeout applies there.
+restarted by the soft timeout nor killed by the hard timeout: the barrier timeout applies there.
 """
 
 from __future__ import annotations
@@ -105,6 +105,19 @@ def test_waiting_in_init_process_group_for_a_late_peer_is_not_a_soft_timeout(tmp
     assert res.codes == {0: 0, 1: 0}, res.stderr
     assert "inside init_process_group (waiting for the other ranks to join)" in res.stderr[0]
     assert "soft timeout: no progress" not in res.stderr[0] + res.stderr[1]
+    for rank in (0, 1):
+        assert sorted(res.starts(rank)) == [0], f"rank {rank} was restarted"
+    assert res.leftovers == []
+
+
+def test_nor_is_it_a_hard_timeout(tmp_path):
+    # A hard timeout shorter than the wait: the monitor thread, which can run (so the GIL is free), tells the
+    # monitor process that the main thread waits for its peers; without that, rank 0 would be killed.
+    plan = {"wrapper": dict(WRAPPER, hard_timeout=2.0), "steps": 3, "gloo_timeout": 300,
+            "late_init": {"rank": 1, "iteration": 0, "seconds": 5}}
+    res = run_job(tmp_path, 2, plan)
+    assert res.codes == {0: 0, 1: 0}, res.stderr
+    assert "inside init_process_group (waiting for the other ranks to join)" in res.stderr[0]
     for rank in (0, 1):
         assert sorted(res.starts(rank)) == [0], f"rank {rank} was restarted"
     assert res.leftovers == []

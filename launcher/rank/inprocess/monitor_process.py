@@ -15,7 +15,10 @@ its own connection to the store and every ``monitor_process_interval``:
 * enforces the hard timeout: when the rank's main thread made no progress for ``hard_timeout`` it records
   the rank as terminated, then sends SIGCONT+SIGTERM, and after ``termination_grace_time``
   SIGCONT+SIGTERM+SIGKILL. A rank that holds the GIL cannot be rescued by its own threads; this is the
-  only way out, and such a rank does not rejoin.
+  only way out, and such a rank does not rejoin. While the rank's monitor thread reports that the main
+  thread waits in ``init_process_group`` for its peers (``rendezvous`` notes, sent only by a thread that
+  can run, so the GIL is not held), the hard timeout counts from the last note. The hard timeout needs no
+  store: a rank stuck because the store's host died is ended all the same.
 
 It exits when its rank ends or tells it to stop, without running the interpreter's teardown.
 """
@@ -192,6 +195,7 @@ class _Monitor:
         self.watching = False
         self.stopping = False
         self.seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter, when it last changed)
+        self.rendezvous_at = 0.0  # when the rank last said its main thread waits in init_process_group
 
     def run(self, commands: "_Messages") -> int:
         self.store.heartbeat(self.rank)
@@ -222,6 +226,9 @@ class _Monitor:
             log.info("stopped by the rank")
             self.stopping = True
             return True
+        if cmd == "rendezvous":
+            self.rendezvous_at = time.monotonic()
+            return False
         if cmd == "watch":
             self.watching = True
             now = time.monotonic()
@@ -252,7 +259,8 @@ class _Monitor:
         progress = read_progress(self.slot)
         if not progress.running:
             return False
-        stalled = progress.stalled_for(time.monotonic())
+        now = time.monotonic()
+        stalled = min(progress.stalled_for(now), now - self.rendezvous_at)
         if stalled <= self.hard_timeout:
             return False
         reason = f"hard timeout: no progress for {stalled:.1f} s (hard_timeout={self.hard_timeout:g} s); terminated"

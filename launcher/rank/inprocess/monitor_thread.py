@@ -8,8 +8,9 @@ the main thread. It also records a soft timeout when the main thread made no pro
 raised again). While the main thread is inside ``init_process_group`` (or ``new_group``) it is waiting for
 its peers to join, a rendezvous like the Wrapper's barriers: there ``rendezvous_timeout`` (the Wrapper's
 ``barrier_timeout``) applies instead of the soft timeout, so a slow start-up on a loaded machine is not
-taken for a hang (a peer that fails meanwhile is recorded by its own rank or monitor process; the
-monitor process's hard timeout still applies). If the store stops answering it interrupts the main thread and reports the loss, which
+taken for a hang (a peer that fails meanwhile is recorded by its own rank or monitor process). While it
+does, the thread tells the monitor process (``on_rendezvous``), whose hard timeout then counts from the
+thread's last word: a thread that can still run shows that the GIL is not held. If the store stops answering it interrupts the main thread and reports the loss, which
 ends the Wrapper with a clear message.
 """
 
@@ -50,7 +51,7 @@ class InprocessMonitorThread:
 
     def __init__(self, store: StoreMixin, gate: InterruptGate, recorder: ProgressRecorder, abort: Callable[[], None],
                  *, rank: int, interval: float, last_call_wait: float, soft_timeout: float,
-                 rendezvous_timeout: float | None = None) -> None:
+                 rendezvous_timeout: float | None = None, on_rendezvous: Callable[[], None] | None = None) -> None:
         self.store = store
         self.gate = gate
         self.recorder = recorder
@@ -60,6 +61,7 @@ class InprocessMonitorThread:
         self.last_call_wait = last_call_wait
         self.soft_timeout = soft_timeout
         self.rendezvous_timeout = max(soft_timeout, rendezvous_timeout or soft_timeout)
+        self.on_rendezvous = on_rendezvous or _no_abort
         self.store_lost: str | None = None
         self._cv = threading.Condition()
         self._armed = False
@@ -167,14 +169,17 @@ class InprocessMonitorThread:
         if not progress.running or self._soft_reported:
             return
         stalled = progress.stalled_for(time.monotonic())
-        if stalled <= self.soft_timeout:
+        if stalled <= self.soft_timeout / 2:
             return
         call = in_rendezvous(self.gate.thread_id)
         if call is not None and stalled <= self.rendezvous_timeout:
-            if not self._rendezvous_noted:
+            self.on_rendezvous()  # keeps the monitor process's hard timeout off a rank that only waits for peers
+            if stalled > self.soft_timeout and not self._rendezvous_noted:
                 self._rendezvous_noted = True
                 log.info("no progress for %.1f s inside %s (waiting for the other ranks to join): the barrier timeout "
                          "(%g s) applies there, not the soft timeout", stalled, call, self.rendezvous_timeout)
+            return
+        if stalled <= self.soft_timeout:
             return
         self._soft_reported = True
         where = f" inside {call}" if call is not None else ""
@@ -214,7 +219,7 @@ class InprocessMonitorThread:
 
 
 def _no_abort() -> None:
-    """The abort callback of a stopped monitor thread (which never calls it)."""
+    """The abort callback of a stopped monitor thread (which never calls it); also the default rendezvous note."""
 
 
 # NVRx's name for the exception the monitor thread raises in the main thread.

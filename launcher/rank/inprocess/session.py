@@ -166,7 +166,8 @@ class RestartSession:
         self.monitor_thread = InprocessMonitorThread(
             client, self.gate, self.recorder, self._abort_from_monitor, rank=self.rank,
             interval=settings.monitor_thread_interval, last_call_wait=settings.last_call_wait,
-            soft_timeout=settings.soft_timeout, rendezvous_timeout=settings.barrier_timeout).start()
+            soft_timeout=settings.soft_timeout, rendezvous_timeout=settings.barrier_timeout,
+            on_rendezvous=self._note_rendezvous).start()
         self.call_wrapper = CallWrapper(self.gate, self.recorder)
         self.call_wrapper.state = self.state
         self._make_current()
@@ -192,6 +193,13 @@ class RestartSession:
                 process.stop(timeout=0)
                 raise InprocessError(str(exc)) from None
         raise InprocessError(last)
+
+    def _note_rendezvous(self) -> None:
+        """(monitor thread) The main thread waits in init_process_group: the monitor process holds off the hard
+        timeout while these notes come."""
+        process = self.monitor_process
+        if process is not None:
+            process.send({"cmd": "rendezvous"})
 
     def _make_store(self) -> StoreMixin:
         settings = self.settings
