@@ -107,8 +107,8 @@ class StagingBuffer:
         """Copy each (offset, tensor or bytes-like) of COPIES into the buffer, as ``copy_tensor`` / ``copy_bytes`` would.
 
         A buffer not populated yet (its first save) is filled by LANES threads (default: torch's intra-op
-        threads, as a warm copy uses): one writes chunks from the front with pwrite (the kernel allocates each
-        page and fills it, no zeroing, but one writer at a time per memfd), the others take chunks from the
+        threads, as a warm copy uses): this one writes chunks from the front with pwrite (the kernel allocates
+        each page and fills it, no zeroing, but one writer at a time per memfd), helpers take chunks from the
         back, populating each (allocate + zero + map, no file lock) and copying through the mapping. Chunks
         split the buffer at page-aligned boundaries, so no page is written by two lanes.
         """
@@ -216,8 +216,9 @@ def _chunks(pieces: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int
 
 
 def _run_lanes(chunks: list[Any], lanes: int, front: Any, back: Any) -> None:
-    """FRONT(chunk) on one helper thread from the first chunk on, BACK(chunk) on this thread and LANES-2 more from
-    the last one back, until they meet. The first error stops every lane (after its current chunk) and is raised."""
+    """FRONT(chunk) on this thread from the first chunk on, BACK(chunk) on LANES-1 helper threads from the last one
+    back, until they meet. (This thread takes the cheaper lane: if the helpers get no core, the fill costs what
+    FRONT alone would.) The first error stops every lane (after its current chunk) and is raised."""
     lock = threading.Lock()
     bounds = [0, len(chunks)]
     errors: list[BaseException] = []
@@ -240,10 +241,10 @@ def _run_lanes(chunks: list[Any], lanes: int, front: Any, back: Any) -> None:
             with lock:
                 errors.append(exc)
 
-    helpers = [threading.Thread(target=lane, args=(i == 0,), name="nvrx-ckpt-fill", daemon=True) for i in range(lanes - 1)]
+    helpers = [threading.Thread(target=lane, args=(False,), name="nvrx-ckpt-fill", daemon=True) for _ in range(lanes - 1)]
     for t in helpers:
         t.start()
-    lane(False)
+    lane(True)
     for t in helpers:
         t.join()
     if errors:
