@@ -25,7 +25,7 @@ bench waits for that (start-up work, untimed, reported as reserve_s) before the 
 loop would be busy with its first steps; only its cold save is of interest.
 ours_overlap: overlap_write=True (the writer starts writing while the copy is still going on).
 ours_mapped: a new buffer faulted in with MADV_POPULATE_WRITE, then copied through its mapping (the staging before
-2026-11-26); ours_pwrite: a new buffer filled by pwrite on one thread (before 2026-11-27); ours now fills a new
+2026-11-26); ours_pwrite: a new buffer filled by pwrite on one thread (the staging before lanes); ours fills a new
 buffer with pwrite on one thread and populate + mapped copies on the others (StagingBuffer.fill). Both are peers
 of ours' cold save in the same run. Cold saves are also reported against the allocation floor + the copy floor.
 Plan cache: planning time of our save with and without the cache at 2 ranks (1 GiB state, and a state
