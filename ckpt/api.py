@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ckpt import publish
+from ckpt import auto_reserve, publish
 from ckpt.async_ckpt.core import AsyncCallsQueue
 from ckpt.async_ckpt.dist_wrapper import DistWrapper
 from ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
@@ -56,12 +56,16 @@ class AsyncCheckpointer:
     STALE_PARTIAL_SECONDS: on ``resume`` and on the first save into a directory, unfinished checkpoints
     (``.NAME.partial``) left by crashed saves are removed: at once when the process that wrote one is
     known to be gone, else after this long without a change (None: never).
+    RESERVE_AFTER_FIRST_STEP: for a state nobody announced (no STATE_DICT, ``prepare`` or ``resume``): after the
+    first step of each optimizer in the process, reserve staging memory for its parameters and state (plus a
+    small slack) in the background, so the first save is warm too (``ckpt.auto_reserve``; once per process).
     """
 
     def __init__(self, *, process_group: Any = None, files_per_rank: int = 2, keep_last: int | None = None,
                  enable_cache: bool = True, retries: int = 0, skip_failed: bool = False, overlap_write: bool = False,
                  writer: WriterProcess | None = None, state_dict: dict[str, Any] | None = None,
-                 stale_partial_seconds: float | None = publish.STALE_PARTIAL_SECONDS) -> None:
+                 stale_partial_seconds: float | None = publish.STALE_PARTIAL_SECONDS,
+                 reserve_after_first_step: bool = True) -> None:
         self.process_group = process_group
         self.files_per_rank = files_per_rank
         self.keep_last = keep_last
@@ -73,6 +77,8 @@ class AsyncCheckpointer:
         self._swept: set[Path] = set()  # checkpoint roots already cleared of crashed saves' partials
         if state_dict is not None:
             self.prepare(state_dict)
+        elif reserve_after_first_step:
+            auto_reserve.arm()
 
     def async_save(self, state_dict: dict[str, Any], path: str | os.PathLike, *, update_latest: bool = True,
                    snapshot: Snapshot | None = None, staging_error: str | None = None) -> int:
@@ -82,6 +88,7 @@ class AsyncCheckpointer:
         which this save takes over: nothing is copied again). STAGING_ERROR: the capture failed on this rank;
         every rank abandons this save and raises the reason.
         """
+        auto_reserve.settle()  # (the pool now holds what this save takes: no later reservation helps)
         if snapshot is None and not default_pool().buffers:
             log.info("first save without reserved staging memory: this save faults it in while training "
                      "waits (several times a later save); ckpt.resume(root, state) or ckpt.prepare(state) at "

@@ -266,17 +266,24 @@ class StagingPool:
         self.keep_free = keep_free
         self._buffers: list[StagingBuffer] = []
         self._lock = threading.Lock()
+        self.created = 0  # buffers made so far (reserved or by a save): a save that found one ready adds none
+        self.reserved = 0  # the largest reservation asked for
 
-    def reserve(self, nbytes: int) -> None:
-        """Have a buffer of NBYTES ready for the next save: allocated now, its pages faulted in on a thread."""
+    def reserve(self, nbytes: int) -> bool:
+        """Have a buffer of NBYTES ready for the next save: allocated now, its pages faulted in on a thread.
+
+        Returns False when a free (or still warming) buffer of that size was there already."""
         with self._lock:
+            self.reserved = max(self.reserved, nbytes)
             if any(b.capacity >= nbytes and (not b.in_use or b.warming is not None) for b in self._buffers):
-                return
+                return False
             buf = StagingBuffer(nbytes)
+            self.created += 1
             buf.in_use = True
             buf.warming = threading.Event()
             self._buffers.append(buf)
         threading.Thread(target=self._warm, args=(buf,), name="nvrx-ckpt-reserve", daemon=True).start()
+        return True
 
     def _warm(self, buf: StagingBuffer) -> None:
         try:
@@ -311,7 +318,11 @@ class StagingPool:
                 for small in free:  # a free buffer that is too small is replaced, not kept beside the new one
                     self._drop(small)
                 buf = StagingBuffer(nbytes)
+                self.created += 1
                 self._buffers.append(buf)
+                if 0 < self.reserved < nbytes:
+                    log.debug("this save needs %d bytes of staging, more than the %d reserved: it gets a new buffer "
+                              "(faulted in while training waits, as without a reservation)", nbytes, self.reserved)
                 if populate:
                     buf.populate()  # one call that allocates every page beats a page fault per 4 KiB in the copy
                 log.debug("new staging buffer %d of %d bytes", buf.id, buf.capacity)

@@ -33,6 +33,7 @@ from typing import NoReturn
 from monitors import client as monitor_client
 from monitors.progress_watchdog import ProgressWatchdog
 from ckpt.async_ckpt import writer_process as ckpt_writer  # light: no torch import
+from ckpt import auto_reserve as ckpt_auto_reserve  # light: no torch import
 from nvrx_common.process import set_process_title
 
 # Set by the agent when it put the launcher's root on PYTHONPATH so `-m launcher.*` imports from
@@ -46,7 +47,8 @@ _OWN_PACKAGES = ("launcher", "monitors", "ckpt", "slurm")  # nvrx_common stays: 
 _KEEP_MODULES = frozenset({"launcher.rank.job_control", "monitors.client", "monitors.control", "monitors.heartbeat",
                            "monitors.sections", "monitors.progress_watchdog", "monitors.data", "monitors.timeouts",
                            # the checkpoint writer started for --async-ckpt, found again by `import ckpt`
-                           "ckpt.async_ckpt.writer_process", "ckpt.async_ckpt.staging", "ckpt.async_ckpt.control"})
+                           "ckpt.async_ckpt.writer_process", "ckpt.async_ckpt.staging", "ckpt.async_ckpt.control",
+                           "ckpt.auto_reserve"})  # (one reservation hook per process, also for `import ckpt`)
 _KEEP_PREFIX = "launcher.rank.inprocess"  # the Wrapper running the script, and the API the script may import
 
 # Frames of these files sit between the interpreter and the user's code; tracebacks skip them.
@@ -379,6 +381,10 @@ def run_user_code(entry: str, args: list[str], module: bool) -> int:
     started = time.monotonic()
     # nvrx launch --async-ckpt: this rank's writer, started once; first, while no other thread runs (it is forked)
     ckpt_writer.start_if_requested(os.environ)
+    if os.environ.get(ckpt_writer.ASYNC_CKPT_ENV) == "1":
+        # staging reserved after the first optimizer step: the first save is warm. A forked rank has torch.optim
+        # loaded (hook registered now, no thread); a spawned one registers it when the script imports torch
+        ckpt_auto_reserve.arm()
     _attach_to_monitor(started)
     inprocess = _inprocess_mode()
     _sync_sys_path_with_env()
