@@ -59,6 +59,7 @@ class AsyncCheckpointer:
     RESERVE_AFTER_FIRST_STEP: for a state nobody announced (no STATE_DICT, ``prepare`` or ``resume``): after the
     first step of each optimizer in the process, reserve staging memory for its parameters and state (plus a
     small slack) in the background, so the first save is warm too (``ckpt.auto_reserve``; once per process).
+    False: never in this process (for a caller that reserves staging itself, e.g. at its first step).
     """
 
     def __init__(self, *, process_group: Any = None, files_per_rank: int = 2, keep_last: int | None = None,
@@ -79,6 +80,8 @@ class AsyncCheckpointer:
             self.prepare(state_dict)
         elif reserve_after_first_step:
             auto_reserve.arm()
+        else:
+            auto_reserve.disarm()
 
     def async_save(self, state_dict: dict[str, Any], path: str | os.PathLike, *, update_latest: bool = True,
                    snapshot: Snapshot | None = None, staging_error: str | None = None) -> int:

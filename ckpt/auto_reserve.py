@@ -134,6 +134,20 @@ def arm() -> None:
             sys.meta_path.insert(0, _watch)
 
 
+def disarm() -> None:
+    """No reservation after the first step in this process: a caller that reserves staging itself says so (e.g.
+    ``PeriodicCheckpointer``, at its first ``step``), also when the bootstrap armed it for ``--async-ckpt``."""
+    global _reserver, _watch
+    with _lock:
+        if _reserver is None:
+            _reserver = _Reserver()  # (a later arm() is then a no-op)
+        _reserver.done = True
+        if _watch is not None and _watch in sys.meta_path:
+            sys.meta_path.remove(_watch)
+        _watch = None
+    settle()
+
+
 def _register(module: Any) -> None:
     if _reserver is not None and _reserver.handle is None:
         _reserver.handle = module.register_optimizer_step_post_hook(_reserver)

@@ -52,7 +52,8 @@ def main() -> dict[str, Any]:
         step(model, opt)
         step(model, opt)
         return {"status": auto_reserve.status(), "buffers": len(pool.buffers), "hooks": ours_registered()}
-    if CASE == "opt_out":
+    if CASE == "opt_out":  # armed (as the bootstrap does for --async-ckpt), then a checkpointer that reserves itself
+        auto_reserve.arm()
         ckpt.AsyncCheckpointer(reserve_after_first_step=False)
         opt = torch.optim.Adam(model.parameters())
         step(model, opt)

@@ -30,9 +30,9 @@ def test_no_checkpointer_no_reservation(tmp_path: Path) -> None:
     assert out["hooks"] == 0 and out["buffers"] == 0
 
 
-def test_opting_out_reserves_nothing(tmp_path: Path) -> None:
+def test_opting_out_reserves_nothing_even_when_armed_before(tmp_path: Path) -> None:
     out, _ = _case("opt_out", tmp_path)
-    assert out["status"]["armed"] is False
+    assert out["status"]["done"] and out["status"]["counted"] == 0
     assert out["hooks"] == 0 and out["buffers"] == 0
 
 
