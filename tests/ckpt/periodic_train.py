@@ -68,10 +68,12 @@ def main() -> None:
         if attempt == 0 and step == crash_at:
             saver.wait()
             # A save in flight when the rank dies: started on the checkpointer itself, so no publishing thread
-            # runs for it and nothing can complete it.
+            # runs for it and nothing can complete it. Named one step ahead of anything the saver can have
+            # written: a save that fell due while the previous one was still being published starts late, at
+            # the step it could start (up to step + 1 here, when the machine is loaded).
             model_sd, optim_sd = dcp_state_dict.get_state_dict(model, opt)
-            saver.checkpointer.async_save({"model": model_sd, "optim": optim_sd, STEP_KEY: step + 1},
-                                          os.path.join(out, "ckpts", f"step_{step + 1:09d}"))
+            saver.checkpointer.async_save({"model": model_sd, "optim": optim_sd, STEP_KEY: step + 2},
+                                          os.path.join(out, "ckpts", f"step_{step + 2:09d}"))
             dist.barrier()
             if rank == 1:
                 newest = ckpt.find_latest_checkpoint(os.path.join(out, "ckpts"))
