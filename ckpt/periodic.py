@@ -91,7 +91,9 @@ class PeriodicCheckpointer:
             group = process_group
             if background and _distributed():
                 group = _own_group(process_group)
-            checkpointer = AsyncCheckpointer(process_group=group, keep_last=keep_last, files_per_rank=files_per_rank)
+            # (it reserves staging for its exact state at its first step: no estimate after the optimizer's)
+            checkpointer = AsyncCheckpointer(process_group=group, keep_last=keep_last, files_per_rank=files_per_rank,
+                                             reserve_after_first_step=False)
             if background and _distributed():
                 self._finalizer = _Finalizer(checkpointer)
         self.checkpointer = checkpointer
