@@ -97,42 +97,41 @@ def test_with_the_store_outside_the_ranks_nothing_is_left_running(agent_hosted):
 # ---------------------------------------------------------------- slow starts are not hangs
 
 
-def test_waiting_in_init_process_group_for_a_late_peer_is_not_a_soft_timeout(tmp_path):
-    # Rank 1 keeps busy for 4 soft timeouts before it calls init_process_group; rank 0 waits there meanwhile
-    # (no Python bytecode runs on its main thread, as on a loaded machine while gloo connects).
-    plan = {"wrapper": WRAPPER, "steps": 3, "gloo_timeout": 300, "late_init": {"rank": 1, "iteration": 0, "seconds": 4}}
+def _late_peer(tmp_path, seconds: float, **wrapper):
+    """Two ranks; rank 1 keeps busy SECONDS before it calls init_process_group, rank 0 waits there meanwhile (no
+    Python bytecode runs on its main thread, as on a loaded machine while gloo connects). Both must end with 0."""
+    plan = {"wrapper": dict(WRAPPER, **wrapper), "steps": 3, "gloo_timeout": 300,
+            "late_init": {"rank": 1, "iteration": 0, "seconds": seconds}}
     res = run_job(tmp_path, 2, plan)
     assert res.codes == {0: 0, 1: 0}, res.stderr
+    assert res.leftovers == []
+    return res
+
+
+def _iterations_started(res) -> list[list[int]]:
+    return [sorted(res.starts(rank)) for rank in (0, 1)]
+
+
+def test_waiting_in_init_process_group_for_a_late_peer_is_not_a_soft_timeout(tmp_path):
+    res = _late_peer(tmp_path, 4)  # 4 soft timeouts
     assert "inside init_process_group (waiting for the other ranks to join)" in res.stderr[0]
     assert "soft timeout: no progress" not in res.stderr[0] + res.stderr[1]
-    for rank in (0, 1):
-        assert sorted(res.starts(rank)) == [0], f"rank {rank} was restarted"
-    assert res.leftovers == []
+    assert _iterations_started(res) == [[0], [0]], "a rank was restarted"
 
 
 def test_nor_is_it_a_hard_timeout(tmp_path):
     # A hard timeout shorter than the wait: the monitor thread, which can run (so the GIL is free), tells the
     # monitor process that the main thread waits for its peers; without that, rank 0 would be killed.
-    plan = {"wrapper": dict(WRAPPER, hard_timeout=2.0), "steps": 3, "gloo_timeout": 300,
-            "late_init": {"rank": 1, "iteration": 0, "seconds": 5}}
-    res = run_job(tmp_path, 2, plan)
-    assert res.codes == {0: 0, 1: 0}, res.stderr
+    res = _late_peer(tmp_path, 5, hard_timeout=2.0)
     assert "inside init_process_group (waiting for the other ranks to join)" in res.stderr[0]
-    for rank in (0, 1):
-        assert sorted(res.starts(rank)) == [0], f"rank {rank} was restarted"
-    assert res.leftovers == []
+    assert _iterations_started(res) == [[0], [0]], "a rank was restarted"
 
 
 def test_the_barrier_timeout_still_ends_a_wait_in_init_process_group(tmp_path):
     # The same late peer, but a barrier timeout shorter than its delay: the wait is a fault after all.
-    plan = {"wrapper": dict(WRAPPER, barrier_timeout=2.0, hard_timeout=30.0), "steps": 3, "gloo_timeout": 300,
-            "late_init": {"rank": 1, "iteration": 0, "seconds": 60}}
-    res = run_job(tmp_path, 2, plan)
-    assert res.codes == {0: 0, 1: 0}, res.stderr
+    res = _late_peer(tmp_path, 60, barrier_timeout=2.0, hard_timeout=30.0)
     assert "inside init_process_group (barrier_timeout=2 s)" in res.stderr[0]
-    for rank in (0, 1):
-        assert sorted(res.starts(rank)) == [1], f"rank {rank}: {sorted(res.starts(rank))}"
-    assert res.leftovers == []
+    assert _iterations_started(res) == [[1], [1]]
 
 
 # ---------------------------------------------------------------- the same under nvrx launch --inprocess
