@@ -261,21 +261,10 @@ class FileSystemWriterAsync(StorageWriter):
         job = {"op": "write", "dir": str(self.partial_path), "files": files, "fsync": self.sync_files}
         job_id = self._submit_early(job, buffer)
         try:
-            if not job_id:  # nobody reads the buffer before it is full: one fill (a new buffer by several threads)
-                buffer.fill([(entry["off"], self._objects[item.index.fqn] if kind == "bytes"
-                              else _resolved_tensor(planner, item)) for entry, item, kind in order])
-            reported = 0
-            for entry, item, kind in order if job_id else ():
-                if kind == "bytes":
-                    buffer.copy_bytes(entry["off"], self._objects[item.index.fqn])
-                else:
-                    buffer.copy_tensor(entry["off"], _resolved_tensor(planner, item))
-                end = entry["off"] + entry["nbytes"]
-                if job_id and end - reported >= _PROGRESS_STEP:
-                    job_id = self._report(job_id, end)
-                    reported = end
-            if job_id:
-                job_id = self._report(job_id, offset)
+            if job_id:  # the writer reads behind the copy: item by item, reporting progress
+                job_id = self._copy_reporting(buffer, order, planner, job_id, offset)
+            else:  # nobody reads the buffer before it is full: one fill (a new buffer by several threads)
+                buffer.fill([(entry["off"], self._item_data(planner, item, kind)) for entry, item, kind in order])
         except BaseException as exc:
             self._abort_job(job_id, f"{type(exc).__name__}: {exc}")
             self.pool.release(buffer)
@@ -285,6 +274,26 @@ class FileSystemWriterAsync(StorageWriter):
         self._buffer, self._layout, self._reply, self._job_id = buffer, layout, None, job_id
         self._job = job
         self.drop_staged()
+
+    def _item_data(self, planner: SavePlanner, item: WriteItem, kind: str) -> Any:
+        """What ITEM stages: its serialized bytes, or its tensor (checked against the plan)."""
+        return self._objects[item.index.fqn] if kind == "bytes" else _resolved_tensor(planner, item)
+
+    def _copy_reporting(self, buffer: Any, order: list[Any], planner: SavePlanner, job_id: int, total: int) -> int:
+        """Copy ORDER's items into BUFFER while the writer already runs JOB_ID, telling it how far the copy got
+        (every _PROGRESS_STEP bytes, then TOTAL); returns the job id (0 once the writer dropped the job)."""
+        reported = 0
+        for entry, item, kind in order:
+            data = self._item_data(planner, item, kind)
+            if kind == "bytes":
+                buffer.copy_bytes(entry["off"], data)
+            else:
+                buffer.copy_tensor(entry["off"], data)
+            end = entry["off"] + entry["nbytes"]
+            if job_id and end - reported >= _PROGRESS_STEP:
+                job_id = self._report(job_id, end)
+                reported = end
+        return self._report(job_id, total) if job_id else job_id
 
     def _offset_in_staged(self, tensor: Any) -> int | None:
         """Where TENSOR's bytes lie in the staged buffer, or None if it is not a contiguous CPU view of it."""
