@@ -224,7 +224,6 @@ class RestartSession:
         if "_factory_kwargs" not in vars(store):
             store._factory_kwargs = kwargs
         store.use_session(self.session)
-        _warn_if_hosting_under_launcher(store)
         return self._past_the_previous_server(store, kwargs)
 
     def _past_the_previous_server(self, store: StoreMixin, kwargs: dict[str, Any]) -> StoreMixin:
@@ -874,17 +873,6 @@ def _clear_frames(exc: BaseException) -> None:
 
 def _default_store(settings: RestartSettings) -> bool:
     return settings.store_factory is TCPStore and not settings.store_kwargs
-
-
-_hosting_warned = threading.Event()
-
-
-def _warn_if_hosting_under_launcher(store: StoreMixin) -> None:
-    """Under ``nvrx launch`` the agent normally hosts the store; say once if this rank does (``--master-port``)."""
-    if getattr(store, "_hosting", False) and os.environ.get("NVRX_ROUND") is not None and not _hosting_warned.is_set():
-        _hosting_warned.set()
-        log.warning("this rank hosts the in-process restart store (nvrx launch --master-port): if its process dies the "
-                    "whole job ends; without --master-port the launcher's agent hosts the store and the job survives")
 
 
 _deferral_logged = threading.Event()

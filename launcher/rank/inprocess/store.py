@@ -15,12 +15,17 @@ from __future__ import annotations
 import datetime
 import importlib
 import json
+import logging
 import os
+import threading
 from typing import Any, Iterable
 
 import torch.distributed as dist
 
 from launcher.rank.inprocess.exceptions import ConfigurationError, StoreUnavailable
+
+log = logging.getLogger(__name__)
+_hosting_warned = threading.Event()  # (the store is made again for every call of the wrapped function)
 
 PREFIX = "nvrx_inprocess"
 DEFAULT_TIMEOUT = 300.0
@@ -288,6 +293,11 @@ class TCPStore(StoreMixin, dist.TCPStore):
             raise
         sock.detach()  # the store owns the descriptor now
         self._hosting = True
+        if os.environ.get("NVRX_ROUND") is not None and not _hosting_warned.is_set():  # set by nvrx launch's agent
+            _hosting_warned.set()
+            log.warning("this rank hosts the in-process restart store (nvrx launch --master-port): if its process dies "
+                        "the whole job ends; without --master-port the launcher's agent hosts the store and the job "
+                        "survives")
 
     def client_spec(self) -> dict[str, Any]:
         kwargs = dict(self._factory_kwargs, is_master=False, use_agent_store=True)
