@@ -149,7 +149,7 @@ def _auto_warm_up(model: AutoModel, setup: dict) -> None:
     """One optimizer step (staging is reserved after it, in the background), then the loop keeps stepping."""
     import threading
 
-    from ckpt.async_ckpt.staging import default_pool
+    from nvrx.ckpt.async_ckpt.staging import default_pool
 
     start = time.perf_counter()
     setup["first_step_s"] = model.step()
@@ -230,15 +230,15 @@ def _saver(method: str, world: int, enable_cache: bool, state: dict, setup: dict
     import torch.distributed.checkpoint as dcp
 
     if method.startswith("ours"):
-        import ckpt
-        from ckpt.async_ckpt import state_dict_saver
-        from ckpt.async_ckpt.staging import StagingPool, default_pool
+        from nvrx import ckpt
+        from nvrx.ckpt.async_ckpt import state_dict_saver
+        from nvrx.ckpt.async_ckpt.staging import StagingPool, default_pool
 
         if method == "ours_mapped":  # the staging before pwrite: a new buffer faulted in, then copied through its mapping
             acquire = StagingPool.acquire
             StagingPool.acquire = lambda pool, nbytes, populate=True: acquire(pool, nbytes, populate=True)
         if method == "ours_pwrite":  # the staging before the lanes: a new buffer filled by pwrite on one thread
-            from ckpt.async_ckpt import staging
+            from nvrx.ckpt.async_ckpt import staging
 
             staging._default_lanes = lambda: 1
         t0 = time.perf_counter()
@@ -286,7 +286,7 @@ def _saver(method: str, world: int, enable_cache: bool, state: dict, setup: dict
         t0 = time.perf_counter()
         torch.save(local, file)
         t1 = time.perf_counter()
-        from nvrx_common.files import fsync_path
+        from nvrx.common.files import fsync_path
 
         fsync_path(str(file))
         return t1 - t0, time.perf_counter() - t0, {}
@@ -297,7 +297,7 @@ def _saver(method: str, world: int, enable_cache: bool, state: dict, setup: dict
 def rank_main(cfg: dict[str, Any]) -> None:
     rank, world, method = cfg["rank"], cfg["world"], cfg["method"]
     if method.startswith("ours"):  # as the bootstrap does for `nvrx launch --async-ckpt`: the writer starts with the rank
-        from ckpt.async_ckpt.writer_process import start_persistent_writer
+        from nvrx.ckpt.async_ckpt.writer_process import start_persistent_writer
 
         start_persistent_writer()
     import torch
@@ -343,7 +343,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
         _barrier(world)
     Path(cfg["out"]).write_text(json.dumps({"rank": rank, "samples": samples, "setup": setup}))
     if method.startswith("ours"):
-        from ckpt.async_ckpt.writer_process import default_writer
+        from nvrx.ckpt.async_ckpt.writer_process import default_writer
 
         default_writer().stop()
     if world > 1:

@@ -78,7 +78,7 @@ if attempt > 0:
     sys.exit(0)
 beat = lambda: None
 if heartbeats:
-    from monitors import RankMonitorClient
+    from nvrx.monitors import RankMonitorClient
     client = RankMonitorClient()
     client.init_workload_monitoring()
     beat = client.send_heartbeat

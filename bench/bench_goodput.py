@@ -6,7 +6,7 @@ ranks) SIGKILLs (crash) or SIGSTOPs (hang) one rank after a seeded number of sec
 attempt; every launcher gets the same schedule. Variants:
 
 * ``save200``: ``torch.save`` every 200 steps (the user changed nothing); every launcher runs the same script.
-* ``every10``: checkpoints every 10 steps; nvrx with its asynchronous checkpoint (``ckpt.PeriodicCheckpointer``,
+* ``every10``: checkpoints every 10 steps; nvrx with its asynchronous checkpoint (``nvrx.ckpt.PeriodicCheckpointer``,
   ``--async-ckpt``), torchrun with ``torch.save``. Goodput is against the launcher's fault-free run *without*
   checkpoints, so the checkpoint cost counts.
 

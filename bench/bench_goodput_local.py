@@ -1,4 +1,4 @@
-"""Goodput with the two-tier checkpoint (ckpt.local + the global DCP tier) vs the global tier alone, under crashes
+"""Goodput with the two-tier checkpoint (nvrx.ckpt.local + the global DCP tier) vs the global tier alone, under crashes
 and node losses: the local-tier variant of bench_goodput.py (same workload, injector, breakdown; nvrx only).
 
 Runs (``nvrx launch --async-ckpt``, 2 ranks, each an emulated node with its own local root under /dev/shm):

@@ -50,7 +50,7 @@ PEER_US = {"send_heartbeat": {"median_us": 7.0, "p99_us": 41.0},
 
 
 def rank_cost(calls: int, out: Path | None) -> None:
-    from monitors.client import RankMonitorClient
+    from nvrx.monitors.client import RankMonitorClient
 
     client = RankMonitorClient()
     client.init_workload_monitoring(["step"])
@@ -80,7 +80,7 @@ def rank_cost(calls: int, out: Path | None) -> None:
 
 
 def rank_hang(beats: int) -> None:
-    from monitors.client import RankMonitorClient
+    from nvrx.monitors.client import RankMonitorClient
 
     client = RankMonitorClient()
     client.init_workload_monitoring()
@@ -102,7 +102,7 @@ class Monitor:
         self.env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                     "NVRX_MONITOR_TOKEN": self.token, "NVRX_MONITOR_SOCKET": str(root / "run" / "m.sock"),
                     "NVRX_MONITOR_SHM": str(root / "run" / "m.slot")}
-        cmd = [sys.executable, "-m", "monitors.rank_monitor", "--rank", "0", "--state-dir", str(root / "state"),
+        cmd = [sys.executable, "-m", "nvrx.monitors.rank_monitor", "--rank", "0", "--state-dir", str(root / "state"),
                "--socket", self.env["NVRX_MONITOR_SOCKET"], "--shm", self.env["NVRX_MONITOR_SHM"],
                "--config-json", json.dumps(config), "--events", str(root / "monitor.jsonl")]
         self.proc = subprocess.Popen(cmd, env=self.env, cwd=REPO, stderr=subprocess.DEVNULL)
@@ -125,7 +125,7 @@ def measure_cost_launched(root: Path, calls: int) -> dict[str, Any]:
     out = root / "launched_cost.json"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("NVRX_MONITOR_TOKEN", None)
-    cmd = [sys.executable, "-m", "nvrx_cli.main", "launch", "--standalone", "--nproc-per-node", "1", "-q",
+    cmd = [sys.executable, "-m", "nvrx", "launch", "--standalone", "--nproc-per-node", "1", "-q",
            "--log-dir", str(root / "logs"), "--ft-param-initial-rank-heartbeat-timeout", "600",
            "--ft-param-rank-heartbeat-timeout", "600", __file__, "--as-rank", "cost", "--calls", str(calls),
            "--out", str(out)]

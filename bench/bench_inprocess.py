@@ -51,7 +51,7 @@ WRAPPER_PHASES = ("abort", "finalize_health_check", "termination_barrier", "rank
 
 def command(config: str, world: int, run_id: str, root: Path) -> list[str]:
     py = sys.executable
-    launcher = [py, "-m", "torch.distributed.run"] if config == "torchrun" else [py, "-m", "nvrx_cli.main", "launch"]
+    launcher = [py, "-m", "torch.distributed.run"] if config == "torchrun" else [py, "-m", "nvrx", "launch"]
     flags = ["--standalone", "--nproc-per-node", str(world), "--max-restarts", "1", "--rdzv-id", run_id,
              "--log-dir", str(root / "logs")]
     if config == "inprocess":

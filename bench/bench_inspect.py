@@ -2,7 +2,7 @@
 
     python bench/bench_inspect.py [--mb 100] [--runs 3] [--keep DIR] [--output bench/results/inspect.json]
 
-The log dir is generated with the real writer (``monitors.events.EventLog``, with explicit times) and the
+The log dir is generated with the real writer (``nvrx.events.EventLog``, with explicit times) and the
 event records the real writers emit: a resume chain of ``--jobs`` Slurm-style jobs (one run dir each, plus
 the resume driver's ``state/resume.jsonl``), ``--nodes`` agents x ``--nproc`` rank monitors per job,
 rounds of 5-40 simulated minutes ended by crashes, hangs (section timeouts), a node leaving and a
@@ -38,7 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from monitors.events import (  # noqa: E402
+from nvrx.events import (  # noqa: E402
     AgentSignal, AgentStart, EventLog, FirstHeartbeat, FtConfig, FtConfigInfo, HangDetected, HangInfo, HeartbeatStats,
     JobEnd, MonitorConnect, MonitorDisconnect, MonitorExit, MonitorSpawned, MonitorStart, RankExit, RankStart,
     RankTerminated, RdzvJoin, RdzvRound, RdzvStop, ResumeAttemptEnd, ResumeAttemptStart, ResumeDecision, ResumeEnd,
@@ -47,8 +47,8 @@ from monitors.events import (  # noqa: E402
 
 T0 = 1_700_000_000.0
 STEP_S = 0.85               # simulated training step
-SECTION_PERIOD = 10.0       # monitors.rank_monitor.SECTION_EVENT_PERIOD
-STATS_PERIOD = 30.0         # monitors.rank_monitor.STATS_PERIOD
+SECTION_PERIOD = 10.0       # nvrx.monitors.rank_monitor.SECTION_EVENT_PERIOD
+STATS_PERIOD = 30.0         # nvrx.monitors.rank_monitor.STATS_PERIOD
 CKPT_EVERY = 900.0
 TIMEOUTS = TimeoutsInfo(initial_heartbeat=600.0, heartbeat=300.0, sections={"step": 60.0, "checkpointing": 600.0})
 
@@ -310,7 +310,7 @@ def main() -> int:
     print(f"generated {size / 1e6:.1f} MB, {lines} lines, {len(files)} files in {gen_s:.1f} s: {root}", file=sys.stderr)
 
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    nvrx_cmd = [sys.executable, "-m", "nvrx_cli.main", "inspect", "--json"]
+    nvrx_cmd = [sys.executable, "-m", "nvrx", "inspect", "--json"]
     commands: dict[str, tuple[list[str], dict[str, str] | None]] = {
         "nvrx inspect --json": ([*nvrx_cmd, str(root)], env),
         # --since before the first event turns the lazy path off: every line is parsed

@@ -82,7 +82,7 @@ def make_launchers() -> dict[str, Launcher]:
     py = sys.executable
     torchrun = (py, "-m", "torch.distributed.run")
     return {
-        "nvrx": Launcher("nvrx", (py, "-m", "nvrx_cli.main", "launch")),
+        "nvrx": Launcher("nvrx", (py, "-m", "nvrx", "launch")),
         "torchrun": Launcher("torchrun", torchrun, {SHARE_ENV: None}),
         "torchrun-noshare": Launcher("torchrun-noshare", torchrun, {SHARE_ENV: "1"}),
     }

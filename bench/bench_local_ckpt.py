@@ -1,4 +1,4 @@
-"""Local checkpoint tier (ckpt.local, replicated) vs the global DCP tier, side by side, same state, same run.
+"""Local checkpoint tier (nvrx.ckpt.local, replicated) vs the global DCP tier, side by side, same state, same run.
 
     python bench/bench_local_ckpt.py                          # 1 GiB per rank, 2 and 4 ranks
     python bench/bench_local_ckpt.py --size-mib 256 --worlds 2,4 --saves 3
@@ -96,9 +96,9 @@ def rank_main(rank: int, world: int, port: int, work: Path, local_root: Path, gl
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    import ckpt
-    from ckpt.async_ckpt.staging import default_pool
-    from ckpt.local import LazyCliqueReplicationStrategy, LocalCheckpointManager
+    from nvrx import ckpt
+    from nvrx.ckpt.async_ckpt.staging import default_pool
+    from nvrx.ckpt.local import LazyCliqueReplicationStrategy, LocalCheckpointManager
 
     per_node = world // 2
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node),

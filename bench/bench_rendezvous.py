@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How the rendezvous grows with the number of agents: N simulated agents against one real store.
 
-Each simulated agent is the real ``launcher.agent.rendezvous.Rendezvous`` (no ranks): the main process
+Each simulated agent is the real ``nvrx.launcher.agent.rendezvous.Rendezvous`` (no ranks): the main process
 hosts the store and runs agent 0 as a full agent; worker processes run the others, each with one connection,
 a thread for its blocking rendezvous calls and its keepalive on the process's one shared keepalive thread
 (SimAgent says why). Per N it measures:
@@ -45,12 +45,12 @@ sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
 
-from launcher.agent.config import RdzvSettings  # noqa: E402
-from launcher.agent.rdzv_auth import generate_secret, load_secret  # noqa: E402
-from launcher.agent.rendezvous import Rendezvous, SharedKeepalive, SharedRecords  # noqa: E402
-from launcher.agent.rdzv_records import StopKind  # noqa: E402
-from launcher.agent.store import _join, open_rendezvous_store  # noqa: E402
-from monitors.events import EventLog  # noqa: E402
+from nvrx.launcher.agent.config import RdzvSettings  # noqa: E402
+from nvrx.launcher.agent.rdzv_auth import generate_secret, load_secret  # noqa: E402
+from nvrx.launcher.agent.rendezvous import Rendezvous, SharedKeepalive, SharedRecords  # noqa: E402
+from nvrx.launcher.agent.rdzv_records import StopKind  # noqa: E402
+from nvrx.launcher.agent.store import _join, open_rendezvous_store  # noqa: E402
+from nvrx.events import EventLog  # noqa: E402
 
 # torch's TCPStore looks up the peer's name of every new connection (client and server side; a loopback
 # connection is ::ffff:127.0.0.1, which /etc/hosts does not name, so the query goes to DNS). This VM's resolver
@@ -177,7 +177,7 @@ def _connected(settings: RdzvSettings, log_dir: Path, name: str, keepalive: Shar
 def worker_main(port: int, n: int, first: int, count: int, log_dir: str, victim: int) -> None:
     """A worker process: agents FIRST..FIRST+COUNT-1, a thread each for their blocking rendezvous calls, one
     shared keepalive thread; prints their times as JSON."""
-    from launcher.agent.store import RendezvousStore  # noqa: F401  (imports torch once, before the threads)
+    from nvrx.launcher.agent.store import RendezvousStore  # noqa: F401  (imports torch once, before the threads)
     import torch.distributed as dist
 
     def client() -> "dist.TCPStore":

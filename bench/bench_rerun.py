@@ -55,8 +55,8 @@ def worker(rank: int, port: int, steps: int, rounds: int, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from launcher.rank.rerun import RerunDataIterator, RerunStateMachine, SpikeDetector, is_nan_or_inf
-    from launcher.rank.rerun.collective import reduce_max
+    from nvrx.launcher.rank.rerun import RerunDataIterator, RerunStateMachine, SpikeDetector, is_nan_or_inf
+    from nvrx.launcher.rank.rerun.collective import reduce_max
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -169,7 +169,7 @@ class _Job:
     def agent(self, node: str, node_rank: int, gate: Path) -> None:
         env = _env()
         env.update(SLURMD_NODENAME=node, RERUN_GATE=str(gate), NVRX_RESUME_STATE_DIR=str(self.state))
-        cmd = [sys.executable, "-m", "nvrx_cli.main", "launch", "--nnodes", "2", "--nproc-per-node", "1",
+        cmd = [sys.executable, "-m", "nvrx", "launch", "--nnodes", "2", "--nproc-per-node", "1",
                "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id, "--rdzv-conf",
                "join_timeout=120,last_call_timeout=1", "--node-rank", str(node_rank), "--log-dir", str(self.logs),
                "-q", str(TRAIN), str(self.work), "node"]
@@ -241,7 +241,7 @@ def fault_via_new_job(d: Path) -> dict[str, float]:
     codes = first.wait()
     if codes != [16, 16]:
         raise RuntimeError(f"first job: agents exited {codes}")
-    rec = subprocess.run([sys.executable, "-m", "nvrx_cli.main", "resume", "--state-dir", str(state), "--exit-code",
+    rec = subprocess.run([sys.executable, "-m", "nvrx", "resume", "--state-dir", str(state), "--exit-code",
                           "16"], env=_env(), cwd=d, capture_output=True, text=True, timeout=60)
     if rec.returncode != 3:
         raise RuntimeError(f"nvrx resume exited {rec.returncode}: {rec.stderr}")

@@ -8,7 +8,7 @@ Once: 20 steps with a checkpoint every 10. Then per round, fresh rank processes 
 already warm, as in nvrx's rank template) resume from that directory two ways, alternated:
 
 * ``direct`` (what ``resume`` does): each item read straight into its tensor, CRC-32 checked while reading, one
-  all-reduce (``ckpt.direct_load``).
+  all-reduce (``nvrx.ckpt.direct_load``).
 * ``dcp``: the previous way, a checksum pass over every file, then ``torch.distributed.checkpoint.load``.
 
 Per rank, after a barrier: constructor (its own gloo group), optimizer-state allocation, the load, the rest of ``resume``
@@ -43,8 +43,10 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed.checkpoint  # noqa: F401 - warm, as the rank template is
     import torch.distributed.checkpoint.state_dict  # noqa: F401
 
-    import ckpt.loader
-    import ckpt.periodic
+    from nvrx import ckpt
+    import nvrx.ckpt.loader
+    from nvrx import ckpt
+    import nvrx.ckpt.periodic
     import goodput_train as gt
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

@@ -1,7 +1,7 @@
 """Slurm end-to-end benchmark: graceful stop and auto-resume on the project's test Slurm.
 
 Brings up the same real Slurm as tests/slurm (munged, slurmctld, 3 emulated slurmd; tests/slurm/cluster.py)
-and drives the same auto-resume chain (tests/slurm/chain.py: slurm/templates/auto_resume.sbatch running
+and drives the same auto-resume chain (tests/slurm/chain.py: nvrx/slurm/templates/auto_resume.sbatch running
 tests/slurm/resumable_train.py on 2 nodes, 1 rank per node, 0.1 s steps). Kinds of run:
 
 * chain:      scancel --signal=TERM once the ranks train -> (a) all ranks stopped with the checkpoint
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                    "step_time_s": STEP_TIME, "signal_after_steps": SIGNAL_AFTER_STEPS, "stop_margin_steps": 2,
                    "slurm": {"proctrack": cluster.proctrack, "sched_interval_s": 1,
                              "bringup_s": round(cluster.bringup_seconds, 2)},
-                   "template": "slurm/templates/auto_resume.sbatch", "script": "tests/slurm/resumable_train.py"},
+                   "template": "nvrx/slurm/templates/auto_resume.sbatch", "script": "tests/slurm/resumable_train.py"},
         "summary": summary,
         "samples": samples,
         "leftover_processes_killed_at_teardown": killed,

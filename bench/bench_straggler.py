@@ -35,16 +35,16 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launcher.agent.rank_monitors import RankMonitorGroup  # noqa: E402
-from launcher.agent.rdzv_records import NodeInfo, RoundResult  # noqa: E402
-from launcher.agent.rdzv_auth import RecordAuth, generate_secret  # noqa: E402
-from launcher.agent.store import RendezvousStore  # noqa: E402
-from launcher.agent.stragglers import StragglerAggregator  # noqa: E402
-from monitors.events import EventLog, RankTiming, TimingInfo  # noqa: E402
-from monitors.ft_config import FaultToleranceConfig  # noqa: E402
-from monitors.heartbeat import Slot, SlotWriter  # noqa: E402
-from monitors.straggler import MetricSummary, StragglerScorer, TimingSampler  # noqa: E402
-from nvrx_common.net import start_store_server  # noqa: E402
+from nvrx.launcher.agent.rank_monitors import RankMonitorGroup  # noqa: E402
+from nvrx.launcher.agent.rdzv_records import NodeInfo, RoundResult  # noqa: E402
+from nvrx.launcher.agent.rdzv_auth import RecordAuth, generate_secret  # noqa: E402
+from nvrx.launcher.agent.store import RendezvousStore  # noqa: E402
+from nvrx.launcher.agent.stragglers import StragglerAggregator  # noqa: E402
+from nvrx.events import EventLog, RankTiming, TimingInfo  # noqa: E402
+from nvrx.monitors.ft_config import FaultToleranceConfig  # noqa: E402
+from nvrx.monitors.heartbeat import Slot, SlotWriter  # noqa: E402
+from nvrx.monitors.straggler import MetricSummary, StragglerScorer, TimingSampler  # noqa: E402
+from nvrx.common.net import start_store_server  # noqa: E402
 
 OUTPUT = REPO / "bench" / "results" / "straggler.json"
 TRAIN = REPO / "tests" / "straggler" / "train.py"
@@ -65,7 +65,7 @@ def detection_run(interval: float, factor: float, sustain: int) -> dict[str, Any
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "STEPS": str(steps),
                "STEP_SLEEP": str(STEP_S), "SLOW_RANK": "1", "SLOW_FACTOR": str(factor), "SLOW_FROM": str(slow_from),
                "SLOW_MARK": str(work / "slow_at")}
-        cmd = [sys.executable, "-m", "nvrx_cli.main", "launch", "--standalone", "--nproc-per-node", "2",
+        cmd = [sys.executable, "-m", "nvrx", "launch", "--standalone", "--nproc-per-node", "2",
                "--rdzv-id", run_id, "--ft-param-straggler_report_interval", f"{interval:g}",
                "--ft-param-straggler_sustain_reports", str(sustain), str(TRAIN)]
         res = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)

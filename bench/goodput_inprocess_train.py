@@ -1,7 +1,7 @@
 """Rank script of bench_goodput.py's ``inprocess`` variant: goodput_train.py's job, written for in-process restart.
 
 Under ``nvrx launch --inprocess`` (``NVRX_INPROCESS=1``) the model and the optimizer are built once and stay in
-memory; the training function is wrapped in ``launcher.rank.inprocess.Wrapper`` (the NVRx way: the script's
+memory; the training function is wrapped in ``nvrx.launcher.rank.inprocess.Wrapper`` (the NVRx way: the script's
 Wrapper runs the session, the launcher's stands aside) and restarted in place after a fault. ``--ckpt memory``
 keeps the two newest in-memory snapshots (every ``--every`` steps); a restart resumes from the newest one every
 rank holds (one MIN all-reduce: a rank that failed between the other's snapshot and its own is one behind).
@@ -182,7 +182,7 @@ def main() -> None:
         run_attempt(args, model, opt, saver, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), T_START)
         dist.destroy_process_group()
         return
-    from launcher.rank import inprocess
+    from nvrx.launcher.rank import inprocess
 
     saver = MemorySnapshots(model, opt, args.every) if args.ckpt == "memory" else None
     soft = args.soft_timeout

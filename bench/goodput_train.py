@@ -6,7 +6,7 @@ and saving costs show up in full), resumed from its newest checkpoint at start. 
 
 * ``torch_save``: rank 0 ``torch.save``s model + optimizer every ``--every`` steps (temp file, rename), then a
   barrier; every rank loads that file at start. What a user who changed nothing does.
-* ``nvrx``: ``ckpt.PeriodicCheckpointer`` (asynchronous DCP, one call per step), run with ``--async-ckpt``.
+* ``nvrx``: ``nvrx.ckpt.PeriodicCheckpointer`` (asynchronous DCP, one call per step), run with ``--async-ckpt``.
 * ``none``: no checkpoint (the fault-free reference whose wall the checkpoint cost counts against).
 
 Instrumentation for the benchmark (the same under every launcher, written to ``--out``):
@@ -96,7 +96,7 @@ def make_checkpoint(args: argparse.Namespace, model: torch.nn.Module, opt: torch
     if args.ckpt == "torch_save":
         return TorchSaveCheckpoint(Path(args.ckpt_dir) / "ckpt.pt", args.every, model, opt)
     if args.ckpt == "nvrx":
-        import ckpt
+        from nvrx import ckpt
 
         return ckpt.PeriodicCheckpointer(args.ckpt_dir, model=model, optimizer=opt, every_steps=args.every)
     if args.ckpt == "twotier":  # bench_goodput_local.py: local every --every steps, global every --global-every

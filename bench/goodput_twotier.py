@@ -1,7 +1,7 @@
 """The two-tier checkpoint of bench_goodput_local.py's runs, inside a goodput_train.py rank (``--ckpt twotier``).
 
-Local tier (``ckpt.local``): every ``--every`` steps, each rank's shard in ``--local-dir``/node<rank> (each rank
-an emulated node), replicated to the other rank (J = 1, F = 2). Global tier (DCP through ``ckpt``): every
+Local tier (``nvrx.ckpt.local``): every ``--every`` steps, each rank's shard in ``--local-dir``/node<rank> (each rank
+an emulated node), replicated to the other rank (J = 1, F = 2). Global tier (DCP through ``nvrx.ckpt``): every
 ``--global-every`` steps in ``--ckpt-dir``/global. ``--every 0``: the global tier alone (the reference).
 Model and optimizer go through torch's ``get_state_dict`` / ``set_state_dict`` (string keys, optimizer state
 allocated before a restore, so both tiers load in place).
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-import ckpt
-from ckpt.local import LazyCliqueReplicationStrategy, LocalCheckpointManager, TwoTierCheckpointer
+from nvrx import ckpt
+from nvrx.ckpt.local import LazyCliqueReplicationStrategy, LocalCheckpointManager, TwoTierCheckpointer
 
 log = logging.getLogger(__name__)
 _NEVER = 1 << 40

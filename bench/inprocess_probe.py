@@ -22,7 +22,7 @@ import torch.distributed as dist  # noqa: E402
 
 inprocess = None
 if os.environ.get("NVRX_INPROCESS") == "1":
-    from launcher.rank import inprocess  # noqa: E402
+    from nvrx.launcher.rank import inprocess  # noqa: E402
 
 
 def main() -> int:

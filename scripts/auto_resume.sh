@@ -14,7 +14,7 @@
 #
 # Environment: NVRX (the nvrx command, default "nvrx"); RESUME_ARGS (more nvrx resume flags, e.g.
 # "--max-attempts 20 --max-failures 3 --checkpoint-dir runs/gpt/ckpt"); FAULT_TOL_FINISHED_FLAG_FILE
-# (default STATE_DIR/finished.flag), which training marks with launcher.rank.job_control.mark_finished().
+# (default STATE_DIR/finished.flag), which training marks with nvrx.launcher.rank.job_control.mark_finished().
 #SBATCH --job-name=nvrx-auto-resume
 #SBATCH --nodes=1
 #SBATCH --open-mode=append

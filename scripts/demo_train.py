@@ -1,7 +1,7 @@
 """A small DDP training job on CPU/gloo, written as for torchrun, checkpointed the nvrx way.
 
 It trains a tiny regression model and saves an asynchronous checkpoint every 5 steps with one call per
-step (``ckpt.PeriodicCheckpointer``: the save copies the state and returns; writing and publishing happen
+step (``nvrx.ckpt.PeriodicCheckpointer``: the save copies the state and returns; writing and publishing happen
 in the background; on start it resumes from the newest complete checkpoint). For the demo it gives the
 launcher two faults to recover from: rank 1 crashes in the first attempt, and rank 0 hangs (a call that
 blocks the interpreter) in the second, which the rank monitor's automatic heartbeat catches. Run it with:
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import ckpt
+from nvrx import ckpt
 
 
 def main() -> int:

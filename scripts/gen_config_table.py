@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Print the README table of fault tolerance settings, generated from monitors.ft_config.SCHEMA.
+"""Print the README table of fault tolerance settings, generated from nvrx.monitors.ft_config.SCHEMA.
 
 Usage: python scripts/gen_config_table.py > /tmp/table.md   (paste into README.md)
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from monitors.ft_config import config_table_markdown  # noqa: E402
+from nvrx.monitors.ft_config import config_table_markdown  # noqa: E402
 
 
 def main() -> int:

@@ -51,7 +51,7 @@ class Launcher:
         return env
 
     def start(self, *args: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "nvrx_cli.main", self.subcommand, *args]
+        cmd = [sys.executable, "-m", "nvrx", self.subcommand, *args]
         proc = subprocess.Popen(cmd, cwd=self.tmp_path, env=self.env(env), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, **kw)
         self.procs.append(proc)
@@ -153,3 +153,16 @@ def free_port() -> int:
 def run_events(run_dir: Path, prefix: str = "") -> list[dict]:
     """Every event in RUN_DIR's JSON-lines files whose name starts with PREFIX (agent-, monitor-)."""
     return [json.loads(line) for f in sorted(run_dir.glob(f"{prefix}*.jsonl")) for line in f.read_text().splitlines()]
+
+
+def package_modules() -> list[tuple[str, Path]]:
+    """Every module of the installed nvrx package: (dotted name, file). Read where nvrx is imported from,
+    so the walk checks what users install (the wheel in CI), not the checkout."""
+    import nvrx
+
+    root = Path(nvrx.__file__).resolve().parent
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        parts = ("nvrx", *path.relative_to(root).with_suffix("").parts)
+        out.append((".".join(parts[:-1] if parts[-1] == "__init__" else parts), path))
+    return out

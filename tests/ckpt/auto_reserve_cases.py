@@ -15,7 +15,7 @@ from typing import Any
 CASE, WORK = sys.argv[1], Path(sys.argv[2])
 logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(name)s: %(message)s")
 
-from ckpt import auto_reserve  # noqa: E402  (no torch yet)
+from nvrx.ckpt import auto_reserve  # noqa: E402  (no torch yet)
 
 if CASE == "import_watch":
     auto_reserve.arm()  # as the bootstrap does in a spawned rank: torch is not imported yet
@@ -23,9 +23,9 @@ if CASE == "import_watch":
 
 import torch  # noqa: E402
 
-import ckpt  # noqa: E402
-from ckpt.api import staging_bytes  # noqa: E402  (the API loaded: still nothing armed)
-from ckpt.async_ckpt.staging import align, default_pool  # noqa: E402
+from nvrx import ckpt  # noqa: E402
+from nvrx.ckpt.api import staging_bytes  # noqa: E402  (the API loaded: still nothing armed)
+from nvrx.ckpt.async_ckpt.staging import align, default_pool  # noqa: E402
 
 
 def ours_registered() -> int:

@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 
-from ckpt import auto_reserve
+from nvrx.ckpt import auto_reserve
 
 before_torch = auto_reserve.status()  # armed by the bootstrap before this script ran
 
@@ -21,9 +21,9 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 
-import ckpt  # noqa: E402
-from ckpt.api import staging_bytes  # noqa: E402
-from ckpt.async_ckpt.staging import default_pool  # noqa: E402
+from nvrx import ckpt  # noqa: E402
+from nvrx.ckpt.api import staging_bytes  # noqa: E402
+from nvrx.ckpt.async_ckpt.staging import default_pool  # noqa: E402
 
 
 def main() -> None:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-import ckpt
-from ckpt.async_ckpt.writer_process import default_writer
+from nvrx import ckpt
+from nvrx.ckpt.async_ckpt.writer_process import default_writer
 
 
 def status(path: str, line: str) -> None:

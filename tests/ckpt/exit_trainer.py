@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-import ckpt
-from ckpt.async_ckpt.writer_process import default_writer
-from launcher.rank import job_control
+from nvrx import ckpt
+from nvrx.ckpt.async_ckpt.writer_process import default_writer
+from nvrx.launcher.rank import job_control
 def main() -> None:
     root, mode = Path(sys.argv[1]), sys.argv[2]
     state = {"x": torch.zeros(1 << 18), "meta": {"step": 0}}

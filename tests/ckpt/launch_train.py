@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from ckpt.async_ckpt import writer_process
+from nvrx.ckpt.async_ckpt import writer_process
 
 bootstrap_writer = writer_process._default  # started by the bootstrap before this script ran
 early_pid = bootstrap_writer.pid if bootstrap_writer is not None else None
@@ -17,7 +17,7 @@ early_pid = bootstrap_writer.pid if bootstrap_writer is not None else None
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import ckpt  # noqa: E402
+from nvrx import ckpt  # noqa: E402
 
 
 def main() -> None:

@@ -28,10 +28,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-# nvidia_resiliency_ext.checkpointing.async_ckpt.{core,filesystem_async,state_dict_saver} -> ckpt.async_ckpt.*
-from ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
-from ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
-from ckpt.async_ckpt.state_dict_saver import (CheckpointMetadataCache, save_state_dict_async_finalize,
+# nvidia_resiliency_ext.checkpointing.async_ckpt.{core,filesystem_async,state_dict_saver} -> nvrx.ckpt.async_ckpt.*
+from nvrx.ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
+from nvrx.ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
+from nvrx.ckpt.async_ckpt.state_dict_saver import (CheckpointMetadataCache, save_state_dict_async_finalize,
                                                save_state_dict_async_plan)
 
 

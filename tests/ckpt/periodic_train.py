@@ -1,4 +1,4 @@
-"""A rank under `nvrx launch --async-ckpt` training with ``ckpt.PeriodicCheckpointer`` (every 5 steps).
+"""A rank under `nvrx launch --async-ckpt` training with ``nvrx.ckpt.PeriodicCheckpointer`` (every 5 steps).
 
 usage: periodic_train.py OUT STEPS CRASH_AT [EVERY_SECONDS]   (CRASH_AT < 0: no crash; EVERY_SECONDS: save by
 time instead of every 5 steps)
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict as dcp_state_dict
 
-import ckpt
-from ckpt.periodic import STEP_KEY
+from nvrx import ckpt
+from nvrx.ckpt.periodic import STEP_KEY
 
 ZERO_STEPS = []  # optimizers torch had to initialise with a zero step (the resume should spare it that)
 _init_optim_state = dcp_state_dict._init_optim_state
@@ -52,7 +52,7 @@ def main() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     pace = {"every_seconds": float(sys.argv[4])} if len(sys.argv) > 4 else {"every_steps": 5}
     saver = ckpt.PeriodicCheckpointer(os.path.join(out, "ckpts"), model=model, optimizer=opt, **pace)
-    newest = ckpt.find_latest_checkpoint(os.path.join(out, "ckpts"))  # what resume() must load
+    newest = nvrx.ckpt.find_latest_checkpoint(os.path.join(out, "ckpts"))  # what resume() must load
     start = saver.resume()
     record(out, f"start-a{attempt}-r{rank}.json", {"start": start, "zero_steps": len(ZERO_STEPS),
                                                    "newest": newest.path.name if newest else None})

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-import ckpt
-from ckpt.async_ckpt.staging import StagingBuffer
-from ckpt.snapshot import Snapshot
+from nvrx import ckpt
+from nvrx.ckpt.async_ckpt.staging import StagingBuffer
+from nvrx.ckpt.snapshot import Snapshot
 
 SECOND_COPIES = []
 _copy_tensor = StagingBuffer.copy_tensor

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-import ckpt
-from ckpt.async_ckpt import staging
-from ckpt.async_ckpt.writer_process import default_writer
+from nvrx import ckpt
+from nvrx.ckpt.async_ckpt import staging
+from nvrx.ckpt.async_ckpt.writer_process import default_writer
 
 
 KEYS = ("a", "b", "c", "d")  # replicated: DCP spreads them over the ranks, two tensors staged by each

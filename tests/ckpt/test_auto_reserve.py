@@ -1,4 +1,4 @@
-"""Staging reserved after the first optimizer step (ckpt.auto_reserve): a first save nobody announced finds its
+"""Staging reserved after the first optimizer step (nvrx.ckpt.auto_reserve): a first save nobody announced finds its
 buffer ready. Each case runs in a fresh process (the reservation is once per process); the observable is the
 staging pool's buffers (ids, capacities, how many were created), never timing."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import ckpt
+from nvrx import ckpt
 from tests.ckpt.conftest import child_env
 
 HERE = Path(__file__).resolve().parent
@@ -63,7 +63,7 @@ def test_first_save_uses_the_reserved_buffer_then_a_bigger_save_still_works(tmp_
 
 
 def _wired() -> bool:
-    from nvrx_cli.launch_cmd import _OPTIONS
+    from nvrx.nvrx_cli.launch_cmd import _OPTIONS
 
     return any("--async-ckpt" in names for names, _ in _OPTIONS)
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import ckpt
+from nvrx import ckpt
 from tests.conftest import pid_gone, tagged_processes, wait_for
 
 HERE = Path(__file__).resolve().parent

@@ -1,4 +1,4 @@
-"""The resume's direct reader (ckpt.direct_load via ckpt.load_latest): bytes straight into the target tensors,
+"""The resume's direct reader (nvrx.ckpt.direct_load via nvrx.ckpt.load_latest): bytes straight into the target tensors,
 CRC-32s checked while reading, damage found in any item makes the load fall back to an older checkpoint.
 Real writer process, real files, one process (the 2-rank agreement runs in test_periodic's crash test)."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import ckpt
-from ckpt import direct_load
-from ckpt.async_ckpt.file_writer import FileSlice, _is_data_member
-from ckpt.loader import list_checkpoints, load_metadata
+from nvrx import ckpt
+from nvrx.ckpt import direct_load
+from nvrx.ckpt.async_ckpt.file_writer import FileSlice, _is_data_member
+from nvrx.ckpt.loader import list_checkpoints, load_metadata
 
 
 def state(scale: float) -> dict:
@@ -96,7 +96,7 @@ def test_one_flipped_bit_in_a_tensor_falls_back_to_the_older_checkpoint(tmp_path
                                                                         caplog: pytest.LogCaptureFixture) -> None:
     save_two(tmp_path)
     flip_tensor(tmp_path / "step_2", fqn, 3)
-    assert ckpt.find_latest_checkpoint(tmp_path, verify="sizes").path.name == "step_2"  # sizes cannot tell
+    assert nvrx.ckpt.find_latest_checkpoint(tmp_path, verify="sizes").path.name == "step_2"  # sizes cannot tell
     with caplog.at_level(logging.WARNING, logger="nvrx.ckpt.loader"):
         info_loaded = ckpt.load_latest(tmp_path, target := blank())
     assert info_loaded.path.name == "step_1"
@@ -147,5 +147,5 @@ def test_a_state_the_direct_reader_cannot_take_goes_through_dcp_and_is_still_ver
     flip_tensor(newest.path, "model.b", 1)
     target = blank()
     target["model"]["w"] = torch.zeros(30, 20).t()
-    assert ckpt.load_latest(tmp_path, target).path.name == "step_1"  # the full verification pass caught it
+    assert nvrx.ckpt.load_latest(tmp_path, target).path.name == "step_1"  # the full verification pass caught it
     assert_state(target, 1.0)

@@ -1,4 +1,4 @@
-"""``ckpt.PeriodicCheckpointer``: one call per step saves every N steps; after a crash the job resumes from the
+"""``nvrx.ckpt.PeriodicCheckpointer``: one call per step saves every N steps; after a crash the job resumes from the
 newest complete checkpoint (not from a save that was still in flight) and trains to the same weights."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import ckpt
+from nvrx import ckpt
 
 HERE = Path(__file__).resolve().parent
 STEPS, CRASH_AT = 30, 17

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckpt.snapshot import capture
+from nvrx.ckpt.snapshot import capture
 from tests.ckpt.conftest import run_rank_procs
 from tests.conftest import tagged_processes
 

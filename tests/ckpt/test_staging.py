@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-import ckpt
-from ckpt.async_ckpt.staging import StagingPool, align
+from nvrx import ckpt
+from nvrx.ckpt.async_ckpt.staging import StagingPool, align
 
 
 def memfd_bytes(buf, offset: int, nbytes: int) -> bytes:

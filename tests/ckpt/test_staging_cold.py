@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import ckpt
-from ckpt.async_ckpt import staging
-from ckpt.async_ckpt.staging import StagingPool, align
-from ckpt.snapshot import capture
+from nvrx import ckpt
+from nvrx.ckpt.async_ckpt import staging
+from nvrx.ckpt.async_ckpt.staging import StagingPool, align
+from nvrx.ckpt.snapshot import capture
 
 CHUNK = 4 * mmap.PAGESIZE
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import ckpt
+from nvrx import ckpt
 from tests.ckpt.conftest import run_two_ranks
 from tests.conftest import tagged_processes
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import ckpt
+from nvrx import ckpt
 from tests.ckpt.conftest import remount
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-import ckpt
-from ckpt import publish
+from nvrx import ckpt
+from nvrx.ckpt import publish
 from tests.ckpt.conftest import child_env
 
 HOUR = 3600.0

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-import ckpt
+from nvrx import ckpt
 from tests.ckpt.conftest import run_two_ranks
 from tests.conftest import tagged_processes
 

@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-import ckpt
-from ckpt.async_ckpt.state_dict_saver import get_metadata_caching_status  # noqa: F401  (spec name importable)
+from nvrx import ckpt
+from nvrx.ckpt.async_ckpt.state_dict_saver import get_metadata_caching_status  # noqa: F401  (spec name importable)
 
 
 def main() -> None:

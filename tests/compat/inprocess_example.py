@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-import launcher.rank.inprocess as inprocess  # NVRx: import nvidia_resiliency_ext.inprocess as inprocess
+import nvrx.launcher.rank.inprocess as inprocess  # NVRx: import nvidia_resiliency_ext.inprocess as inprocess
 
 PLAN = json.loads(os.environ["NVRX_TEST_PLAN"])
 OUT = Path(os.environ["NVRX_TEST_OUT"])

@@ -24,7 +24,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from launcher.rank.ptl_resiliency import FaultToleranceCallback
+from nvrx.launcher.rank.ptl_resiliency import FaultToleranceCallback
 
 cfg = json.loads(sys.argv[1])
 work = Path(cfg["work"])

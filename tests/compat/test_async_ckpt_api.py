@@ -1,6 +1,6 @@
 """NVRx's asynchronous checkpoint API (spec 004), called the way Megatron-Core, NeMo and NVRx's examples call it.
 
-Only the imports differ from NVRx code (``nvidia_resiliency_ext.checkpointing.async_ckpt.X`` -> ``ckpt.async_ckpt.X``).
+Only the imports differ from NVRx code (``nvidia_resiliency_ext.checkpointing.async_ckpt.X`` -> ``nvrx.ckpt.async_ckpt.X``).
 Real writer processes, real files, real forked children; the distributed sequence runs on 2 real gloo ranks.
 """
 
@@ -20,14 +20,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _is_wrapped_exception
 
-from ckpt.async_ckpt.cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
-from ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest, abort_nvrx_checkpoint
-from ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
-from ckpt.async_ckpt.state_dict_saver import (CheckpointMetadataCache, save_state_dict_async_finalize,
+from nvrx.ckpt.async_ckpt.cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
+from nvrx.ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest, abort_nvrx_checkpoint
+from nvrx.ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
+from nvrx.ckpt.async_ckpt.state_dict_saver import (CheckpointMetadataCache, save_state_dict_async_finalize,
                                                save_state_dict_async_plan)
-from ckpt.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
-from ckpt.async_ckpt.writer_process import default_writer
-from ckpt.errors import CheckpointError
+from nvrx.ckpt.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
+from nvrx.ckpt.async_ckpt.writer_process import default_writer
+from nvrx.ckpt.errors import CheckpointError
 from tests.ckpt.conftest import run_two_ranks
 from tests.conftest import tagged_processes
 

@@ -1,6 +1,6 @@
 """NVRx fault-tolerance API, called the way NVRx's docs, examples and spec 001 call it.
 
-Only the imports differ from NVRx code (``nvidia_resiliency_ext.fault_tolerance`` -> ``monitors``).
+Only the imports differ from NVRx code (``nvidia_resiliency_ext.fault_tolerance`` -> ``nvrx.monitors``).
 The launch tests run real ranks (gloo on CPU) under ``nvrx launch``; the server test starts a monitor
 with ``RankMonitorServer.run_in_subprocess`` the way NVRx's launcher does and attaches a real rank process.
 """
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from monitors import (FaultToleranceConfig, HeartbeatTimeouts, RankMonitorClient, RankMonitorClientError,
+from nvrx.monitors import (FaultToleranceConfig, HeartbeatTimeouts, RankMonitorClient, RankMonitorClientError,
                       RankMonitorServer, SectionTimeouts, WorkloadAction, WorkloadControlRequest)
-from nvrx_common.errors import NvrxError
+from nvrx.common.errors import NvrxError
 from tests.conftest import run_events, write_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -174,7 +174,7 @@ def test_client_before_init(monkeypatch: pytest.MonkeyPatch) -> None:
 
 SERVER_RANK = r'''
 import json, sys, time
-from monitors import RankMonitorClient
+from nvrx.monitors import RankMonitorClient
 c = RankMonitorClient()
 c.init_workload_monitoring()
 print("CFG", json.dumps({"hb": c.cfg.rank_heartbeat_timeout, "sig": c.cfg.rank_termination_signal.name}), flush=True)
@@ -224,7 +224,7 @@ def test_rank_monitor_server_watches_a_rank_started_with_nvrx_socket_variable(tm
 FT_RANK = r'''
 import json, os, sys, time
 import torch.distributed as dist
-from monitors import RankMonitorClient, RankMonitorClientError
+from nvrx.monitors import RankMonitorClient, RankMonitorClientError
 
 mode, state_path = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")

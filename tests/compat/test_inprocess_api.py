@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import launcher.rank.inprocess as inprocess
+import nvrx.launcher.rank.inprocess as inprocess
 from tests.inprocess.harness import run_job
 
 EXAMPLE = Path(__file__).with_name("inprocess_example.py")

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 # lightning is in the test extras (scripts/setup.sh installs it): a missing one fails here, not skips
-from launcher.rank.ptl_resiliency import FaultToleranceCallback, SimulatedFaultParams
-from launcher.rank.ptl_resiliency.fault_tolerance_callback import TrainingProgress
-from launcher.rank.ptl_resiliency.simulated_fault import choose_fault, parse_simulated_fault_params
-from nvrx_common.errors import ConfigError
+from nvrx.launcher.rank.ptl_resiliency import FaultToleranceCallback, SimulatedFaultParams
+from nvrx.launcher.rank.ptl_resiliency.fault_tolerance_callback import TrainingProgress
+from nvrx.launcher.rank.ptl_resiliency.simulated_fault import choose_fault, parse_simulated_fault_params
+from nvrx.common.errors import ConfigError
 from tests.conftest import REPO, Launcher, run_events, wait_for
 
 TRAIN = Path(__file__).with_name("lightning_train.py")
@@ -162,7 +162,8 @@ def test_import_without_lightning_names_the_extra_to_install():
                     raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         sys.meta_path.insert(0, Block())
         try:
-            import launcher.rank.ptl_resiliency
+            from nvrx import launcher
+            import nvrx.launcher.rank.ptl_resiliency
         except ImportError as exc:
             print("IMPORT_ERROR", exc)
         """)
@@ -203,7 +204,7 @@ def test_every_rank_picks_the_same_victim_from_a_shared_seed():
 INJECT = """
 import importlib.util, logging, sys, threading
 # the module itself, without its package (which imports Lightning: seconds per child on a busy machine)
-spec = importlib.util.spec_from_file_location("simulated_fault", "launcher/rank/ptl_resiliency/simulated_fault.py")
+spec = importlib.util.spec_from_file_location("simulated_fault", "nvrx/launcher/rank/ptl_resiliency/simulated_fault.py")
 module = importlib.util.module_from_spec(spec)
 sys.modules["simulated_fault"] = module  # dataclasses look their module up there
 spec.loader.exec_module(module)

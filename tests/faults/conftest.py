@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import pytest
 
-from nvrx_common.net import port_in_use
+from nvrx.common.net import port_in_use
 from tests.conftest import Launcher, run_events, tagged_processes, wait_for
 
 TRAIN = Path(__file__).with_name("train.py")
@@ -135,7 +135,7 @@ class FaultJob(Launcher):
 
     def run_inspect(self, run_id: str, *args: str) -> subprocess.CompletedProcess:
         """`nvrx inspect` on this job's run directory (plain text unless ARGS say otherwise)."""
-        cmd = [sys.executable, "-m", "nvrx_cli.main", "inspect", str(self.run_dir(run_id)), *args]
+        cmd = [sys.executable, "-m", "nvrx", "inspect", str(self.run_dir(run_id)), *args]
         return subprocess.run(cmd, cwd=self.tmp_path, env=self.env({"COLUMNS": "200"}), capture_output=True,
                               text=True, timeout=60)
 

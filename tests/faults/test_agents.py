@@ -18,7 +18,7 @@ def test_agent_sigkilled(job):
     """
     proc = job.start("--nproc-per-node", "2", *job.train(1000), env={"FAULT_STEP_TIME": "0.1"})
     job.wait_running(rank=1)
-    assert wait_for(lambda: children_named(proc.pid, "monitors.rank_monitor"), 30)
+    assert wait_for(lambda: children_named(proc.pid, "nvrx.monitors.rank_monitor"), 30)
     kill(proc)
     proc.wait()
     job.ledger.assert_no_saved_work_lost()
@@ -31,7 +31,7 @@ def test_agent_sigkilled_during_start_up(job):
     """
     proc = job.start("--nproc-per-node", "2", "--rdzv-id", "early", *job.train(5))
     # the agent is up: it started its fork server (which is still importing torch; no rank exists yet)
-    assert wait_for(lambda: children_named(proc.pid, "launcher.agent.fork_server"), 30)
+    assert wait_for(lambda: children_named(proc.pid, "nvrx.launcher.agent.fork_server"), 30)
     kill(proc)
     proc.wait()
     assert job.ledger.entries() == []

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import ckpt
-from ckpt.async_ckpt.writer_process import default_writer
+from nvrx import ckpt
+from nvrx.ckpt.async_ckpt.writer_process import default_writer
 from tests.ckpt.conftest import remount, tmpfs  # noqa: F401  (tmpfs is a fixture)
 from tests.ckpt.test_crash_safety import Trainer, check_root
 from tests.conftest import pid_gone, tagged_processes, wait_for

@@ -94,7 +94,7 @@ def test_monitor_killed(job):
     """
     proc = job.start("--nproc-per-node", "1", *job.train(40), env={"FAULT_STEP_TIME": "0.05"})
     job.wait_running()
-    (monitor,) = children_named(proc.pid, "monitors.rank_monitor")
+    (monitor,) = children_named(proc.pid, "nvrx.monitors.rank_monitor")
     kill(monitor.pid)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed import TCPStore
 
-from launcher.agent.rdzv_auth import RecordAuth, load_secret
-from launcher.agent.rdzv_records import BadRecord, parse_closed, parse_join, parse_pg
-from launcher.agent.rendezvous import parse_stop
+from nvrx.launcher.agent.rdzv_auth import RecordAuth, load_secret
+from nvrx.launcher.agent.rdzv_records import BadRecord, parse_closed, parse_join, parse_pg
+from nvrx.launcher.agent.rendezvous import parse_stop
 
 from tests.conftest import free_port, listening, one_line_error, wait_for
 from tests.faults.conftest import one_line

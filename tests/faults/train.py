@@ -75,7 +75,7 @@ def main() -> None:
     culprit = rank == world - 1 and (attempt == 0 or fault == "crash_always")
     client = None
     if os.environ.get("NVRX_MONITOR_SOCKET"):
-        from monitors import RankMonitorClient
+        from nvrx.monitors import RankMonitorClient
 
         client = RankMonitorClient()
         if fault == "hang_first" and culprit:
@@ -83,7 +83,7 @@ def main() -> None:
             time.sleep(3600)  # never a first heartbeat
         client.init_workload_monitoring()
     if fault == "graceful":
-        from launcher.rank import job_control
+        from nvrx.launcher.rank import job_control
 
         job_control.install()
     start = resume_point(out)

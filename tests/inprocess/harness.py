@@ -81,7 +81,7 @@ def run_job(tmp_path: Path, world: int, plan: dict[str, Any], timeout: float = 9
 
 def _host_store() -> tuple[Any, int]:
     """A TCPStore server on 127.0.0.1 (a fresh port) in this process: the agent's store; (server, port)."""
-    from nvrx_common.net import start_store_server
+    from nvrx.common.net import start_store_server
 
     return start_store_server("127.0.0.1")
 

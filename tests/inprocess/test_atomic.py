@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from launcher.rank.inprocess.call_wrapper import CallWrapper
-from launcher.rank.inprocess.exceptions import RestartInterrupt
-from launcher.rank.inprocess.interruption import InterruptGate
+from nvrx.launcher.rank.inprocess.call_wrapper import CallWrapper
+from nvrx.launcher.rank.inprocess.exceptions import RestartInterrupt
+from nvrx.launcher.rank.inprocess.interruption import InterruptGate
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import threading
 import psutil
 import pytest
 
-from launcher.rank import inprocess
-from launcher.rank.inprocess.exceptions import HealthCheckError, RestartAbort
+from nvrx.launcher.rank import inprocess
+from nvrx.launcher.rank.inprocess.exceptions import HealthCheckError, RestartAbort
 from tests.conftest import free_port
 from tests.inprocess.harness import run_job
 

@@ -9,12 +9,12 @@ import threading
 import psutil
 import pytest
 
-from launcher.rank import inprocess
-from launcher.rank.inprocess import rank_assignment as ra
-from launcher.rank.inprocess import rank_filter as rf
-from launcher.rank.inprocess.call_wrapper import wants_call_wrapper
-from launcher.rank.inprocess.exceptions import HealthCheckError, RestartInterrupt, RetriesExhausted
-from launcher.rank.inprocess.state import State
+from nvrx.launcher.rank import inprocess
+from nvrx.launcher.rank.inprocess import rank_assignment as ra
+from nvrx.launcher.rank.inprocess import rank_filter as rf
+from nvrx.launcher.rank.inprocess.call_wrapper import wants_call_wrapper
+from nvrx.launcher.rank.inprocess.exceptions import HealthCheckError, RestartInterrupt, RetriesExhausted
+from nvrx.launcher.rank.inprocess.state import State
 
 
 def ctx(rank: int, world: int, gone=(), hosts=None) -> ra.RankAssignmentCtx:
@@ -98,13 +98,13 @@ def test_cuda_health_check_skips_on_a_cpu_only_machine(caplog, monkeypatch):
     monkeypatch.setattr(inprocess.health_check.CudaHealthCheck, "_skip_logged", False)
     check = inprocess.health_check.CudaHealthCheck()
     state = State.initial(1, 2)
-    with caplog.at_level(logging.INFO, logger="launcher.rank.inprocess.health_check"):
-        logging.getLogger("launcher.rank.inprocess").propagate = True
+    with caplog.at_level(logging.INFO, logger="nvrx.launcher.rank.inprocess.health_check"):
+        logging.getLogger("nvrx.launcher.rank.inprocess").propagate = True
         try:
             assert check(state) is state
             assert check(state) is state
         finally:
-            logging.getLogger("launcher.rank.inprocess").propagate = False
+            logging.getLogger("nvrx.launcher.rank.inprocess").propagate = False
     assert caplog.text.count("CudaHealthCheck skipped: no CUDA device") == 1
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.rank.inprocess.progress import SLOT_DIR_PREFIX
+from nvrx.launcher.rank.inprocess.progress import SLOT_DIR_PREFIX
 from tests.inprocess.harness import JobResult, run_job
 
 pytestmark = pytest.mark.slow

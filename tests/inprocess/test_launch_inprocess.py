@@ -11,7 +11,7 @@ from tests.conftest import write_script
 SCRIPT = """
 import datetime, json, os, sys
 import torch, torch.distributed as dist
-from launcher.rank import inprocess
+from nvrx.launcher.rank import inprocess
 it = inprocess.current().iteration
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -68,7 +68,7 @@ def test_bad_inprocess_flags_are_one_line_usage_errors(launcher, tmp_path, args,
 SCRIPT_WITH_OWN_WRAPPER = """
 import datetime, json, os, sys
 import torch, torch.distributed as dist
-from launcher.rank import inprocess
+from nvrx.launcher.rank import inprocess
 MODE = os.environ["TEST_MODE"]
 print(json.dumps({"event": "script", "pid": os.getpid(), "outer_it": inprocess.current().iteration}), flush=True)
 

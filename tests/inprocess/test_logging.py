@@ -9,13 +9,13 @@ import os
 import subprocess
 import sys
 
-from launcher.rank.inprocess.log_setup import LOGGER_NAME, setup_rank_logging
+from nvrx.launcher.rank.inprocess.log_setup import LOGGER_NAME, setup_rank_logging
 from tests.conftest import REPO, free_port
 
 SCRIPT = """
 import json, logging, sys
 logging.basicConfig(filename=sys.argv[1], level=logging.DEBUG, format="ROOT %(name)s %(message)s")
-from launcher.rank import inprocess
+from nvrx.launcher.rank import inprocess
 @inprocess.Wrapper(monitor_process_logfile=sys.argv[2], soft_timeout=5, hard_timeout=10, heartbeat_timeout=5)
 def train(call_wrapper=None):
     logging.getLogger("app").info("app record in iteration %d", call_wrapper.iteration)
@@ -25,7 +25,7 @@ def train(call_wrapper=None):
 
 
 result = train()
-logger = logging.getLogger("launcher.rank.inprocess")
+logger = logging.getLogger("nvrx.launcher.rank.inprocess")
 print(json.dumps({"result": result, "propagate": logger.propagate,
                   "handlers": [type(h).__name__ for h in logger.handlers]}))
 """
@@ -46,7 +46,7 @@ def test_rank_logs_to_its_own_stderr_handler_and_the_monitor_process_only_to_its
 
     root = root_log.read_text()
     assert "app record in iteration 0" in root and "app record in iteration 1" in root
-    assert "launcher.rank.inprocess" not in root and "restarting" not in root, "Wrapper records reached the root logger"
+    assert "nvrx.launcher.rank.inprocess" not in root and "restarting" not in root, "Wrapper records reached the root logger"
 
     assert "fault in iteration 0: RuntimeError: first attempt fails" in res.stderr
     assert "restarting after iteration 0" in res.stderr

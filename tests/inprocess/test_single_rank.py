@@ -9,8 +9,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from launcher.rank import inprocess
-from launcher.rank.inprocess.store import StoreMixin
+from nvrx.launcher.rank import inprocess
+from nvrx.launcher.rank.inprocess.store import StoreMixin
 from tests.conftest import free_port
 
 

@@ -140,7 +140,7 @@ LAUNCHED = """
 import datetime, json, os, signal, sys, threading, time
 from pathlib import Path
 import torch, torch.distributed as dist
-from launcher.rank import inprocess
+from nvrx.launcher.rank import inprocess
 OUT = Path(os.environ["TEST_OUT"])
 it = inprocess.current().iteration
 local = int(os.environ["LOCAL_RANK"])

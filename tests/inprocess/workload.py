@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher.rank import inprocess
-from launcher.rank.inprocess import pg_graveyard
-from launcher.rank.inprocess import rank_assignment as ra
-from launcher.rank.inprocess import rank_filter as rf
+from nvrx.launcher.rank import inprocess
+from nvrx.launcher.rank.inprocess import pg_graveyard
+from nvrx.launcher.rank.inprocess import rank_assignment as ra
+from nvrx.launcher.rank.inprocess import rank_filter as rf
 
 PLAN = json.loads(os.environ["NVRX_TEST_PLAN"])
 OUT = Path(os.environ["NVRX_TEST_OUT"])
@@ -245,7 +245,7 @@ def main() -> int:
     wrapper = inprocess.Wrapper(**PLAN.get("wrapper", {}), **components())
     if PLAN.get("debug"):
         import logging
-        logging.getLogger("launcher.rank.inprocess").setLevel(logging.DEBUG)
+        logging.getLogger("nvrx.launcher.rank.inprocess").setLevel(logging.DEBUG)
     if PLAN.get("no_gc"):  # nothing the Wrapper holds may wait for the garbage collector to be released
         import gc
         gc.disable()

@@ -20,13 +20,13 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from launcher.agent.agent import Agent
-from launcher.agent.config import LaunchConfig, RdzvSettings, WorkerSettings
-from launcher.agent.rdzv_records import StopKind
-from launcher.agent.rendezvous import Rendezvous
-from launcher.agent.store import RendezvousStore, open_rendezvous_store
-from monitors.events import EventLog
-from nvrx_common import exit_codes
+from nvrx.launcher.agent.agent import Agent
+from nvrx.launcher.agent.config import LaunchConfig, RdzvSettings, WorkerSettings
+from nvrx.launcher.agent.rdzv_records import StopKind
+from nvrx.launcher.agent.rendezvous import Rendezvous
+from nvrx.launcher.agent.store import RendezvousStore, open_rendezvous_store
+from nvrx.events import EventLog
+from nvrx.common import exit_codes
 
 RANK = 'eval "what=\\${PLAN_$NVRX_ROUND:-hold}"; if [ "$what" = hold ]; then exec sleep 600; fi; exit "$what"'
 WAIT = 30.0  # bound on every wait; reached only when something is broken
@@ -123,9 +123,9 @@ def job_factory(tmp_path: Path) -> Iterator[Callable[..., Job]]:
 @pytest.fixture
 def transitions(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
     """The agent's round-state transitions so far, as logged ("round 0: running -> failed")."""
-    caplog.set_level(logging.DEBUG, logger="launcher.agent.agent")
+    caplog.set_level(logging.DEBUG, logger="nvrx.launcher.agent.agent")
     return lambda: [r.getMessage() for r in caplog.records
-                    if r.name == "launcher.agent.agent" and " -> " in r.getMessage()]
+                    if r.name == "nvrx.launcher.agent.agent" and " -> " in r.getMessage()]
 
 
 def join_and_beat(peer: Rendezvous) -> Any:

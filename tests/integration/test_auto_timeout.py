@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from monitors.heartbeat import gap_bucket, gap_bucket_upper
-from monitors.inspection.run_report import build_report
-from nvrx_cli.inspect_cmd import render_text
+from nvrx.monitors.heartbeat import gap_bucket, gap_bucket_upper
+from nvrx.inspection.run_report import build_report
+from nvrx.nvrx_cli.inspect_cmd import render_text
 from tests.integration.test_rank_monitor import Harness
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 # A scripted rank: each argv item is one action.
 RANK_SCRIPT = r'''
 import sys, time
-from monitors.client import RankMonitorClient
+from nvrx.monitors.client import RankMonitorClient
 
 c = RankMonitorClient()
 for action in sys.argv[1:]:

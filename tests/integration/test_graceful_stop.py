@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 TRAIN = r'''
 import json, os, sys, time
 import torch, torch.distributed as dist
-from launcher.rank import job_control
+from nvrx.launcher.rank import job_control
 out = sys.argv[1]
 dist.init_process_group("gloo")
 rank = dist.get_rank()

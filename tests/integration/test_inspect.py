@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from monitors.events import AgentStart, EventLog, RdzvJoin, RdzvRound
+from nvrx.events import AgentStart, EventLog, RdzvJoin, RdzvRound
 from tests.conftest import REPO, one_line_error, write_script
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ if rank == 1 and attempt == 0:
 '''
 
 
-INSPECT = [sys.executable, "-m", "nvrx_cli.main", "inspect"]
+INSPECT = [sys.executable, "-m", "nvrx", "inspect"]
 ENV = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 

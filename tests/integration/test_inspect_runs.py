@@ -16,7 +16,7 @@ from tests.conftest import REPO, run_events, write_script
 
 pytestmark = pytest.mark.slow
 
-INSPECT = [sys.executable, "-m", "nvrx_cli.main", "inspect"]
+INSPECT = [sys.executable, "-m", "nvrx", "inspect"]
 ENV = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
@@ -28,7 +28,7 @@ def inspect(*args: str) -> subprocess.CompletedProcess:
 # failed round loses; rank 1 hangs in attempt 0 (a call that blocks the interpreter: no automatic beats).
 HANG_THEN_RECOMPUTE = r'''
 import os, sys, time
-from monitors import RankMonitorClient
+from nvrx.monitors import RankMonitorClient
 attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
 c = RankMonitorClient()
 c.init_workload_monitoring()

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 HANG_SCRIPT = r'''
 import os, sys, time
 import torch.distributed as dist
-from monitors import RankMonitorClient
+from nvrx.monitors import RankMonitorClient
 out = sys.argv[1]
 dist.init_process_group("gloo")
 c = RankMonitorClient()
@@ -66,7 +66,7 @@ def _monitors(pid: int) -> list[tuple[psutil.Process, list[str]]]:
             cmd = p.cmdline()
         except psutil.Error:
             continue
-        if "monitors.rank_monitor" in " ".join(cmd):
+        if "nvrx.monitors.rank_monitor" in " ".join(cmd):
             found.append((p, cmd))
     return found
 
@@ -120,7 +120,7 @@ def test_auto_heartbeat_gives_an_unmodified_script_hang_detection(launcher, tmp_
 
 LATE_INIT_SCRIPT = r'''
 import os, sys, time
-from monitors import RankMonitorClient
+from nvrx.monitors import RankMonitorClient
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 if attempt == 0:
     time.sleep(float(sys.argv[1]))       # a slow start, before any monitoring call
@@ -152,7 +152,7 @@ def test_first_heartbeat_timeout_counts_from_rank_start_once_monitoring_starts(l
 
 REATTACH_SCRIPT = r'''
 import os, sys, time
-from monitors import RankMonitorClient
+from nvrx.monitors import RankMonitorClient
 out = sys.argv[1]
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 c = RankMonitorClient()
@@ -193,7 +193,7 @@ def test_rank_reattaches_to_a_restarted_monitor_and_stays_watched(launcher, tmp_
 
 LEARN_SCRIPT = r'''
 import json, os, sys, time
-from monitors import RankMonitorClient
+from nvrx.monitors import RankMonitorClient
 c = RankMonitorClient()
 c.init_workload_monitoring()
 print("TIMEOUTS_AT_START", json.dumps(c.timeouts), flush=True)
@@ -231,7 +231,7 @@ def test_second_job_starts_with_the_timeouts_the_first_learned(launcher, tmp_pat
 
 def test_monitor_that_keeps_dying_fails_the_job_with_the_reason(launcher, tmp_path):
     """Restarting a broken monitor forever would leave its rank unwatched while the job 'succeeds'."""
-    from launcher.agent.rank_monitors import MAX_RESTARTS
+    from nvrx.launcher.agent.rank_monitors import MAX_RESTARTS
 
     script = write_script(tmp_path / "hang.py", HANG_SCRIPT)
     out = tmp_path / "out"
@@ -282,7 +282,7 @@ def test_monitors_clean_up_when_the_agent_is_killed(launcher, tmp_path):
 
 TOKEN_SCRIPT = r'''
 import os, subprocess, sys
-from monitors import RankMonitorClient
+from nvrx.monitors import RankMonitorClient
 print("TOKEN_IN_ENV", "NVRX_MONITOR_TOKEN" in os.environ, flush=True)
 child = subprocess.run([sys.executable, "-c", "import os; print('NVRX_MONITOR_TOKEN' in os.environ)"],
                        capture_output=True, text=True)

@@ -11,11 +11,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launcher.agent import node_health
-from launcher.agent.node_health import FAILED, OK, SKIPPED, NodeHealthChecks
-from monitors.events import EventLog, HealthCheckInfo, NodeHealth
-from monitors.ft_config import FaultToleranceConfig
-from slurm.nodes import find_bad_node
+from nvrx.launcher.agent import node_health
+from nvrx.launcher.agent.node_health import FAILED, OK, SKIPPED, NodeHealthChecks
+from nvrx.events import EventLog, HealthCheckInfo, NodeHealth
+from nvrx.monitors.ft_config import FaultToleranceConfig
+from nvrx.slurm.nodes import find_bad_node
 from tests.conftest import REPO, free_port, run_events, wait_for, write_script
 
 
@@ -123,7 +123,7 @@ def test_a_node_failing_its_hook_sits_out_and_the_job_goes_on(launcher, tmp_path
     assert sorted(p.name for p in out.iterdir()) == ["rank0.json"]
     health = [e for e in run_events(run_dir, "agent-") if e["ev"] == "node_health"]
     assert sorted(e["ok"] for e in health) == [False, True]
-    report = subprocess.run([sys.executable, "-m", "nvrx_cli.main", "inspect", str(tmp_path / "nvrx_logs" / "health"),
+    report = subprocess.run([sys.executable, "-m", "nvrx", "inspect", str(tmp_path / "nvrx_logs" / "health"),
                              ], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert "failed its health checks" in report.stdout + report.stderr, report.stdout + report.stderr
     assert launcher.leftovers() == []

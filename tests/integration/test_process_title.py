@@ -1,7 +1,7 @@
 """Ranks started by `nvrx launch` show torchrun's command line: `<python> -u train.py ARGS`.
 
 Forked from the template process they would otherwise show the template's command line; spawned,
-`python -m launcher.rank.bootstrap ...`. Each rank reports to the test over a Unix socket, then waits
+`python -m nvrx.launcher.rank.bootstrap ...`. Each rank reports to the test over a Unix socket, then waits
 while the test reads its /proc/PID/cmdline and /proc/PID/comm and matches it the way `pgrep -f` does.
 """
 
@@ -73,7 +73,7 @@ def test_ranks_show_the_command_line_torchrun_would_give_them(launcher, tmp_path
     write_script(tmp_path / ("trainmod.py" if module else "train.py"), RANK)
     entry = ["-m", "trainmod"] if module else ["train.py"]
     # The long argument makes a forked rank's title overflow the template's short argument area; a spawned
-    # rank's always fits (`-m launcher.rank.bootstrap` is longer than `-u`).
+    # rank's always fits (`-m nvrx.launcher.rank.bootstrap` is longer than `-u`).
     args = [name, "--data=/datasets/" + "x" * 200]
     expected = [sys.executable, "-u", *entry, *args]
     server = socket.socket(socket.AF_UNIX)
@@ -98,7 +98,7 @@ def test_ranks_show_the_command_line_torchrun_would_give_them(launcher, tmp_path
             assert Path(f"/proc/{pid}/comm").read_text().strip() == os.path.basename(sys.executable)[:15]
             assert pid in pgrep_hits
             parent = " ".join(psutil.Process(r["ppid"]).cmdline())
-            assert ("launcher.agent.fork_server" in parent) == fork_server, parent
+            assert ("nvrx.launcher.agent.fork_server" in parent) == fork_server, parent
             # what the script itself sees is untouched
             assert r["argv"][1:] == args
             assert r["argv"][0] == (str(tmp_path / "trainmod.py") if module else "train.py")

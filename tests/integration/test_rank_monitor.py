@@ -1,4 +1,4 @@
-"""Rank monitor end to end: a real `python -m monitors.rank_monitor` process and real rank processes."""
+"""Rank monitor end to end: a real `python -m nvrx.monitors.rank_monitor` process and real rank processes."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ import psutil
 from tests.conftest import tagged_processes
 import pytest
 
-ft_config = pytest.importorskip("monitors.ft_config")
+ft_config = pytest.importorskip("nvrx.monitors.ft_config")
 
-from monitors.client import RankMonitorClient  # noqa: E402
-from monitors.events import read_events  # noqa: E402
-from monitors.timeouts import TimeoutTracker, Timeouts  # noqa: E402
-from nvrx_common.files import load_json, save_json_atomic  # noqa: E402
+from nvrx.monitors.client import RankMonitorClient  # noqa: E402
+from nvrx.events import read_events  # noqa: E402
+from nvrx.monitors.timeouts import TimeoutTracker, Timeouts  # noqa: E402
+from nvrx.common.files import load_json, save_json_atomic  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SLACK = 0.25  # allowed detection overshoot (s)
@@ -33,7 +33,7 @@ SLACK = 0.25  # allowed detection overshoot (s)
 # A scripted rank: each argv item is one action; results go to stdout as "RESULT <json>".
 RANK_SCRIPT = r'''
 import json, os, signal, subprocess, sys, time
-from monitors.client import RankMonitorClient
+from nvrx.monitors.client import RankMonitorClient
 
 def out(kind, value=None):
     print("RESULT " + json.dumps({"kind": kind, "value": value}), flush=True)
@@ -127,7 +127,7 @@ class Harness:
     def monitor_cmd(self, *extra: str, **cfg: Any) -> list[str]:
         cfg.setdefault("workload_check_interval", 1.0)
         config = ft_config.FaultToleranceConfig(**cfg).to_dict()
-        return [sys.executable, "-m", "monitors.rank_monitor", "--rank", "0", "--state-dir", str(self.state_dir),
+        return [sys.executable, "-m", "nvrx.monitors.rank_monitor", "--rank", "0", "--state-dir", str(self.state_dir),
                 "--socket", str(self.socket), "--shm", str(self.shm), "--config-json", json.dumps(config),
                 "--events", str(self.events_path), *extra]
 
@@ -291,8 +291,8 @@ def test_computed_timeouts_persist_into_next_monitor(h: Harness) -> None:
 def test_tracker_state_roundtrip(tmp_path: Path) -> None:
     tracker = TimeoutTracker(Timeouts(heartbeat=10.0), safety_factor=2.0, min_timeout=0.1)
     assert not tracker.calculate_and_set()
-    from monitors.sections import SectionStats
-    from monitors.timeouts import HeartbeatStats
+    from nvrx.monitors.sections import SectionStats
+    from nvrx.monitors.timeouts import HeartbeatStats
     sections = SectionStats()
     sections.observe_section("ckpt", 3.0)
     tracker.set_run_observations(HeartbeatStats(1.0, 0.5), sections)

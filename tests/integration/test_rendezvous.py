@@ -16,9 +16,9 @@ from typing import Any, Callable, Iterator
 import psutil
 import pytest
 
-from launcher.agent import rendezvous
-from launcher.agent.config import RdzvSettings
-from launcher.agent.rendezvous import (
+from nvrx.launcher.agent import rendezvous
+from nvrx.launcher.agent.config import RdzvSettings
+from nvrx.launcher.agent.rendezvous import (
     JobFinished,
     NodeInfo,
     Rendezvous,
@@ -29,7 +29,7 @@ from launcher.agent.rendezvous import (
     order_members,
     watched_nodes,
 )
-from launcher.agent.store import (
+from nvrx.launcher.agent.store import (
     EndpointUnreachable,
     PortInUse,
     RendezvousError,
@@ -39,9 +39,9 @@ from launcher.agent.store import (
     master_addr_for_ranks,
     open_rendezvous_store,
 )
-from nvrx_common.net import resolve
-from monitors.events import EventLog
-from nvrx_common.net import start_store_server
+from nvrx.common.net import resolve
+from nvrx.events import EventLog
+from nvrx.common.net import start_store_server
 from tests.conftest import wait_for
 
 WAIT = 10.0  # bound on waits for something that must happen; reached only when it does not

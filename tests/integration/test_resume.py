@@ -18,7 +18,7 @@ from tests.conftest import REPO, Launcher, one_line_error, write_script
 TRAIN = r'''
 import json, os, signal, sys, time
 import torch, torch.distributed as dist
-from launcher.rank.job_control import mark_finished
+from nvrx.launcher.rank.job_control import mark_finished
 
 work, mode = sys.argv[1], sys.argv[2]
 attempt = int(os.environ["NVRX_RESUME_ATTEMPT"])
@@ -331,7 +331,7 @@ def test_bad_flags(resume, args, needle):
 def test_auto_resume_script_bash_loop(resume, tmp_path):
     script = write_script(tmp_path / "light.py", (
         "import os, sys\n"
-        "from launcher.rank.job_control import mark_finished\n"
+        "from nvrx.launcher.rank.job_control import mark_finished\n"
         "count = os.path.join(sys.argv[1], 'count')\n"
         "n = int(open(count).read()) if os.path.exists(count) else 0\n"
         "open(count, 'w').write(str(n + 1))\n"
@@ -339,7 +339,7 @@ def test_auto_resume_script_bash_loop(resume, tmp_path):
     proc = subprocess.run(["bash", str(REPO / "scripts" / "auto_resume.sh"), str(resume.state_dir / "run"),
                            "--nproc-per-node", "1", "--standalone", "-q", str(script), str(resume.work)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=90,
-                          env=resume.env({"NVRX": f"{sys.executable} -m nvrx_cli.main",
+                          env=resume.env({"NVRX": f"{sys.executable} -m nvrx",
                                           "RESUME_ARGS": "--max-failures 2"}))
     assert proc.returncode == 0, proc.stderr
     assert "training is finished" in proc.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 RANK = r'''
 import os, signal
-from launcher.rank import job_control
+from nvrx.launcher.rank import job_control
 job_control.install()                      # at start-up, before any training step
 os.kill(os.getpid(), signal.SIGUSR1)       # e.g. Slurm's time-limit warning during setup
 print("alive", job_control.stop_signal().name, flush=True)

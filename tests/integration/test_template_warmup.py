@@ -38,9 +38,10 @@ if attempt == 0:
         time.sleep(0.02)
     sys.exit(1)
 preloaded = "torch._dynamo" in sys.modules
-ckpt_listed = "ckpt.periodic" in sys.modules
+ckpt_listed = "nvrx.ckpt.periodic" in sys.modules
 try:
-    import ckpt.periodic
+    from nvrx import ckpt
+    import nvrx.ckpt.periodic
     ckpt_reused = type(ckpt.periodic.__spec__.loader).__name__ == "_ReuseLoader"
 except ImportError:  # (the plain interpreter may not find the package)
     ckpt_reused = None
@@ -97,14 +98,14 @@ def test_ckpt_is_imported_once_in_the_template_and_handed_back(observed) -> None
     forked, _ = observed
     for rank in forked:
         assert not rank["ckpt_listed"]  # unlisted before user code (a user package may be called ckpt)
-        assert rank["ckpt_reused"]  # `import ckpt.periodic` got the template's module, not a second compile
+        assert rank["ckpt_reused"]  # `import nvrx.ckpt.periodic` got the template's module, not a second compile
 
 
 def test_a_user_package_of_the_same_name_is_not_replaced(tmp_path: Path, monkeypatch) -> None:
     """The set-aside module comes back only where the import would find the very same file."""
     import types
 
-    from launcher.rank import bootstrap
+    from nvrx.launcher.rank import bootstrap
 
     user_pkg = tmp_path / "ckpt"
     user_pkg.mkdir()

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.agent import fork_server
-from launcher.agent.fork_client import launcher_env
+from nvrx.launcher.agent import fork_server
+from nvrx.launcher.agent.fork_client import launcher_env
 from tests.conftest import pid_gone, wait_for, write_script
 
 RANK = r'''
@@ -68,7 +68,7 @@ class _Template:
 
     def __init__(self, env: dict[str, str]) -> None:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cmd = [sys.executable, "-m", "launcher.agent.fork_server", "--fd", str(theirs.fileno()), "--parent", str(os.getpid())]
+        cmd = [sys.executable, "-m", "nvrx.launcher.agent.fork_server", "--fd", str(theirs.fileno()), "--parent", str(os.getpid())]
         self.proc = subprocess.Popen(cmd, env=launcher_env(env), pass_fds=(theirs.fileno(),), process_group=0)
         theirs.close()
         self.sock.settimeout(120)

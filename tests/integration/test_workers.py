@@ -14,9 +14,9 @@ from typing import Any, Iterator
 import psutil
 import pytest
 
-from launcher.agent.config import Std, WorkerSettings
-from launcher.agent.worker_group import RankExit, RankSpec, WorkerGroup
-from monitors.events import EventLog
+from nvrx.launcher.agent.config import Std, WorkerSettings
+from nvrx.launcher.agent.worker_group import RankExit, RankSpec, WorkerGroup
+from nvrx.events import EventLog
 
 RANK_SCRIPT = textwrap.dedent(
     """
@@ -411,7 +411,7 @@ def test_killing_the_fork_server_reports_exits_then_falls_back(fork_harness: Har
     first = h.start([{"MODE": "sleep"}, {"MODE": "sleep"}])
     h.wait_ready([0, 1])
     assert h.hows(first) == {"fork"}
-    servers = [p for p in psutil.Process().children() if "launcher.agent.fork_server" in " ".join(p.cmdline())]
+    servers = [p for p in psutil.Process().children() if "nvrx.launcher.agent.fork_server" in " ".join(p.cmdline())]
     assert len(servers) == 1
     servers[0].kill()
     exits = h.collect(2, timeout=15)
@@ -439,7 +439,7 @@ def test_entrypoint_that_cannot_start_is_reported(tmp_path: Path) -> None:
 
 
 def test_rank_surviving_sigkill_is_reported_stuck_and_abandoned(script: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import launcher.agent.worker_group as worker_group
+    import nvrx.launcher.agent.worker_group as worker_group
 
     real_killpg = worker_group._killpg
     monkeypatch.setattr(worker_group, "_killpg", lambda pgid, sig: None if sig == signal.SIGKILL else real_killpg(pgid, sig))

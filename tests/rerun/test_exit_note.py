@@ -1,11 +1,11 @@
-"""The re-run exit note (nvrx_common.rerun_exit): written by the rank, read by the agent as untrusted input."""
+"""The re-run exit note (nvrx.common.rerun_exit): written by the rank, read by the agent as untrusted input."""
 
 from __future__ import annotations
 
 import json
 import stat
 
-from nvrx_common.rerun_exit import ENV, read_note, remove_note, write_note
+from nvrx.common.rerun_exit import ENV, read_note, remove_note, write_note
 
 
 def test_note_round_trip_private_and_untrusted_input(tmp_path, caplog):

@@ -38,12 +38,12 @@ class Job(Launcher):
 
     def record(self, code: int, *args: str) -> subprocess.CompletedProcess:
         """`nvrx resume --exit-code CODE` (a bash loop's call after each launch)."""
-        cmd = [sys.executable, "-m", "nvrx_cli.main", "resume", "--state-dir", str(self.state), "--exit-code",
+        cmd = [sys.executable, "-m", "nvrx", "resume", "--state-dir", str(self.state), "--exit-code",
                str(code), *args]
         return subprocess.run(cmd, env=self.env(), cwd=self.tmp_path, capture_output=True, text=True, timeout=60)
 
     def inspect(self, *args: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "nvrx_cli.main", "inspect", str(self.logs), *args]
+        cmd = [sys.executable, "-m", "nvrx", "inspect", str(self.logs), *args]
         return subprocess.run(cmd, env=self.env(), cwd=self.tmp_path, capture_output=True, text=True, timeout=60)
 
     def resume_state(self) -> dict:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from launcher.rank.rerun import (RerunDataIterator, RerunError, RerunState, RerunStateMachine, ResultRejected,
+from nvrx.launcher.rank.rerun import (RerunDataIterator, RerunError, RerunState, RerunStateMachine, ResultRejected,
                                  SpikeDetector, is_nan_or_inf)
 
 
@@ -164,7 +164,7 @@ def test_bad_input_is_one_clear_error():
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="no CUDA on this machine: the CUDA generators' capture/restore (rng.cuda_states) needs a GPU")
 def test_cuda_generators_are_restored_too():
-    from launcher.rank.rerun import rng
+    from nvrx.launcher.rank.rerun import rng
 
     state = rng.capture()
     first = torch.rand(8, device="cuda")

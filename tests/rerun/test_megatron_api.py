@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from launcher.rank.rerun import (COMPARISON_MATCH, RerunDataIterator, RerunDiagnostic, RerunError,
+from nvrx.launcher.rank.rerun import (COMPARISON_MATCH, RerunDataIterator, RerunDiagnostic, RerunError,
                                  RerunErrorInjector, RerunMode, RerunStateMachine, RerunValidationStatus,
                                  destroy_rerun_state_machine, get_rerun_state_machine, initialize_rerun_state_machine,
                                  is_nan_or_inf)

@@ -13,7 +13,7 @@ from tests.conftest import Launcher
 
 
 def record(tmp: Path, state: Path, code: int, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "nvrx_cli.main", "resume", "--state-dir", str(state), "--exit-code", str(code), *args]
+    cmd = [sys.executable, "-m", "nvrx", "resume", "--state-dir", str(state), "--exit-code", str(code), *args]
     return subprocess.run(cmd, env=Launcher(tmp).env(), cwd=tmp, capture_output=True, text=True, timeout=60)
 
 

@@ -6,7 +6,7 @@ whenever it runs on the emulated node nvrx-n1) | deterministic (the same, but th
 rank 1 runs).
 
 Each step draws its batch (a function of rank and step, so a resumed job can start at any step) and a
-dropout mask from the global RNG. The state (model, step, machine) is saved with `ckpt` only when the
+dropout mask from the global RNG. The state (model, step, machine) is saved with `nvrx.ckpt` only when the
 machine asks for it. Writes WORKDIR/weights.json (rank 0: the final weights as float.hex) and
 WORKDIR/loss-<node>-<n>.json (rank 1: the clean loss of step 3 each time it is computed, as float.hex).
 With RERUN_GATE=PATH the ranks wait before step 3 until PATH exists.
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import ckpt
-from launcher.rank.rerun import RerunDataIterator, RerunStateMachine, is_nan_or_inf
+from nvrx import ckpt
+from nvrx.launcher.rank.rerun import RerunDataIterator, RerunStateMachine, is_nan_or_inf
 
 BAD_STEP = 3
 GLITCH_STEP = 1

@@ -1,8 +1,8 @@
-"""An auto-resume chain on the test Slurm: slurm/templates/auto_resume.sbatch running resumable_train.py.
+"""An auto-resume chain on the test Slurm: nvrx/slurm/templates/auto_resume.sbatch running resumable_train.py.
 
 Shared by tests/slurm/test_sbatch.py (which asserts on what happened) and bench/bench_slurm.py (which
 times it). Everything of one chain lives in one directory: the copied template and script, the
-checkpoints (ckpt/), nvrx resume's state (state/), the ranks' journals (journal/rank-R.jsonl) and the
+checkpoints (nvrx/ckpt/), nvrx resume's state (state/), the ranks' journals (journal/rank-R.jsonl) and the
 jobs' output (nvrx-resume-JOB.out, written by the template's --output=%x-%j.out).
 """
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from nvrx.slurm import TEMPLATES_DIR
 from tests.slurm.cluster import REPO, SlurmCluster
 
 TEMPLATE = "auto_resume.sbatch"
@@ -66,7 +67,7 @@ class ResumeChain:
 
     def __post_init__(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        shutil.copy(REPO / "slurm" / "templates" / TEMPLATE, self.dir / TEMPLATE)
+        shutil.copy(TEMPLATES_DIR / TEMPLATE, self.dir / TEMPLATE)
         shutil.copy(SCRIPT, self.dir / SCRIPT.name)
         for sub in ("journal", "state"):
             (self.dir / sub).mkdir(exist_ok=True)

@@ -1,6 +1,6 @@
 """A real Slurm owned by the tests: munged, slurmctld and one slurmd per emulated node.
 
-Everything lives in one temp dir and runs from the project's config in slurm/test_cluster/.
+Everything lives in one temp dir and runs from the project's config in tests/slurm/test_cluster/.
 The emulated nodes share this host's name, network and PID namespace; each has its own
 loopback address (127.0.0.11, .12, ...) named in /etc/hosts, its own slurmd port, and its
 own spool/pid/log files (%n). Only processes started here see SLURM_CONF (via env()).
@@ -29,7 +29,7 @@ import psutil
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-TEMPLATES = REPO / "slurm" / "test_cluster"
+TEMPLATES = Path(__file__).resolve().parent / "test_cluster"
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
 HOSTS_FILE = Path("/etc/hosts")
 HOSTS_TAG = "# nvrx test cluster"
@@ -110,7 +110,7 @@ class SlurmCluster:
 
     @property
     def conf(self) -> Path:
-        return self.base / "etc" / "slurm.conf"
+        return self.base / "etc" / "nvrx.slurm.conf"
 
     @property
     def munge_socket(self) -> Path:
@@ -193,7 +193,7 @@ class SlurmCluster:
                       first_job_id=str(random.randrange(10_000, 2_000_000)),
                       munge_socket=str(self.munge_socket), proctrack=self.proctrack, nodes="\n".join(node_lines),
                       node_names=",".join(self.node_names))
-        text = string.Template((TEMPLATES / "slurm.conf.in").read_text()).substitute(fields)
+        text = string.Template((TEMPLATES / "nvrx.slurm.conf.in").read_text()).substitute(fields)
         self.conf.write_text(text)
         shutil.copy(TEMPLATES / "cgroup.conf", self.conf.parent / "cgroup.conf")
         self.conf.parent.chmod(0o755)  # job steps and clients read the config

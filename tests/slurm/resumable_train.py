@@ -1,6 +1,6 @@
 """A training loop that survives being stopped: copy its structure into your own script.
 
-Run it with slurm/templates/auto_resume.sbatch (the Slurm tests and bench/bench_slurm.py do):
+Run it with nvrx/slurm/templates/auto_resume.sbatch (the Slurm tests and bench/bench_slurm.py do):
 
     NVRX_EXAMPLE_SCRIPT=resumable_train.py NVRX_EXAMPLE_ARGS="--ckpt-dir $PWD/ckpt --steps 500" \\
         NVRX_STATE_DIR=$PWD/resume sbatch auto_resume.sbatch
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher.rank import job_control
+from nvrx.launcher.rank import job_control
 CKPT_NAME = re.compile(r"^step-(\d+)$")
 
 

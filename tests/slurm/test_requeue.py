@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 # Exits 16 in the first job execution, finishes in the next; records where each execution ran.
 TRAIN = r'''
 import json, os, sys
-from launcher.rank.job_control import mark_finished
+from nvrx.launcher.rank.job_control import mark_finished
 run = f"{os.environ['SLURM_JOB_ID']}+{os.environ.get('SLURM_RESTART_COUNT', '0')}"
 with open(os.path.join(os.environ["WORK"], "ran.jsonl"), "a") as fh:
     fh.write(json.dumps({"run": run, "node": os.environ.get("SLURMD_NODENAME")}) + "\n")

@@ -1,4 +1,4 @@
-"""The slurm/ templates, submitted as users submit them, on the test Slurm (2 emulated nodes)."""
+"""The nvrx/slurm/ templates, submitted as users submit them, on the test Slurm (2 emulated nodes)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm.environment import expand_hostlist
+from nvrx.slurm import TEMPLATES_DIR
+from nvrx.slurm.environment import expand_hostlist
 from tests.conftest import tagged_processes
 from tests.slurm.chain import ResumeChain
 from tests.slurm.cluster import REPO
@@ -26,7 +27,7 @@ class Job:
     def __init__(self, cluster, tmp_path: Path, template: str) -> None:
         self.cluster, self.dir = cluster, tmp_path
         self.token = uuid.uuid4().hex
-        shutil.copy(REPO / "slurm" / "templates" / template, tmp_path / template)
+        shutil.copy(TEMPLATES_DIR / template, tmp_path / template)
         shutil.copy(EXAMPLE, tmp_path / "example_train.py")
         self.template = template
         self.reports = tmp_path / "reports"

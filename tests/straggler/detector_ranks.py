@@ -1,4 +1,4 @@
-"""Ranks using the in-rank straggler API (launcher.rank.straggler.Detector) under `nvrx launch`, gloo.
+"""Ranks using the in-rank straggler API (nvrx.launcher.rank.straggler.Detector) under `nvrx launch`, gloo.
 
 Argument: the output directory. Rank 1 takes twice as long in section ``fwd``; every rank writes the
 report(s) it got to <out>/report<rank>.json.
@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from launcher.rank.straggler import Detector, Statistic
+from nvrx.launcher.rank.straggler import Detector, Statistic
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

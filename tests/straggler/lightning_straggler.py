@@ -14,7 +14,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
-from launcher.rank.ptl_resiliency import StragglerDetectionCallback
+from nvrx.launcher.rank.ptl_resiliency import StragglerDetectionCallback
 
 rank = int(os.environ["RANK"])
 logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")

@@ -1,4 +1,4 @@
-"""The in-rank straggler API (launcher.rank.straggler): arguments, and a real 2-rank gloo job under nvrx launch."""
+"""The in-rank straggler API (nvrx.launcher.rank.straggler): arguments, and a real 2-rank gloo job under nvrx launch."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.rank.straggler import Detector, Statistic
+from nvrx.launcher.rank.straggler import Detector, Statistic
 
 RANKS = str(Path(__file__).with_name("detector_ranks.py"))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm.nodes import find_bad_node
+from nvrx.slurm.nodes import find_bad_node
 from tests.conftest import REPO, free_port, one_line_error, run_events, wait_for
 
 TRAIN = str(Path(__file__).with_name("train.py"))
@@ -18,7 +18,7 @@ HOST = socket.gethostname()
 
 
 def _inspect(run_dir: Path) -> str:
-    res = subprocess.run([sys.executable, "-m", "nvrx_cli.main", "inspect", str(run_dir)], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "nvrx", "inspect", str(run_dir)], capture_output=True,
                          text=True, cwd=REPO, timeout=60)
     assert res.returncode == 0, res.stderr
     return res.stdout
@@ -119,7 +119,7 @@ def test_a_bad_straggler_setting_is_one_line_and_exit_2(launcher, flag, value, w
 
 
 NO_AGENT_RANK = r'''
-from monitors import RankMonitorClient, RankMonitorClientError, WorkloadAction, WorkloadControlRequest
+from nvrx.monitors import RankMonitorClient, RankMonitorClientError, WorkloadAction, WorkloadControlRequest
 c = RankMonitorClient()
 c.init_workload_monitoring()
 for req in (WorkloadControlRequest(WorkloadAction.ExcludeThisNode, "bad"), "ExcludeThisNode"):
@@ -136,7 +136,7 @@ def test_a_request_no_agent_can_take_raises_in_the_rank(tmp_path):
     """A monitor started by RankMonitorServer (NVRx's way, no nvrx agent): the rank learns it was not passed on."""
     import os
 
-    from monitors import FaultToleranceConfig, RankMonitorServer
+    from nvrx.monitors import FaultToleranceConfig, RankMonitorServer
 
     sock = tmp_path / "rank0.socket"
     server = RankMonitorServer.run_in_subprocess(FaultToleranceConfig(), str(sock))

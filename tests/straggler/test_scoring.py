@@ -1,11 +1,11 @@
-"""Straggler scoring and sampling (monitors.straggler): the statistics, without processes."""
+"""Straggler scoring and sampling (nvrx.monitors.straggler): the statistics, without processes."""
 
 from __future__ import annotations
 
 import random
 import statistics
 
-from monitors.straggler import (HEARTBEAT, MetricSummary, StragglerScorer, TimingSampler, summary_from_json,
+from nvrx.monitors.straggler import (HEARTBEAT, MetricSummary, StragglerScorer, TimingSampler, summary_from_json,
                                 summary_to_json)
 
 
@@ -101,7 +101,7 @@ def test_summaries_cross_boundaries_as_json_and_garbage_is_dropped():
 
 
 def test_the_median_of_the_other_ranks_is_exact():
-    from monitors.straggler import median_without
+    from nvrx.monitors.straggler import median_without
 
     rng = random.Random(3)
     for n in range(1, 12):

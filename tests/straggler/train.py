@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from monitors import RankMonitorClient, WorkloadAction, WorkloadControlRequest
+from nvrx.monitors import RankMonitorClient, WorkloadAction, WorkloadControlRequest
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -1,9 +1,9 @@
-"""monitors.auto_timeout: settle, warm-up, the bound, widening only, and enforcement by mode."""
+"""nvrx.monitors.auto_timeout: settle, warm-up, the bound, widening only, and enforcement by mode."""
 
 from __future__ import annotations
 
-from monitors.auto_timeout import AutoTimeout, AutoTimeoutSettings, percentile
-from monitors.heartbeat import GAP_BUCKETS, gap_bucket, gap_bucket_upper
+from nvrx.monitors.auto_timeout import AutoTimeout, AutoTimeoutSettings, percentile
+from nvrx.monitors.heartbeat import GAP_BUCKETS, gap_bucket, gap_bucket_upper
 
 SETTINGS = AutoTimeoutSettings(mode="set", multiple=4.0, floor=0.1, percentile=100.0, warmup_beats=10, warmup_s=5.0,
                                settle_s=2.0)

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from launcher.agent.config import (ConfigError, Std, build_launch_config, parse_endpoint, parse_nnodes, parse_nproc,
+from nvrx.launcher.agent.config import (ConfigError, Std, build_launch_config, parse_endpoint, parse_nnodes, parse_nproc,
                              parse_rdzv_conf, parse_signals, parse_std_map)
 
 

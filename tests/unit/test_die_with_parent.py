@@ -1,4 +1,4 @@
-"""``nvrx_common.process.die_with_parent``: a child ends when its parent does, whichever came first.
+"""``nvrx.common.process.die_with_parent``: a child ends when its parent does, whichever came first.
 
 Each case runs a small harness process that is a child subreaper (PR_SET_CHILD_SUBREAPER): it forks
 a "parent", which starts the "child" under test; the harness SIGKILLs the parent once the child says
@@ -23,7 +23,7 @@ SIG = signal.SIGUSR1  # not the parent's SIGKILL: the child must get the signal 
 
 HARNESS = r'''
 import ctypes, functools, json, os, signal, subprocess, sys
-from nvrx_common.process import die_with_parent
+from nvrx.common.process import die_with_parent
 
 SIG = signal.SIGUSR1
 PR_SET_CHILD_SUBREAPER = 36

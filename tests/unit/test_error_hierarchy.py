@@ -1,4 +1,4 @@
-"""Every exception class nvrx defines derives from ``nvrx_common.errors.NvrxError``.
+"""Every exception class nvrx defines derives from ``nvrx.common.errors.NvrxError``.
 
 One root lets a caller tell "nvrx refused or failed on purpose" from a bug or an OS error. The walk
 imports every module of our packages and collects each exception class defined there, so a new
@@ -14,28 +14,23 @@ import importlib
 import inspect
 from pathlib import Path
 
-from nvrx_common.errors import NvrxError
+from nvrx.common.errors import NvrxError
 
-REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("nvrx_common", "monitors", "slurm", "ckpt", "launcher", "nvrx_cli")
+from tests.conftest import package_modules
 
 NOT_NVRX_ERRORS = {
     # raised inside the user's wrapped function to stop it: must pass through the user's `except Exception`
-    "launcher.rank.inprocess.exceptions.RestartInterrupt",
+    "nvrx.launcher.rank.inprocess.exceptions.RestartInterrupt",
     # RetryController's "stop restarting": the restart loop retries on Exception, this must end the Wrapper
-    "launcher.rank.inprocess.exceptions.RetriesExhausted",
+    "nvrx.launcher.rank.inprocess.exceptions.RetriesExhausted",
     # the entry point cannot run at all: an in-process Wrapper around the script must end on it, not retry
-    "launcher.rank.bootstrap._NotRunnable",
+    "nvrx.launcher.rank.bootstrap._NotRunnable",
 }
 
 
 def module_names() -> list[str]:
-    names = []
-    for pkg in PACKAGES:
-        for path in sorted((REPO / pkg).rglob("*.py")):
-            parts = path.relative_to(REPO).with_suffix("").parts
-            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return names
+    # nvrx.__main__ runs the CLI when imported: it is the program, not a module
+    return [name for name, _ in package_modules() if name != "nvrx.__main__"]
 
 
 def _classes_in(owner: object, module: str) -> list[type]:
@@ -73,21 +68,21 @@ def test_the_allow_list_is_current():
 
 def test_the_walk_finds_the_classes_of_every_package():
     found = exception_classes()
-    for name in ("ckpt.errors.CheckpointCleanupError", "launcher.agent.rdzv_errors.PortInUse",
-                 "launcher.rank.inprocess.exceptions.ConfigurationError", "monitors.control.MonitorProtocolError",
-                 "slurm.submit.SubmitError", "nvrx_cli.resume_cmd.ResumeFailure", "nvrx_common.errors.ConfigError"):
+    for name in ("nvrx.ckpt.errors.CheckpointCleanupError", "nvrx.launcher.agent.rdzv_errors.PortInUse",
+                 "nvrx.launcher.rank.inprocess.exceptions.ConfigurationError", "nvrx.monitors.control.MonitorProtocolError",
+                 "nvrx.slurm.submit.SubmitError", "nvrx.nvrx_cli.resume_cmd.ResumeFailure", "nvrx.common.errors.ConfigError"):
         assert name in found
     assert len(found) >= 30
 
 
 def test_existing_except_clauses_still_catch_them():
     """The root was added beside the old bases, never instead of them."""
-    from ckpt.errors import CheckpointError
-    from launcher.agent.rdzv_errors import RendezvousError
-    from launcher.rank.inprocess.exceptions import ConfigurationError, RestartInterrupt
-    from launcher.resume.state import CorruptState
-    from monitors.heartbeat import SlotError
-    from slurm.environment import SlurmEnvError
+    from nvrx.ckpt.errors import CheckpointError
+    from nvrx.launcher.agent.rdzv_errors import RendezvousError
+    from nvrx.launcher.rank.inprocess.exceptions import ConfigurationError, RestartInterrupt
+    from nvrx.launcher.resume.state import CorruptState
+    from nvrx.monitors.heartbeat import SlotError
+    from nvrx.slurm.environment import SlurmEnvError
 
     assert issubclass(CheckpointError, RuntimeError) and issubclass(RendezvousError, RuntimeError)
     assert issubclass(SlotError, RuntimeError)
@@ -101,10 +96,7 @@ def test_no_exception_class_hides_inside_a_function():
                        if inspect.isclass(obj) and issubclass(obj, BaseException)}
     exception_names |= {name.rsplit(".", 1)[-1] for name in exception_classes()}
     hidden = []
-    for name in module_names():
-        path = REPO / (name.replace(".", "/") + ".py")
-        if not path.exists():
-            path = REPO / name.replace(".", "/") / "__init__.py"
+    for name, path in package_modules():
         for fn in ast.walk(ast.parse(path.read_text())):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue

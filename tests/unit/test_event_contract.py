@@ -1,4 +1,4 @@
-"""The contract between event writers and `nvrx inspect`: every event is a record of monitors.events.
+"""The contract between event writers and `nvrx inspect`: every event is a record of nvrx.events.
 
 * every ``.emit(`` call in our packages passes a record (checked on the source, by AST);
 * every record has a reader in `nvrx inspect` (timeline dispatch) or is listed in its NOT_SHOWN set;
@@ -24,20 +24,20 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from monitors import events
-from monitors.events import (
+from nvrx import events
+from nvrx.events import (
     EVENT_FIELDS, NESTED, RECORDS, AgentStart, EventLog, Event, FtConfig, FtConfigInfo, HangDetected, HangInfo,
     HeartbeatStats, JobEnd, JobFailure, MonitorConnect, MonitorDisconnect, MonitorSpawned, MonitorStart, RankStart, RdzvJoin, RdzvRound, RdzvStop, Record, ResumeEnd, ResumeLimits, ResumeStart, SectionClose, StopDetail,
     TimeoutsInfo, field_problem, read_events, spec_of,
 )
-from monitors.inspection.run_report import build_report
-from monitors.inspection.timeline import AGENT_HANDLERS, MONITOR_HANDLERS, NOT_SHOWN, RERUN_LEVEL, RESUME_LEVEL
-from nvrx_cli.inspect_cmd import render_text
-from nvrx_cli.inspect_text import RERUN_TEXT, RESUME_TEXT, report_dict
-from nvrx_cli.status import StatusPrinter
+from nvrx.inspection.run_report import build_report
+from nvrx.inspection.timeline import AGENT_HANDLERS, MONITOR_HANDLERS, NOT_SHOWN, RERUN_LEVEL, RESUME_LEVEL
+from nvrx.nvrx_cli.inspect_cmd import render_text
+from nvrx.nvrx_cli.inspect_text import RERUN_TEXT, RESUME_TEXT, report_dict
+from nvrx.nvrx_cli.status import StatusPrinter
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("nvrx_common", "monitors", "slurm", "ckpt", "launcher", "nvrx_cli", "bench")
+from tests.conftest import package_modules
 
 # ================================================================ 1. writers emit records
 
@@ -46,7 +46,7 @@ def _record_names(tree: ast.Module) -> set[str]:
     """Names under which the module can call a record class: imported (maybe renamed) or via the module."""
     names = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "monitors.events":
+        if isinstance(node, ast.ImportFrom) and node.module == "nvrx.events":
             names |= {a.asname or a.name for a in node.names if a.name in {c.__name__ for c in RECORDS.values()}}
     return names
 
@@ -91,14 +91,14 @@ def emit_problems(source: str) -> list[int]:
 
 
 def test_every_emit_in_our_packages_passes_a_record():
-    files = [p for pkg in PACKAGES for p in sorted((REPO / pkg).rglob("*.py"))]
+    files = [p for _, p in package_modules()] + sorted((REPO / "bench").glob("*.py"))
     assert len(files) > 50
-    problems = [f"{p.relative_to(REPO)}:{line}" for p in files for line in emit_problems(p.read_text())]
+    problems = [f"{p}:{line}" for p in files for line in emit_problems(p.read_text())]
     assert problems == []
 
 
 def test_the_emit_check_catches_strings_dicts_and_unknown_calls():
-    source = ("from monitors.events import RdzvJoin as J\n"
+    source = ("from nvrx.events import RdzvJoin as J\n"
               "def f(log, d):\n"
               "    log.emit(J(round=0, node_id='n'), t=1.0)\n"    # fine
               "    log.emit('rdzv_join', round=0)\n"             # a string name
@@ -175,9 +175,9 @@ def test_a_wrongly_typed_field_of_any_record_is_caught(name):
 
 
 def test_nested_structures_match_what_the_writers_hand_over():
-    from launcher.resume.driver import Limits
-    from monitors.ft_config import FaultToleranceConfig
-    from monitors.timeouts import Timeouts
+    from nvrx.launcher.resume.driver import Limits
+    from nvrx.monitors.ft_config import FaultToleranceConfig
+    from nvrx.monitors.timeouts import Timeouts
 
     names = lambda cls: {f.name for f in dataclasses.fields(cls)}  # noqa: E731
     assert names(FtConfigInfo) == set(FaultToleranceConfig().to_dict())
@@ -564,5 +564,5 @@ def test_events_module_stays_a_leaf_of_the_schema():
     """The records module imports nothing of ours: every layer may use it."""
     tree = ast.parse(Path(events.__file__).read_text())
     ours = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
-            and n.module.split(".")[0] in {p for p in PACKAGES}]
+            and n.module.split(".")[0] == "nvrx"]
     assert ours == []

@@ -1,4 +1,4 @@
-"""The template's warm-up is cut into steps (launcher/agent/fork_server.py WARM_UP_STEPS) by importing, before
+"""The template's warm-up is cut into steps (nvrx/launcher/agent/fork_server.py WARM_UP_STEPS) by importing, before
 torch._dynamo, modules its import would load anyway. This holds only if those imports load exactly what building an
 optimizer loads, and if none of them fails on the installed torch (a failing step ends the warm-up early)."""
 
@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 PROBE = r'''
 import json, sys
 import torch, torch.distributed
-from launcher.agent import fork_server as fs
+from nvrx.launcher.agent import fork_server as fs
 if sys.argv[1] == "steps":
     warm = fs.WarmUp(fs.WARM_UP_STEPS)
     warm.run_all()
@@ -43,27 +43,9 @@ def test_the_steps_load_what_one_optimizer_loads_and_none_fails() -> None:
     assert "torch._dynamo" in steps["modules"]
 
 
-def test_the_forget_plan_covers_our_modules_listed_after_it(monkeypatch) -> None:
-    """A forked rank checks the names the template noted plus those listed since: never fewer than ours."""
-    import types
-
-    from launcher.rank import bootstrap
-
-    monkeypatch.setattr(bootstrap, "_FORGET_PLAN", None)
-    bootstrap.plan_forgetting()
-    count, names = bootstrap._FORGET_PLAN
-    assert count == len(sys.modules) and "launcher.rank.bootstrap" in names
-    assert all(name.split(".")[0] in bootstrap._OWN_PACKAGES for name in names)
-    monkeypatch.setitem(sys.modules, "monitors.listed_after_the_plan", types.ModuleType("monitors.listed_after_the_plan"))
-    ours = {name for name in sys.modules if name.split(".")[0] in bootstrap._OWN_PACKAGES}
-    checked = bootstrap._names_to_check()
-    assert "monitors.listed_after_the_plan" in checked and ours <= set(checked)
-    assert len(checked) < len(sys.modules)  # not every name
-
-
 PRECOMPILED = r'''
 import sys
-from launcher.rank import bootstrap
+from nvrx.launcher.rank import bootstrap
 script = sys.argv[1]
 bootstrap.precompile(script, False)
 expected = bootstrap._COMPILED[bootstrap.os.path.abspath(script)][1]
@@ -94,7 +76,7 @@ def test_a_script_edited_since_is_compiled_again(tmp_path) -> None:
 
 def test_a_script_that_warns_when_compiled_is_left_to_the_rank(tmp_path) -> None:
     """Its compile-time warnings must show in the rank, as `python script.py` shows them, not in the template."""
-    from launcher.rank import bootstrap
+    from nvrx.launcher.rank import bootstrap
 
     script = tmp_path / "warns.py"
     script.write_text("x = 'a \\d'\nassert (x, 'never empty')\n")  # an invalid escape and an always-true assert
@@ -108,7 +90,7 @@ def test_a_script_that_warns_when_compiled_is_left_to_the_rank(tmp_path) -> None
 
 def test_a_circular_import_ends_the_warm_up(tmp_path, monkeypatch) -> None:
     """Not skipped like a missing module: later steps would build on a half-imported package."""
-    from launcher.agent import fork_server
+    from nvrx.launcher.agent import fork_server
 
     (tmp_path / "nvrx_circ_a.py").write_text("from nvrx_circ_b import B\nA = 1\n")
     (tmp_path / "nvrx_circ_b.py").write_text("from nvrx_circ_a import A\nB = 1\n")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from nvrx_common.errors import ConfigError
-from nvrx_cli.ft_args import extract_ft_args
-from monitors.ft_config import (SCHEMA, FaultToleranceConfig, config_table_markdown, describe,
+from nvrx.common.errors import ConfigError
+from nvrx.nvrx_cli.ft_args import extract_ft_args
+from nvrx.monitors.ft_config import (SCHEMA, FaultToleranceConfig, config_table_markdown, describe,
                                 ft_cli_flag_names, load_ft_config)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,7 +127,7 @@ def test_empty_env_variable_counts_as_unset():
 
 
 def test_misspelled_env_variable_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="monitors.ft_config"):
+    with caplog.at_level(logging.WARNING, logger="nvrx.monitors.ft_config"):
         load_ft_config(None, {"NVRX_FT_SAFETY_FACTR": "2"}, {})
     assert "NVRX_FT_SAFETY_FACTOR" in caplog.text
 
@@ -379,7 +379,7 @@ def test_gen_config_table_script():
 def test_readme_table_is_generated_from_the_schema():
     from pathlib import Path
 
-    from monitors.ft_config import config_table_markdown
+    from nvrx.monitors.ft_config import config_table_markdown
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = readme.split("<!-- ft-config-table:start -->")[1].split("<!-- ft-config-table:end -->")[0]
@@ -412,9 +412,9 @@ def test_range_edges_are_accepted():
 
 
 def test_section_names_use_the_monitors_rule():
-    from monitors.sections import validate_section_name
+    from nvrx.monitors.sections import validate_section_name
 
-    ok = ["step", "a" * 64, "ckpt.save", "io/read", "1st"]
+    ok = ["step", "a" * 64, "nvrx.ckpt.save", "io/read", "1st"]
     for name in ok:
         validate_section_name(name)
         assert name in load_ft_config(None, {}, {"rank_section_timeouts": json.dumps({name: 5})}).rank_section_timeouts
@@ -426,7 +426,7 @@ def test_section_names_use_the_monitors_rule():
 
 
 def test_section_count_is_bounded_by_the_slot():
-    from monitors.heartbeat import MAX_SECTIONS
+    from nvrx.monitors.heartbeat import MAX_SECTIONS
 
     full = {f"s{i}": 1 for i in range(MAX_SECTIONS)}
     assert len(FaultToleranceConfig(rank_section_timeouts=full).rank_section_timeouts) == MAX_SECTIONS
@@ -438,8 +438,8 @@ def test_section_count_is_bounded_by_the_slot():
 
 
 def test_learned_timeouts_stay_within_the_configurable_range():
-    from monitors.sections import SectionStats
-    from monitors.timeouts import MAX_TIMEOUT_SECONDS, HeartbeatStats, TimeoutTracker, Timeouts
+    from nvrx.monitors.sections import SectionStats
+    from nvrx.monitors.timeouts import MAX_TIMEOUT_SECONDS, HeartbeatStats, TimeoutTracker, Timeouts
 
     tracker = TimeoutTracker(Timeouts(), safety_factor=1000.0)
     tracker.set_run_observations(HeartbeatStats(1e7, 1e7), SectionStats())
@@ -459,7 +459,7 @@ def test_nvrx_only_settings_have_flags_env_and_yaml_like_the_others(tmp_path):
 
 
 def test_the_monitor_start_line_names_what_nvrx_does_not_do(monkeypatch):
-    from monitors import ft_config
+    from nvrx.monitors import ft_config
 
     monkeypatch.setattr(ft_config, "gpu_visible", lambda: False)
     line = ft_config.inactive_settings_line(FaultToleranceConfig())

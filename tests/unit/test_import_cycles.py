@@ -12,16 +12,16 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("nvrx_common", "monitors", "slurm", "ckpt", "launcher", "nvrx_cli")
+import nvrx
+
+REPO = Path(nvrx.__file__).resolve().parents[1]  # the directory holding the installed `nvrx` package
 
 
 def modules(root: Path) -> dict[str, Path]:
     out = {}
-    for pkg in PACKAGES:
-        for path in sorted((root / pkg).rglob("*.py")):
-            parts = path.relative_to(root).with_suffix("").parts
-            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in sorted((root / "nvrx").rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
 
@@ -95,21 +95,22 @@ def test_no_import_circles():
 
 def test_a_circle_through_type_checking_is_found(tmp_path):
     # the check itself can fail: the old session <-> wrapper circle (one side only under TYPE_CHECKING)
-    pkg = tmp_path / "launcher" / "rank"
+    pkg = tmp_path / "nvrx" / "launcher" / "rank"
     pkg.mkdir(parents=True)
-    (tmp_path / "launcher" / "__init__.py").write_text("")
+    (tmp_path / "nvrx" / "__init__.py").write_text("")
+    (tmp_path / "nvrx" / "launcher" / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
-    (pkg / "wrapper.py").write_text("from launcher.rank.session import Session\n")
+    (pkg / "wrapper.py").write_text("from nvrx.launcher.rank.session import Session\n")
     (pkg / "session.py").write_text("from typing import TYPE_CHECKING\n"
-                                    "if TYPE_CHECKING:\n    from launcher.rank.wrapper import Wrapper\n")
-    (pkg / "other.py").write_text("from launcher.rank import session\n")
-    assert circles(import_graph(tmp_path)) == [["launcher.rank.session", "launcher.rank.wrapper"]]
+                                    "if TYPE_CHECKING:\n    from nvrx.launcher.rank.wrapper import Wrapper\n")
+    (pkg / "other.py").write_text("from nvrx.launcher.rank import session\n")
+    assert circles(import_graph(tmp_path)) == [["nvrx.launcher.rank.session", "nvrx.launcher.rank.wrapper"]]
 
 
 def test_a_submodule_importing_a_sibling_through_its_package_is_no_circle(tmp_path):
-    pkg = tmp_path / "monitors"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("from monitors.a import A\n")
-    (pkg / "a.py").write_text("from monitors import b\nA = 1\n")
+    pkg = tmp_path / "nvrx" / "monitors"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from nvrx.monitors.a import A\n")
+    (pkg / "a.py").write_text("from nvrx.monitors import b\nA = 1\n")
     (pkg / "b.py").write_text("")
     assert circles(import_graph(tmp_path)) == []

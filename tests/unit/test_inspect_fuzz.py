@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from monitors.inspection.event_files import NotARun
-from monitors.events import (AgentSignal, EventLog, ResumeAttemptEnd, ResumeDecision, ResumeSubmit, StopDetail,
+from nvrx.inspection.event_files import NotARun
+from nvrx.events import (AgentSignal, EventLog, ResumeAttemptEnd, ResumeDecision, ResumeSubmit, StopDetail,
                              TimeoutsSet, field_problem)
-from monitors.inspection.run_report import build_report
-from monitors.inspection.timeline import Filters
-from nvrx_cli.inspect_cmd import render_text
-from nvrx_cli.main import cli
+from nvrx.inspection.run_report import build_report
+from nvrx.inspection.timeline import Filters
+from nvrx.nvrx_cli.inspect_cmd import render_text
+from nvrx.nvrx_cli.main import cli
 from tests.unit.test_timeline import TIMEOUTS, T, Node, _crash_run, _hang_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,7 +124,7 @@ def test_the_real_entry_point_exits_cleanly_on_mutated_logs(valid, tmp_path):
     for trial in range(3):
         d = tmp_path / f"t{trial}"
         _write_mutated(src, root, d, rng, rate=0.5)
-        res = subprocess.run([sys.executable, "-m", "nvrx_cli.main", "inspect", str(d)], capture_output=True,
+        res = subprocess.run([sys.executable, "-m", "nvrx", "inspect", str(d)], capture_output=True,
                              text=True, env=env, timeout=60)
         assert res.returncode == 0, res.stderr
         assert "Traceback" not in res.stderr + res.stdout and "Corrupt lines" in res.stdout

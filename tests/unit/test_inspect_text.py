@@ -1,4 +1,4 @@
-"""nvrx_cli.inspect_text: the sentences of structured timeline entries and the wording of durations.
+"""nvrx.nvrx_cli.inspect_text: the sentences of structured timeline entries and the wording of durations.
 
 Each resume record becomes its sentence; a missing (or null) field reads as '?'; a value of an unexpected type
 never raises. Through the real backend too: the backend keeps data (form, fields, level), the renderers word it.
@@ -11,14 +11,14 @@ import json
 
 import pytest
 
-from monitors.events import (
+from nvrx.events import (
     EventLog, ResumeAttemptEnd, ResumeAttemptStart, ResumeDecision, ResumeEnd, ResumeLimits, ResumeReset,
     ResumeSignal, ResumeStart, ResumeStateRecovered, ResumeSubmit,
 )
-from monitors.inspection.run_report import build_report
-from monitors.inspection.timeline import RESUME_LEVEL, Entry
-from nvrx_cli.inspect_cmd import render_text
-from nvrx_cli.inspect_text import FORMS, RESUME_TEXT, duration, entry_dict, entry_text, report_dict, seconds
+from nvrx.inspection.run_report import build_report
+from nvrx.inspection.timeline import RESUME_LEVEL, Entry
+from nvrx.nvrx_cli.inspect_cmd import render_text
+from nvrx.nvrx_cli.inspect_text import FORMS, RESUME_TEXT, duration, entry_dict, entry_text, report_dict, seconds
 
 T = 1_700_000_000.0
 

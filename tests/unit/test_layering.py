@@ -1,7 +1,8 @@
 """The tree's layering: imports run one way only (docs/architecture.md, "Packages").
 
 Every import in our packages (module level or inside a function) is checked against the allowed
-dependencies of its layer, so an upward import fails here rather than as a cycle at run time.
+dependencies of its layer, so an upward import fails here rather than as a cycle at run time. The walk
+reads the installed ``nvrx`` package (the wheel in CI).
 """
 
 from __future__ import annotations
@@ -9,29 +10,36 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("nvrx_common", "monitors", "slurm", "ckpt", "launcher", "nvrx_cli")
+import nvrx
 
-# layer -> the layers it may import (besides itself). launcher is split by role.
+ROOT = Path(nvrx.__file__).resolve().parents[1]  # the directory holding the `nvrx` package
+
+# layer -> the layers it may import (besides itself). launcher is split by role; "nvrx" is the root package.
 ALLOWED: dict[str, set[str]] = {
-    "nvrx_common": set(),
-    "monitors": {"nvrx_common"},
-    "slurm": {"nvrx_common", "monitors"},
-    "ckpt": {"nvrx_common"},
-    "launcher.rank": {"nvrx_common", "monitors", "ckpt"},
-    "launcher.resume": {"nvrx_common", "monitors", "slurm"},
-    "launcher.agent": {"nvrx_common", "monitors", "slurm", "launcher.rank"},  # it starts ranks and monitors
-    "nvrx_cli": {"nvrx_common", "monitors", "slurm", "ckpt", "launcher.agent", "launcher.rank", "launcher.resume"},
+    "nvrx": set(),  # nvrx/__init__.py: the public names, imported lazily by name (no static import)
+    "common": set(),
+    "events": {"common"},
+    "monitors": {"common", "events"},
+    "inspection": {"common", "events", "monitors"},
+    "slurm": {"common", "events", "monitors"},
+    "ckpt": {"common"},
+    "launcher.rank": {"common", "events", "monitors", "ckpt"},
+    "launcher.resume": {"common", "events", "monitors", "slurm"},
+    "launcher.agent": {"common", "events", "monitors", "slurm", "launcher.rank"},  # it starts ranks and monitors
+    "nvrx_cli": {"common", "events", "monitors", "inspection", "slurm", "ckpt", "launcher.agent", "launcher.rank",
+                 "launcher.resume"},
 }
 
 
 def layer(module: str) -> str | None:
     parts = module.split(".")
-    if parts[0] not in PACKAGES:
+    if parts[0] != "nvrx":
         return None
-    if parts[0] == "launcher":
-        return ".".join(parts[:2]) if len(parts) > 1 else "launcher"
-    return parts[0]
+    if len(parts) == 1 or not (ROOT / "nvrx" / parts[1]).is_dir():
+        return "nvrx"
+    if parts[1] == "launcher":
+        return ".".join(parts[1:3]) if len(parts) > 2 else "launcher"
+    return parts[1]
 
 
 def imports_of(path: Path) -> list[tuple[int, str]]:
@@ -41,24 +49,23 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append((node.lineno, node.module))
-            # `from launcher import agent` imports the subpackage launcher.agent
+            # `from nvrx.launcher import agent` imports the subpackage nvrx.launcher.agent
             out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names
-                    if (REPO / node.module.replace(".", "/") / a.name).is_dir()]
+                    if (ROOT / node.module.replace(".", "/") / a.name).is_dir()]
     return out
 
 
 def violations() -> list[str]:
     bad = []
-    for pkg in PACKAGES:
-        for path in sorted((REPO / pkg).rglob("*.py")):
-            module = ".".join(path.relative_to(REPO).with_suffix("").parts)
-            src = layer(module)
-            for lineno, target in imports_of(path):
-                dst = layer(target)
-                if dst is None or dst == src or (dst == "launcher" and target == "launcher"):
-                    continue
-                if dst not in ALLOWED.get(src, set()):
-                    bad.append(f"{path.relative_to(REPO)}:{lineno}: {src} imports {target} ({dst})")
+    for path in sorted((ROOT / "nvrx").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        src = layer(module)
+        for lineno, target in imports_of(path):
+            dst = layer(target)
+            if dst is None or dst == src or target in ("nvrx", "nvrx.launcher"):
+                continue
+            if dst not in ALLOWED.get(src, set()):
+                bad.append(f"{path.relative_to(ROOT)}:{lineno}: {src} imports {target} ({dst})")
     return bad
 
 
@@ -79,21 +86,23 @@ def test_no_import_runs_upward():
     assert violations() == []
 
 
+def test_every_package_has_a_layer():
+    packages = {p.name for p in (ROOT / "nvrx").iterdir() if (p / "__init__.py").exists()}
+    known = {name.split(".")[0] for name in ALLOWED}
+    assert packages - {"launcher"} <= known, f"give {sorted(packages - known)} a row in ALLOWED"
+
+
 def test_every_module_belongs_to_a_layer():
-    stray = [str(p.relative_to(REPO)) for p in (REPO / "launcher").glob("*.py") if p.name != "__init__.py"]
-    assert stray == [], "launcher/ holds only its role subpackages (agent, rank, resume)"
+    stray = [p.name for p in (ROOT / "nvrx" / "launcher").glob("*.py") if p.name != "__init__.py"]
+    assert stray == [], "nvrx/launcher/ holds only its role subpackages (agent, rank, resume)"
 
 
 def test_checker_catches_an_upward_import(tmp_path, monkeypatch):
     # the check itself can fail: a monitors module importing the agent is reported
-    fake = tmp_path / "monitors"
-    fake.mkdir()
-    (fake / "bad.py").write_text("from launcher.agent.config import LaunchConfig\n")
-    for name in PACKAGES:
-        if name != "monitors":
-            (tmp_path / name).mkdir()
-    (tmp_path / "launcher" / "agent").mkdir()
+    for sub in ("monitors", "launcher/agent"):
+        (tmp_path / "nvrx" / sub).mkdir(parents=True)
+    (tmp_path / "nvrx" / "monitors" / "bad.py").write_text("from nvrx.launcher.agent.config import LaunchConfig\n")
     import sys
 
-    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
-    assert violations() == ["monitors/bad.py:1: monitors imports launcher.agent.config (launcher.agent)"]
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert violations() == ["nvrx/monitors/bad.py:1: monitors imports nvrx.launcher.agent.config (launcher.agent)"]

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from launcher.agent.rank_monitors import MAX_RESTARTS, RESTART_DELAYS, RESTART_WINDOW, RankMonitorGroup
-from monitors.events import EventLog
+from nvrx.launcher.agent.rank_monitors import MAX_RESTARTS, RESTART_DELAYS, RESTART_WINDOW, RankMonitorGroup
+from nvrx.events import EventLog
 
 
 class _DeadProc:

@@ -1,4 +1,4 @@
-"""monitors.rank_monitor.next_deadline: which check of a rank's slot fails first, on hand-built snapshots.
+"""nvrx.monitors.rank_monitor.next_deadline: which check of a rank's slot fails first, on hand-built snapshots.
 
 The monitor sleeps until the deadline this returns, so a wrong pick means a hung rank goes
 unnoticed (or a healthy one is killed): each case pins one rule of the decision.
@@ -10,10 +10,10 @@ import dataclasses
 
 import pytest
 
-from monitors.heartbeat import MAX_SECTIONS, SlotSnapshot
-from monitors.rank_monitor import Deadline, next_deadline
-from monitors.sections import SectionRegistry
-from monitors.timeouts import Timeouts
+from nvrx.monitors.heartbeat import MAX_SECTIONS, SlotSnapshot
+from nvrx.monitors.rank_monitor import Deadline, next_deadline
+from nvrx.monitors.sections import SectionRegistry
+from nvrx.monitors.timeouts import Timeouts
 
 RUN_START = 100.0
 SECTIONS = SectionRegistry(["step", "ckpt", "eval"])  # ids 0, 1, 2

@@ -1,4 +1,4 @@
-"""``nvrx_common.process.set_process_title`` in real processes, checked from outside through /proc.
+"""``nvrx.common.process.set_process_title`` in real processes, checked from outside through /proc.
 
 Each probe process sets a title, reports what it sees itself (``sys.argv``, ``os.environ``, C
 ``getenv``) on stdout, then waits for EOF on stdin while the test reads its ``/proc/PID/cmdline``
@@ -22,7 +22,7 @@ PROBE_VALUE = "probe value = ünïcode"
 
 PROBE = r'''
 import ctypes, json, logging, os, sys
-from nvrx_common.process import set_process_title
+from nvrx.common.process import set_process_title
 
 logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(name)s: %(message)s")
 libc = ctypes.CDLL(None)
@@ -142,5 +142,5 @@ def test_without_proc_it_only_logs_one_debug_line(probe, tmp_path):
     p = probe(["python3", "-u", "t.py"], prefix=hide_proc)
     assert p.report["changed"] is False
     assert_unobservable_inside(p.report)
-    lines = [ln for ln in p.finish().splitlines() if ln.startswith("nvrx_common.process")]
+    lines = [ln for ln in p.finish().splitlines() if ln.startswith("nvrx.common.process")]
     assert len(lines) == 1 and "process title not set" in lines[0], lines

@@ -1,4 +1,4 @@
-"""The job secret and the signed control records (launcher/agent/rdzv_auth.py): sign/verify, replay, the secret
+"""The job secret and the signed control records (nvrx/launcher/agent/rdzv_auth.py): sign/verify, replay, the secret
 file's checks, the proof that tells agents with different secrets apart, and the bounded reports of rejects."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from launcher.agent.config import build_launch_config
-from launcher.agent.rdzv_auth import ForgedRecord, RecordAuth, RejectedRecords, load_secret
-from launcher.agent.rdzv_errors import RendezvousMismatch
-from launcher.agent.rdzv_records import BadRecord
-from launcher.agent.store import _verify_secret, record_auth
-from monitors.events import EventLog
-from nvrx_common.errors import ConfigError
+from nvrx.launcher.agent.config import build_launch_config
+from nvrx.launcher.agent.rdzv_auth import ForgedRecord, RecordAuth, RejectedRecords, load_secret
+from nvrx.launcher.agent.rdzv_errors import RendezvousMismatch
+from nvrx.launcher.agent.rdzv_records import BadRecord
+from nvrx.launcher.agent.store import _verify_secret, record_auth
+from nvrx.events import EventLog
+from nvrx.common.errors import ConfigError
 
 
 def secret_file(path: Path, content: bytes = b"s3cret-for-this-job-only-0123456789", mode: int = 0o600) -> Path:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from launcher.agent.rdzv_records import BadRecord, NodeInfo, parse_closed, parse_node, parse_nodes
+from nvrx.launcher.agent.rdzv_records import BadRecord, NodeInfo, parse_closed, parse_node, parse_nodes
 
 
 def closed(nodes: list) -> str:

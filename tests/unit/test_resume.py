@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from nvrx_common import exit_codes
-from launcher.resume.progress import ProgressSource, newest_checkpoint_iteration, read_progress
-from slurm.nodes import SlurmFacts, find_bad_node
-from launcher.resume.driver import (CONTINUE, FINISHED, GIVE_UP, Decision, Limits, Outcome, classify, decide,
+from nvrx.common import exit_codes
+from nvrx.launcher.resume.progress import ProgressSource, newest_checkpoint_iteration, read_progress
+from nvrx.slurm.nodes import SlurmFacts, find_bad_node
+from nvrx.launcher.resume.driver import (CONTINUE, FINISHED, GIVE_UP, Decision, Limits, Outcome, classify, decide,
                              precheck, settle_lost_attempt, signal_reached_child)
-from launcher.resume.state import BACKUP_FILE, STATE_FILE, ResumeError, ResumeState, StateStore
-from slurm.submit import (SubmitError, command_of_job, parse_sbatch_job_id, sbatch_command, submit_env)
-from monitors.events import EventLog, JobEnd, RdzvJoin, RdzvRound, RdzvStop, StopDetail
-from nvrx_cli.resume_cmd import _log_dir_of
+from nvrx.launcher.resume.state import BACKUP_FILE, STATE_FILE, ResumeError, ResumeState, StateStore
+from nvrx.slurm.submit import (SubmitError, command_of_job, parse_sbatch_job_id, sbatch_command, submit_env)
+from nvrx.events import EventLog, JobEnd, RdzvJoin, RdzvRound, RdzvStop, StopDetail
+from nvrx.nvrx_cli.resume_cmd import _log_dir_of
 
 LIM = Limits(max_attempts=5, max_failures=2, max_no_progress=2)
 
@@ -160,7 +160,7 @@ def test_exclude_target():
 
 
 def write_agent_logs(run_dir: Path, bad: str, t: float = 1000.0, nodes: tuple[str, ...] = ("n1", "n2")) -> None:
-    """Agent logs of a launch on NODES in which a rank on node BAD exited 16 (as launcher.agent.agent writes them)."""
+    """Agent logs of a launch on NODES in which a rank on node BAD exited 16 (as nvrx.launcher.agent.agent writes them)."""
     ids = {n: f"samehost-{100 + i}-abc{i}" for i, n in enumerate(nodes)}
     for i, node in enumerate(nodes):
         ev = EventLog(run_dir / f"agent-{node}-{100 + i}.jsonl", "agent")
@@ -189,7 +189,7 @@ def test_find_bad_node_names_the_node_whose_rank_exited_16(tmp_path):
 
 def test_log_dir_of_the_launch_command():
     assert _log_dir_of(("srun", "-N2", "nvrx", "launch", "--log-dir", "L", "train.py")) == Path("L")
-    assert _log_dir_of(("py", "-m", "nvrx_cli.main", "launch", "--log-dir=L2", "t.py")) == Path("L2")
+    assert _log_dir_of(("py", "-m", "nvrx", "launch", "--log-dir=L2", "t.py")) == Path("L2")
     assert _log_dir_of(("nvrx", "launch", "t.py", "--log-dir", "mine")) is None  # the script's own flag
     assert _log_dir_of(()) is None
 

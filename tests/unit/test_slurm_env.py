@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
-from launcher.agent.config import build_launch_config
-from nvrx_common.errors import ConfigError
-from slurm.environment import (RDZV_PORT_BASE, RDZV_PORT_SPAN, SlurmEnvError, expand_hostlist, parse_tasks_per_node,
+from nvrx.launcher.agent.config import build_launch_config
+from nvrx.common.errors import ConfigError
+from nvrx.slurm.environment import (RDZV_PORT_BASE, RDZV_PORT_SPAN, SlurmEnvError, expand_hostlist, parse_tasks_per_node,
                                 rdzv_port_for_job, slurm_topology)
 
 HOSTLISTS = {
@@ -60,7 +60,7 @@ def test_bad_hostlist_is_one_clear_line(text, message):
 @pytest.mark.skipif(shutil.which("scontrol") is None, reason="scontrol is not installed (scripts/install_slurm.sh)")
 def test_hostlists_agree_with_scontrol(tmp_path):
     """`scontrol show hostnames` needs only a config file to read, not a running controller."""
-    conf = tmp_path / "slurm.conf"
+    conf = tmp_path / "nvrx.slurm.conf"
     conf.write_text("ClusterName=hostlistcheck\nSlurmctldHost=localhost\n")
     for text, expected in HOSTLISTS.items():
         out = subprocess.run(["scontrol", "show", "hostnames", text], env={"SLURM_CONF": str(conf), "PATH": "/usr/bin:/bin"},

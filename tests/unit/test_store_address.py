@@ -6,9 +6,9 @@ import socket
 
 import pytest
 
-from launcher.agent.config import RdzvSettings
-from launcher.agent.store import advertised_address
-from nvrx_common.net import bind_listen, local_addresses, local_bind_address, resolve
+from nvrx.launcher.agent.config import RdzvSettings
+from nvrx.launcher.agent.store import advertised_address
+from nvrx.common.net import bind_listen, local_addresses, local_bind_address, resolve
 
 
 def settings(host: str, local_addr: str | None = None) -> RdzvSettings:

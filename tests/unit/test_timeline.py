@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from monitors.events import (
+from nvrx.events import (
     AgentSignal, AgentStart, EventLog, FirstHeartbeat, ForkServerReady, FtConfig, FtConfigInfo, HangDetected, HangInfo,
     HeartbeatStats, JobEnd, MonitorConnect, MonitorDisconnect, MonitorSpawned, MonitorStart, RankExit, RankStart,
     RankTerminated, RdzvJoin, RdzvRound, RdzvStop, ResumeAttemptEnd, ResumeDecision, ResumeSubmit, SectionClose,
     SectionOpen, StopDetail, TimeoutsInfo,
 )
-from monitors.inspection.event_files import NotARun, discover
-from monitors.inspection.run_report import build_report, make_report
-from monitors.inspection.timeline import Filters, Timeline
-from nvrx_cli.inspect_cmd import parse_since, render_text
-from nvrx_cli.inspect_text import report_dict
+from nvrx.inspection.event_files import NotARun, discover
+from nvrx.inspection.run_report import build_report, make_report
+from nvrx.inspection.timeline import Filters, Timeline
+from nvrx.nvrx_cli.inspect_cmd import parse_since, render_text
+from nvrx.nvrx_cli.inspect_text import report_dict
 
 T = 1_700_000_000.0
 TIMEOUTS = TimeoutsInfo(initial_heartbeat=600.0, heartbeat=300.0, sections={"step": 30.0}, out_of_section=None)

@@ -13,12 +13,12 @@ import stat
 
 import pytest
 
-from launcher.agent.agent import build_rank_env
-from launcher.agent.config import build_launch_config
-from launcher.agent.error_file import (MAX_ERROR_FILE_BYTES, MAX_TRACEBACK_CHARS, ErrorFiles, read_error_file,
+from nvrx.launcher.agent.agent import build_rank_env
+from nvrx.launcher.agent.config import build_launch_config
+from nvrx.launcher.agent.error_file import (MAX_ERROR_FILE_BYTES, MAX_TRACEBACK_CHARS, ErrorFiles, read_error_file,
                                        report_lines)
-from launcher.agent.rdzv_records import NodeInfo, RoundResult
-from launcher.agent.store import master_addr_for_ranks
+from nvrx.launcher.agent.rdzv_records import NodeInfo, RoundResult
+from nvrx.launcher.agent.store import master_addr_for_ranks
 
 
 def _cfg(tmp_path, env=None, **raw):
@@ -76,7 +76,7 @@ def test_virtual_local_rank_gives_each_rank_its_own_gpu(tmp_path, parent, expect
 
 
 def test_virtual_local_rank_with_too_few_visible_gpus_is_one_clear_error(tmp_path):
-    from nvrx_common.errors import ConfigError
+    from nvrx.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES=3 lists 1"):
         _cfg(tmp_path, env={"CUDA_VISIBLE_DEVICES": "3"}, virtual_local_rank=True)
@@ -85,7 +85,7 @@ def test_virtual_local_rank_with_too_few_visible_gpus_is_one_clear_error(tmp_pat
 def test_master_addr_is_the_host_name_only_where_it_reaches_the_store():
     assert master_addr_for_ranks("10.1.2.3", "node7.cluster") == "node7.cluster"  # --local-addr, like torchrun
     name = socket.getfqdn()
-    from nvrx_common.net import resolve
+    from nvrx.common.net import resolve
 
     bound = (resolve(name) or ["127.0.0.1"])[0]
     assert master_addr_for_ranks(bound, None) == (name if resolve(name) else bound)
@@ -142,7 +142,7 @@ def test_unusable_file_gives_one_warning(tmp_path, caplog, content, why):
         path.write_bytes(content)
     else:
         _write(path, content)
-    with caplog.at_level(logging.WARNING, logger="launcher.agent.error_file"):
+    with caplog.at_level(logging.WARNING, logger="nvrx.launcher.agent.error_file"):
         assert read_error_file(path) is None
     assert len(caplog.records) == 1 and why in caplog.text and str(path) in caplog.text
 

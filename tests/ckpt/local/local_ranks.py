@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ckpt.local import (BasicTensorAwareStateDict, LazyCliqueReplicationStrategy, LocalCheckpointManager,
+from nvrx.ckpt.local import (BasicTensorAwareStateDict, LazyCliqueReplicationStrategy, LocalCheckpointManager,
                         NoReplicasAvailableError)
-from ckpt.local.errors import LocalCheckpointError
+from nvrx.ckpt.local.errors import LocalCheckpointError
 
 WORLD, PER_NODE = 4, 2
 
@@ -110,8 +110,8 @@ def journey(work: Path, rank: int) -> dict:
 
 def through_queue(work: Path, rank: int, big: int = 0) -> dict:
     """Two asynchronous saves finalized by an AsyncCallsQueue; the state changes right after each save returns."""
-    from ckpt.async_ckpt.core import AsyncCallsQueue, WriterJob
-    from ckpt.async_ckpt.writer_process import default_writer
+    from nvrx.ckpt.async_ckpt.core import AsyncCallsQueue, WriterJob
+    from nvrx.ckpt.async_ckpt.writer_process import default_writer
 
     mgr, queue, out = manager(work, rank), AsyncCallsQueue(), {}
     sd = state(rank, 1, big)
@@ -147,7 +147,7 @@ def through_queue(work: Path, rank: int, big: int = 0) -> dict:
 def writer_killed(work: Path, rank: int) -> dict:
     """Rank 0's checkpoint writer process is SIGKILLed during an asynchronous local save: the save fails on every
     rank, the previous iteration stays, and the next save runs on a new writer."""
-    from ckpt.async_ckpt.writer_process import default_writer
+    from nvrx.ckpt.async_ckpt.writer_process import default_writer
 
     mgr, out = manager(work, rank), {}
     mgr.save(state(rank, 1), iteration=1)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ckpt.local import LazyCliqueReplicationStrategy, LocalCheckpointManager, default_root
+from nvrx.ckpt.local import LazyCliqueReplicationStrategy, LocalCheckpointManager, default_root
 
 
 def state(rank: int, step: int) -> dict:

@@ -23,7 +23,7 @@ from torch.distributed._shard.sharding_spec import ChunkShardingSpec
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from ckpt.local import LazyCliqueReplicationStrategy, LocalCheckpointManager, TwoTierCheckpointer
+from nvrx.ckpt.local import LazyCliqueReplicationStrategy, LocalCheckpointManager, TwoTierCheckpointer
 
 ROWS, COLS = 8, 4
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt.local import BasicTensorAwareStateDict, LocalCheckpointManager, NoReplicasAvailableError, clique_groups
-from ckpt.local.ckpt_managers.local_manager import ckpt_id, newest_restorable
-from ckpt.local.codec import pack, read_file, unpack, verify_file, write_file
-from ckpt.local.errors import LocalCheckpointCorruptError, LocalCheckpointError
-from ckpt.local.replication.group_utils import make_plan, resolve_jump
-from nvrx_common.errors import ConfigError, NvrxError
+from nvrx.ckpt.local import BasicTensorAwareStateDict, LocalCheckpointManager, NoReplicasAvailableError, clique_groups
+from nvrx.ckpt.local.ckpt_managers.local_manager import ckpt_id, newest_restorable
+from nvrx.ckpt.local.codec import pack, read_file, unpack, verify_file, write_file
+from nvrx.ckpt.local.errors import LocalCheckpointCorruptError, LocalCheckpointError
+from nvrx.ckpt.local.replication.group_utils import make_plan, resolve_jump
+from nvrx.common.errors import ConfigError, NvrxError
 
 
 def test_the_spec_example_world_32_jump_8_factor_2() -> None:

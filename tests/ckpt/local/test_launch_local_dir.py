@@ -1,4 +1,4 @@
-"""`nvrx launch --local-ckpt-dir DIR`: ranks get it (ckpt.local.default_root()); the job's own session (its run id)
+"""`nvrx launch --local-ckpt-dir DIR`: ranks get it (nvrx.ckpt.local.default_root()); the job's own session (its run id)
 is removed when the job succeeds and kept when it fails; a directory that cannot be made is one clear line, exit 2."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from tests.conftest import one_line_error, write_script
 
 SCRIPT = """
 import sys
-from ckpt.local import LocalCheckpointManager, default_root
+from nvrx.ckpt.local import LocalCheckpointManager, default_root
 mgr = LocalCheckpointManager(default_root(), session_id="s")
 mgr.save({"x": 1}, iteration=3)
 job = LocalCheckpointManager(default_root())  # the default session: the job's run id
@@ -53,7 +53,7 @@ def test_an_unwritable_local_checkpoint_dir_is_one_line(launcher, tmp_path: Path
 
 
 def test_only_the_job_session_itself_is_ever_removed(tmp_path: Path) -> None:
-    from launcher.agent.local_ckpt_dir import remove_job_session
+    from nvrx.launcher.agent.local_ckpt_dir import remove_job_session
 
     root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
     (elsewhere / "keep").mkdir(parents=True)

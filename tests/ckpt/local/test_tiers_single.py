@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import ckpt
-from ckpt.local import LocalCheckpointManager, TwoTierCheckpointer
+from nvrx import ckpt
+from nvrx.ckpt.local import LocalCheckpointManager, TwoTierCheckpointer
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def test_disk_full_local_tier_training_goes_on_with_the_global_tier(tmp_path: Pa
     state = {"w": torch.zeros(512, 1024)}  # 2 MiB: never fits in the 1 MiB local root
     tiers = TwoTierCheckpointer(LocalCheckpointManager(local_root), tmp_path / "global", local_every=1, global_every=3)
     kinds = []
-    with caplog.at_level(logging.ERROR, logger="ckpt.local.tiers"):
+    with caplog.at_level(logging.ERROR, logger="nvrx.ckpt.local.tiers"):
         for step in range(1, 5):
             state["w"].fill_(step)
             kinds.append(tiers.step(step, state))
@@ -49,7 +49,7 @@ def test_a_local_save_still_being_written_is_skipped_not_waited_for(tmp_path: Pa
     import os
     import signal
 
-    from ckpt.async_ckpt.writer_process import default_writer
+    from nvrx.ckpt.async_ckpt.writer_process import default_writer
 
     local = LocalCheckpointManager(tmp_path / "local")
     tiers = TwoTierCheckpointer(local, tmp_path / "global", local_every=1, global_every=100)
@@ -57,7 +57,7 @@ def test_a_local_save_still_being_written_is_skipped_not_waited_for(tmp_path: Pa
     os.kill(writer.pid, signal.SIGSTOP)  # a writer starved by a busy machine: the save cannot finish yet
     try:
         state = {"w": torch.ones(1024)}
-        with caplog.at_level(logging.WARNING, logger="ckpt.local.tiers"):
+        with caplog.at_level(logging.WARNING, logger="nvrx.ckpt.local.tiers"):
             kinds = [tiers.step(step, state) for step in (1, 2, 3)]
         assert kinds == ["local", None, None] and not local.maybe_finalize()
         skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.local.ckpt_managers.local_manager import SUFFIX, ckpt_id
+from nvrx.ckpt.local.ckpt_managers.local_manager import SUFFIX, ckpt_id
 from tests.ckpt.conftest import run_rank_procs
 from tests.conftest import tagged_processes
 

@@ -1,6 +1,0 @@
-"""NVRx's ``inprocess.exception`` module name: the Wrapper's exceptions (defined in ``exceptions``)."""
-
-from launcher.rank.inprocess.exceptions import (HealthCheckError, InternalError, RestartAbort, RestartError,
-                                                RetriesExhausted, TimeoutError)
-
-__all__ = ["HealthCheckError", "InternalError", "RestartAbort", "RestartError", "RetriesExhausted", "TimeoutError"]

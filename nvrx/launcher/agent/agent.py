@@ -1,0 +1,671 @@
+"""The per-node agent: rendezvous, start ranks, supervise them, restart the job in place.
+
+One agent runs on each node. Every (re)start of the job is a rendezvous round; within a round
+the agent waits on three things at once, without polling: its ranks exiting (pidfds), the
+round's stop record appearing in the store (a watcher thread), and signals sent to the agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
+
+from nvrx.common import exit_codes, rerun_exit
+from nvrx.common.errors import NvrxError
+from nvrx.launcher.agent.config import LaunchConfig, visible_device
+from nvrx.launcher.agent.error_file import ErrorFiles, read_error_file
+from nvrx.launcher.agent.node_health import NodeHealthChecks
+from nvrx.launcher.agent.local_ckpt_dir import LOCAL_CKPT_DIR_ENV, remove_job_session
+from nvrx.launcher.agent.rank_monitors import RankMonitorGroup
+from nvrx.launcher.agent.rdzv_errors import RendezvousError
+from nvrx.launcher.agent.rdzv_records import FAULT_KINDS, RoundResult, StopKind, StopRecord
+from nvrx.launcher.agent.stragglers import StragglerAggregator
+from nvrx.launcher.agent.worker_group import RankExit, RankSpec, WorkerGroup
+from nvrx.events import (AgentSignal as AgentSignalEvent, AgentStart, EventLog, FtConfig, FtConfigInfo,
+                             HealthCheckInfo, InprocessRankLost, JobEnd, JobFailure, NodeHealth)
+from nvrx.monitors.ft_config import FaultToleranceConfig
+
+if TYPE_CHECKING:  # both import torch: the agent does so only after the fork server started importing it
+    from nvrx.launcher.agent.rendezvous import Rendezvous
+    from nvrx.launcher.agent.store import RendezvousStore
+
+log = logging.getLogger(__name__)
+
+# Forwarded signals that ranks using nvrx.launcher.rank.job_control.should_stop() turn into a graceful stop.
+GRACEFUL_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
+# The same signal again within this many seconds is one request delivered twice (Slurm signals the batch
+# shell, `nvrx resume` and the agent alike), not a user's second Ctrl-C asking to kill now.
+DUPLICATE_SIGNAL_WINDOW = 2.0
+# bound on closing store connections at exit: the store host's linger for peers (10 s) plus a margin
+STORE_CLOSE_GRACE = 15.0
+# A node whose ranks exited 16 for a re-run elsewhere of ANOTHER node waits this long (beyond the grace the
+# suspected node's ranks get to exit) for that node's agent to end the round before ending it itself.
+RERUN_HOLD = 30.0
+
+
+def _end_status(code: int) -> str:
+    """How a job ended, for the event log and the terminal: succeeded, interrupted, steered or failed."""
+    if code == exit_codes.OK:
+        return "succeeded"
+    if exit_codes.interrupted_signal(code) is not None:
+        return "interrupted"
+    return "steered" if code in exit_codes.STEERING_CODES else "failed"
+
+
+class RoundState(enum.Enum):
+    """This node's part in the current round while its ranks run (Agent._supervise moves it).
+
+    RUNNING -> FAILED | SUCCEEDED | INTERRUPTED; FAILED, SUCCEEDED -> INTERRUPTED; INTERRUPTED is final.
+    The round itself ends only with its stop record, which any node may write first.
+    """
+
+    RUNNING = "running"  # ranks run; this node has not asked to end the round
+    FAILED = "failed"  # a local rank or rank monitor failed; this node reported the stop "failed"
+    SUCCEEDED = "succeeded"  # every local rank exited 0; this node told the rendezvous so
+    INTERRUPTED = "interrupted"  # a handled signal arrived: forwarded to the ranks, reported as "interrupted"
+
+
+class AgentSignal(NvrxError):
+    """A handled signal arrived while the agent was not supervising ranks (e.g. in rendezvous)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclass
+class _StopWatch:
+    """Runs Rendezvous.wait_stop in a thread and wakes the main loop through a pipe."""
+
+    wake_fd: int
+    record: StopRecord | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def build_rank_env(cfg: LaunchConfig, result: RoundResult, local_rank: int,
+                   extra: dict[str, str] | None = None, error_file: str = "") -> dict[str, str]:
+    """The torchrun environment for one rank of this round (plus e.g. where its monitor listens).
+
+    Every variable torch 2.13's LocalElasticAgent gives a worker, with its values (README: "The rank
+    environment" lists them and the few values that differ on purpose). ERROR_FILE is the rank's
+    ``TORCHELASTIC_ERROR_FILE`` ("" like torchrun with no log directory: ``record`` then only logs).
+    OMP_NUM_THREADS is in ``base_env`` already (torchrun's rule, ``config.build_launch_config``).
+    """
+    w = cfg.workers
+    rank = result.rank_offset + local_rank
+    env = dict(w.base_env)
+    env.update(extra or {})
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(result.world_size),
+        LOCAL_WORLD_SIZE=str(w.nproc_per_node),
+        GROUP_RANK=str(result.group_rank),
+        GROUP_WORLD_SIZE=str(len(result.nodes)),
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(result.world_size),
+        ROLE_NAME=w.role,
+        MASTER_ADDR=result.master_addr,
+        MASTER_PORT=str(result.master_port),
+        TORCHELASTIC_RESTART_COUNT=str(result.restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(cfg.max_restarts),
+        TORCHELASTIC_RUN_ID=cfg.rdzv.run_id,
+        TORCHELASTIC_USE_AGENT_STORE=str(bool(result.agent_hosts_pg_store)),
+        # torchrun passes the agent's value on and defaults it to 1 (NCCL aborts a failed collective)
+        TORCH_NCCL_ASYNC_ERROR_HANDLING=w.base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        TORCHELASTIC_ERROR_FILE=error_file,
+        # torchrun sets it in its own environment, which its workers inherit: the signals the agent handles
+        TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(s.name for s in cfg.signals_to_handle),
+        NVRX_RUN_LOG_DIR=str(cfg.run_log_dir),
+        NVRX_ROUND=str(result.round),
+        NVRX_GRACEFUL_SIGNALS=",".join(s.name for s in cfg.signals_to_handle if s in GRACEFUL_SIGNALS),
+    )
+    if w.virtual_local_rank:  # torchrun's --virtual-local-rank: the rank's one GPU is its device 0
+        env.update(LOCAL_RANK="0", CUDA_VISIBLE_DEVICES=visible_device(w.base_env.get("CUDA_VISIBLE_DEVICES"),
+                                                                        local_rank))
+    if w.inprocess:  # read by the bootstrap: run the script inside an in-process restart Wrapper
+        env.update(NVRX_INPROCESS="1", NVRX_INPROCESS_SPARES=str(w.inprocess_spares))
+    if not w.fast_exit:
+        env["NVRX_FULL_EXIT"] = "1"
+    return env
+
+
+class Agent:
+    """Supervises one node's ranks across rendezvous rounds until the job ends."""
+
+    def __init__(self, cfg: LaunchConfig, events: EventLog,
+                 console_out: BinaryIO | None = None, console_err: BinaryIO | None = None) -> None:
+        self.cfg = cfg
+        self.events = events
+        self.workers = WorkerGroup(cfg.workers, events, cfg.run_log_dir, console_out, console_err)
+        self.monitors = (RankMonitorGroup(cfg.ft, cfg.workers.nproc_per_node, cfg.run_log_dir, events,
+                                          dict(cfg.workers.base_env), cfg.state_dir, cfg.node_name,
+                                          term_grace=cfg.workers.term_timeout)
+                         if cfg.ft is not None else None)
+        self.failures: list[dict[str, Any]] = []  # one entry per fault stop, for the final report
+        self.error_files = ErrorFiles(cfg.run_log_dir, cfg.node_name)
+        self._round_error_files: dict[int, str] = {}  # local rank -> its TORCHELASTIC_ERROR_FILE this round
+        self._sig_r, self._sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._pending_signal: int | None = None
+        self._raise_on_signal = False  # only while blocked in rendezvous; elsewhere signals wake the loop
+        self._state = RoundState.RUNNING  # of the round being supervised (or the last one)
+        self._signal_time = 0.0
+        self._old_handlers: dict[int, Any] = {}
+        self._rdzv: Rendezvous | None = None
+        self._rs: RendezvousStore | None = None
+        self._monitor_failure_round: int | None = None  # the round in which a given-up monitor was reported
+        self._stragglers: StragglerAggregator | None = None  # straggler detection (with rank monitors only)
+        self._rerun_notes: dict[int, str] = {}  # local rank -> where it notes the suspected nodes when exiting 16
+        self._hold: tuple[float, RankExit] | None = None  # exited 16 for another node's re-run: (deadline, exit)
+        self._end_detail: str | None = None  # why the job ended for this node, when a round says more than a code
+        # this node as its ranks name it in a re-run note (nvrx.launcher.rank.rerun: SLURMD_NODENAME, else the host)
+        self._node = cfg.workers.base_env.get("SLURMD_NODENAME") or cfg.node_name
+
+    # ------------------------------------------------------------ entry point
+
+    def run(self) -> int:
+        """Run the job; return the agent's exit code. Raises RendezvousError for user-fixable setup errors."""
+        t0 = time.monotonic()
+        self.workers.prepare()  # the fork server imports torch while we do the same below
+        self._install_signal_handlers()
+        try:
+            return self._run(t0)
+        except AgentSignal as sig:
+            self.events.emit(AgentSignalEvent(signal=signal.Signals(sig.signum).name, phase="rendezvous"))
+            return exit_codes.interrupted(sig.signum)
+        except RendezvousError as err:  # e.g. the store's host is gone: the log says so, not only stderr
+            if not err.usage:  # a usage error is the CLI's one line; no job ran
+                self.events.emit(JobEnd(status="failed", exit_code=exit_codes.FAILED, detail=str(err),
+                                        seconds=round(time.monotonic() - t0, 3),
+                                        failures=[JobFailure.of(f) for f in self.failures]))
+            raise
+        finally:
+            self._restore_signal_handlers()
+            self._shutdown()
+
+    def _run(self, t0: float) -> int:
+        from nvrx.launcher.agent.rendezvous import JobFinished, Rendezvous
+        from nvrx.launcher.agent.store import open_rendezvous_store
+
+        self.events.emit(AgentStart(pid=os.getpid(), nproc=self.cfg.workers.nproc_per_node,
+                                    nnodes=f"{self.cfg.rdzv.min_nodes}:{self.cfg.rdzv.max_nodes}",
+                                    max_restarts=self.cfg.max_restarts, run_id=self.cfg.rdzv.run_id))
+        if self.cfg.ft is not None:
+            from nvrx.monitors.ft_config import describe
+
+            log.info("%s", describe(self.cfg.ft))  # describe() already starts with "fault tolerance:"
+            self.events.emit(FtConfig(config=FtConfigInfo.of(self.cfg.ft.to_dict())))
+        with self._signals_raise():
+            self._rs = open_rendezvous_store(self.cfg.rdzv)
+        self._rdzv = Rendezvous(self._rs, self.cfg.rdzv, self.cfg.max_restarts, self.events)
+        if self.monitors is not None and self.cfg.ft is not None:
+            self._stragglers = StragglerAggregator(self.cfg.ft, self.monitors, self.events, self._rs,
+                                                   self.cfg.rdzv.run_id, self.cfg.node_name, self._rdzv.node_id)
+        health = NodeHealthChecks(self.cfg.ft or FaultToleranceConfig(), self.cfg.run_log_dir)
+        while True:
+            if not self._healthy(health):  # before every round: a bad node sits out instead of failing it
+                code = exit_codes.RESUME_ELSEWHERE
+                self.events.emit(JobEnd(status=_end_status(code), exit_code=code, detail="node health check failed",
+                                        seconds=round(time.monotonic() - t0, 3),
+                                        failures=[JobFailure.of(f) for f in self.failures]))
+                return code
+            try:
+                with self._signals_raise():
+                    result = self._rdzv.next_round()
+            except JobFinished as fin:
+                self.events.emit(JobEnd(status="already_finished", detail=str(fin)))
+                return exit_codes.OK
+            code = self._run_round(result)
+            if code is not None:
+                self.events.emit(JobEnd(status=_end_status(code), exit_code=code, detail=self._end_detail,
+                                        seconds=round(time.monotonic() - t0, 3),
+                                        failures=[JobFailure.of(f) for f in self.failures]))
+                return code
+
+    def _healthy(self, health: NodeHealthChecks) -> bool:
+        """Run the node health checks; a failure is logged and recorded, and this node leaves the job.
+
+        It leaves with exit 16 (resume elsewhere): the other agents go on within --nnodes MIN:MAX (a
+        standby takes its place) and `nvrx resume` excludes this node from the next Slurm job.
+        """
+        excluded = self._stragglers.excluded() if self._stragglers is not None else None
+        if excluded:  # the straggler exclusion policy: a failed check like any other (exit 16, resume avoids it)
+            self.events.emit(NodeHealth(ok=False, seconds=0.0, action="sits out", checks=[
+                HealthCheckInfo(name="straggler", status="failed", detail=excluded, seconds=0.0)]))
+            log.error("node %s leaves the job (exit %d): %s", self.cfg.node_name, exit_codes.RESUME_ELSEWHERE, excluded)
+            return False
+        report = health.run()
+        action = "joins" if report.ok else "sits out"
+        self.events.emit(NodeHealth(ok=report.ok, seconds=report.seconds, action=action, checks=[
+            HealthCheckInfo(name=r.name, status=r.status, detail=r.detail, seconds=r.seconds) for r in report.results]))
+        if not report.ok:
+            log.error("node %s failed its health checks (%s): it leaves the job (exit %d); the other nodes go on "
+                      "if --nnodes allows", self.cfg.node_name, report.summary(), exit_codes.RESUME_ELSEWHERE)
+        return report.ok
+
+    # ------------------------------------------------------------ one round
+
+    def _run_round(self, result: RoundResult) -> int | None:
+        """Start and supervise the ranks of one round. None means: go to the next round."""
+        nproc = self.cfg.workers.nproc_per_node
+        self._round_error_files = {lr: self.error_files.path_for(result.restart_count, lr) for lr in range(nproc)}
+        self._rerun_notes = {lr: os.path.join(os.path.dirname(path), "rerun_exit.json")
+                             for lr, path in self._round_error_files.items()}
+        for path in self._rerun_notes.values():
+            rerun_exit.remove_note(path)
+        self._hold = None
+        specs = [RankSpec(lr, result.rank_offset + lr,
+                          build_rank_env(self.cfg, result, lr, {**self._monitor_env(lr),
+                                                                rerun_exit.ENV: self._rerun_notes[lr]},
+                                         self._round_error_files[lr]))
+                 for lr in range(nproc)]
+        self._drop_stale_requests()
+        # Beat before the ranks start: waiting for the fork server can outlast keepalive_timeout on a loaded node,
+        # and its neighbours would report it lost.
+        self._rdzv.start_keepalive(result)
+        try:
+            self.workers.start(specs, attempt=result.restart_count)
+        except BaseException:
+            self._rdzv.stop_keepalive()
+            raise
+        self._absorbed: list[RankExit] = []  # --inprocess: failed ranks the Wrapper of the others continues without
+        self._rank_succeeded = False
+        if self.monitors is not None and not self.monitors.started:
+            # Once, after the first ranks: monitors outlive rank restarts, and ranks attach to them in
+            # the background, so starting them here keeps them off the ranks' start-up critical path.
+            self.monitors.start()
+        watch = self._watch_stop(result.round)
+        if self._stragglers is not None:
+            self._stragglers.start(result)
+        try:
+            record = self._supervise(result, watch)
+        finally:
+            if self._stragglers is not None:
+                self._stragglers.stop()
+            self._rdzv.stop_keepalive()
+        return self._conclude(result, record)
+
+    def _watch_stop(self, round_no: int) -> _StopWatch:
+        wake_r, wake_w = os.pipe2(os.O_CLOEXEC)
+        watch = _StopWatch(wake_fd=wake_r)
+
+        def run() -> None:
+            try:
+                watch.record = self._rdzv.wait_stop(round_no)
+            except BaseException as exc:  # store lost: the main loop reports it
+                watch.error = exc
+            watch.done.set()
+            # The main loop may have seen `done` on another wake-up and closed its end already (EPIPE).
+            with contextlib.suppress(OSError):
+                os.write(wake_w, b"x")
+            os.close(wake_w)
+
+        threading.Thread(target=run, name=f"stop-watch-{round_no}", daemon=True).start()
+        return watch
+
+    def _supervise(self, result: RoundResult, watch: _StopWatch) -> StopRecord:
+        """Wait for: a local rank failing, the round's stop record, or a signal. Returns the stop record."""
+        wake_fd = watch.wake_fd
+        self._state = RoundState.RUNNING
+        try:
+            if self._monitors_failed(result, stopping=False):
+                # RUNNING -> FAILED: a monitor given up on while an earlier round was ending fails this one at once
+                self._transition(result, RoundState.FAILED)
+            while True:
+                monitor_fds = self.monitors.fds() if self.monitors is not None else []
+                wake_in = self.monitors.wake_in() if self.monitors is not None else None
+                if self._hold is not None:  # waiting for the suspected node to end the round: bounded
+                    left = max(0.0, self._hold[0] - time.monotonic())
+                    wake_in = left if wake_in is None else min(wake_in, left)
+                exits = self.workers.wait([wake_fd, self._sig_r, *monitor_fds], timeout=wake_in)
+                self._step(result, exits)
+                if watch.done.is_set():
+                    if watch.error is not None:
+                        raise watch.error
+                    assert watch.record is not None
+                    return watch.record
+        finally:
+            os.close(wake_fd)
+
+    def _step(self, result: RoundResult, exits: list[RankExit]) -> None:
+        """Act on one wake-up of the supervising loop (rank exits, a signal, a monitor event) and move the state."""
+        if self._monitors_failed(result, stopping=self._state is not RoundState.RUNNING):
+            # RUNNING -> FAILED: a rank monitor keeps dying (the stop is reported inside _monitors_failed)
+            self._transition(result, RoundState.FAILED)
+        if self._drain_signal_pipe() and self._state is not RoundState.INTERRUPTED:
+            # any -> INTERRUPTED: a handled signal; it wins over the exits it may have caused
+            self._transition(result, RoundState.INTERRUPTED)
+            self._forward_signal(result)
+        if self.monitors is not None:
+            for request in self.monitors.workload_requests():
+                self._workload_request(result, request)
+        failed = [e for e in exits if e.failed]
+        if self.cfg.workers.inprocess:
+            failed = self._inprocess_failures(exits, failed, result)
+        if failed and self._state is not RoundState.INTERRUPTED:
+            # RUNNING/FAILED -> FAILED: a local rank failed; the first stop record of the round stands
+            self._transition(result, RoundState.FAILED)
+            if not self._resume_elsewhere(result, failed):
+                self._rdzv.report_stop(result.round, StopKind.FAILED, self._failure_detail(result, failed[0]))
+        elif self._hold is not None and time.monotonic() >= self._hold[0]:
+            # the suspected node never ended the round: end it as a plain exit 16 (the job ends, resume elsewhere)
+            log.warning("no stop record from the suspected node after %.0f s: ending the job with %d",
+                        RERUN_HOLD, exit_codes.RESUME_ELSEWHERE)
+            ex, self._hold = self._hold[1], None
+            self._rdzv.report_stop(result.round, StopKind.FAILED, self._failure_detail(result, ex))
+        elif self._state is RoundState.RUNNING and not self.workers.unreported():
+            # RUNNING -> SUCCEEDED: every local rank exited 0; the last node to say so ends the round
+            self._transition(result, RoundState.SUCCEEDED)
+            self._rdzv.node_succeeded(result.round)
+
+    def _resume_elsewhere(self, result: RoundResult, failed: list[RankExit]) -> bool:
+        """Local ranks exited 16 (resume on other hardware): let only the suspected node leave, if the job can
+        go on without it. True when handled here; False for the usual stop (the job ends with the code).
+
+        The rank's re-run note names the suspected node(s); without one, this node is the one asking. A node
+        that is not suspected does not end the round: the suspected node's agent decides (below), within
+        RERUN_HOLD. The suspected node ends the round with ``leaves`` when a standby or the remaining nodes
+        keep the job within --nnodes MIN:MAX: it then exits 16 alone (`_conclude`), as a node failing its
+        health check does, and the others start the next round in place (not a restart of the budget).
+        """
+        if any(ex.exitcode != exit_codes.RESUME_ELSEWHERE for ex in failed):
+            return False
+        ex = failed[0]
+        note = rerun_exit.read_note(self._rerun_notes.get(ex.local_rank))
+        suspects = sorted(set(note.nodes)) if note is not None else [self._node]
+        if self._node not in suspects:
+            if self._hold is None:
+                log.info("rank %d exited %d to re-run step %s on other hardware than %s: waiting for that node to "
+                         "end the round", ex.global_rank, ex.exitcode, note.step if note else "?", ", ".join(suspects))
+                self._hold = (time.monotonic() + self.cfg.workers.term_timeout + RERUN_HOLD, ex)
+            return True
+        detail = self._failure_detail(result, ex)
+        why = self._swap_refused(result, len(suspects), same_size=note is not None)
+        if why is not None:
+            if len(result.nodes) > 1:  # (a one-node job has nobody to go on: nothing to say)
+                log.warning("node %s cannot leave the job for a standby (%s): the job ends with %d", self._node,
+                            why, exit_codes.RESUME_ELSEWHERE)
+        else:
+            detail.pop("no_restart", None)
+            step = f" to re-run step {note.step} on other hardware" if note is not None else ""
+            detail.update(leaves=suspects, describe=f"{detail['describe']}: node(s) {', '.join(suspects)} leave the "
+                                                    f"job{step}; the other nodes go on in place")
+        self._rdzv.report_stop(result.round, StopKind.FAILED, detail)
+        return True
+
+    def _swap_refused(self, result: RoundResult, leaving: int, same_size: bool = False) -> str | None:
+        """Why LEAVING nodes cannot leave the running job (None: they can): too few nodes would be left, or
+        this node hosts the rendezvous store the others need. SAME_SIZE (a re-run of a step): standbys must
+        fill every place, since the step is re-run by the same ranks on the same number of nodes."""
+        if self._rs is not None and self._rs.is_host:
+            return "it hosts the rendezvous store"
+        if leaving >= len(result.nodes):
+            return "every node of the round is suspected"
+        standbys = self._rdzv.standbys(result.round)
+        need = len(result.nodes) if same_size else self.cfg.rdzv.min_nodes
+        if len(result.nodes) - leaving + standbys < need:
+            what = "the re-run needs" if same_size else "--nnodes needs at least"
+            return f"{len(result.nodes) - leaving} node(s) and {standbys} standby would be left, {what} {need}"
+        return None
+
+    def _drop_stale_requests(self) -> None:
+        """Workload control requests that arrived after the previous round ended must not end the new one."""
+        for req in self.monitors.workload_requests() if self.monitors is not None else []:
+            log.warning("ignoring local rank %s's request to %s: it came after its round ended",
+                        req.get("local_rank"), req.get("action"))
+
+    def _workload_request(self, result: RoundResult, req: dict[str, Any]) -> None:
+        """A rank asked through its monitor to exclude this node or to shut down (spec 001): act at once.
+
+        Like a rank exiting with the steering code, without waiting for it to exit: ExcludeThisNode ends the
+        job with exit 16 (``nvrx resume`` avoids this node), ShutdownWorkload with 93 (no restart, no requeue).
+        """
+        action, lr = req.get("action"), int(req["local_rank"])
+        rank = result.rank_offset + lr
+        steer = {"ExcludeThisNode": exit_codes.RESUME_ELSEWHERE, "ShutdownWorkload": exit_codes.DO_NOT_REQUEUE}.get(
+            str(action))
+        if steer is None or self._state is not RoundState.RUNNING:
+            log.info("rank %d asked to %s (%s): %s", rank, action, req.get("description"),
+                     "nothing to do" if steer is None else "the round is already ending")
+            return
+        what = "exclude node " + self.cfg.node_name if steer == exit_codes.RESUME_ELSEWHERE else "shut the job down"
+        describe = f"rank {rank} (local {lr}) asked to {what} through its monitor: {req.get('description')}"
+        log.error("%s", describe)
+        self._transition(result, RoundState.FAILED)  # RUNNING -> FAILED: the job ends with the rank's steering code
+        detail = {"rank": rank, "local_rank": lr, "group_rank": result.group_rank, "pid": req.get("pid"),
+                  "describe": describe, "round": result.round, "steer": steer, "no_restart": True}
+        if steer == exit_codes.RESUME_ELSEWHERE and self._swap_refused(result, 1) is None:
+            detail.pop("no_restart")  # only this node leaves: a standby or the remaining nodes go on (_conclude)
+            detail["leaves"] = [self._node]
+        self._rdzv.report_stop(result.round, StopKind.FAILED, detail)
+
+    def _transition(self, result: RoundResult, new: RoundState) -> None:
+        """Enter NEW; logged (debug) so a round's path through the states can be followed in the agent log."""
+        if new is not self._state:
+            log.debug("round %d: %s -> %s", result.round, self._state.value, new.value)
+        self._state = new
+
+    def _monitors_failed(self, result: RoundResult, stopping: bool) -> bool:
+        """Restart dead monitors; True once one keeps dying, after ending the job with that reason.
+
+        A rank whose monitor cannot be kept alive runs unwatched, and a job that then "succeeds" hides it;
+        a restart of the job would not help either (monitors outlive rounds), so the job fails for good.
+        """
+        if self.monitors is None:
+            return False
+        self.monitors.restart_dead()
+        failure = self.monitors.failure
+        if failure is None or stopping:  # a round already ending reports this in the next one
+            return False
+        if self._monitor_failure_round != result.round:  # once per round: another node's stop may win it
+            self._monitor_failure_round = result.round
+            detail = {"local_rank": failure["local_rank"], "rank": result.rank_offset + failure["local_rank"],
+                      "group_rank": result.group_rank, "round": result.round, "describe": failure["describe"],
+                      "monitor_failed": True, "no_restart": True}
+            self._rdzv.report_stop(result.round, StopKind.FAILED, detail)
+        return True
+
+    def _inprocess_failures(self, exits: list[RankExit], failed: list[RankExit],
+                            result: RoundResult) -> list[RankExit]:
+        """--inprocess (spec "Known issues" 6): a failed rank does not stop the job; the Wrapper in the other
+        ranks restarts without it. The node fails only once all its ranks ended and none of them ended well."""
+        self._rank_succeeded = self._rank_succeeded or any(not e.failed for e in exits)
+        steering = [ex for ex in failed if ex.exitcode in exit_codes.STEERING_CODES]
+        if steering:
+            return steering  # the rank asks for something a restart in place cannot give
+        for ex in failed:
+            self._absorbed.append(ex)
+            self.events.emit(InprocessRankLost(rank=ex.global_rank, local_rank=ex.local_rank, pid=ex.pid,
+                                               exitcode=ex.exitcode, signal=ex.signal, round=result.round))
+        if self.workers.unreported() or self._rank_succeeded or not self._absorbed:
+            return []
+        return self._absorbed[-1:]
+
+    def _monitor_env(self, local_rank: int) -> dict[str, str]:
+        return self.monitors.rank_env(local_rank) if self.monitors is not None else {}
+
+    def _failure_detail(self, result: RoundResult, ex: RankExit) -> dict[str, Any]:
+        hang = self.monitors.hang_reason(ex.local_rank, ex.pid) if self.monitors is not None else None
+        describe = ex.describe()
+        error = read_error_file(self._round_error_files.get(ex.local_rank))
+        if error is not None:  # the rank's own words first line only: describe is one line
+            first = (error.message.strip().splitlines() or [""])[0]
+            describe += f": {first[:200]}" if first else ""
+        if hang:
+            where = f" in section {hang['section']!r}" if hang.get("section") else ""
+            describe += (f" by its monitor: {str(hang.get('reason')).replace('_', ' ')}{where} after "
+                         f"{float(hang.get('elapsed') or 0):.1f} s (timeout {hang.get('timeout')} s)")
+            first = self._stalled_first(ex.local_rank) if hang.get("reason") == "heartbeat_timeout" else None
+            if first is not None:
+                hang = {**hang, "stalled_first": result.rank_offset + first[0]}
+                describe += (f"; rank {result.rank_offset + first[0]} (local {first[0]}) stopped making progress "
+                             f"{first[1]:.2f} s earlier")
+        detail = {"rank": ex.global_rank, "local_rank": ex.local_rank, "group_rank": result.group_rank,
+                  "pid": ex.pid, "exitcode": ex.exitcode, "signal": ex.signal, "abandoned": ex.abandoned,
+                  "tail": list(ex.tail), "describe": describe, "round": result.round, "hang": hang,
+                  "error": error.to_fields() if error is not None else None}
+        if ex.exitcode in exit_codes.STEERING_CODES:
+            # The rank asks the resume logic for something a restart in place cannot give: end the job with its code.
+            detail.update(no_restart=True, steer=ex.exitcode)
+        return detail
+
+    def _stalled_first(self, local_rank: int) -> tuple[int, float] | None:
+        """Another local rank whose progress stopped before LOCAL_RANK's (the likelier culprit), and by how much."""
+        progress = self.monitors.last_progress() if self.monitors is not None else {}
+        mine = progress.get(local_rank)
+        if mine is None:
+            return None
+        earlier = {lr: mine - t for lr, t in progress.items() if lr != local_rank and t < mine}
+        if not earlier:
+            return None
+        lr = max(earlier, key=earlier.get)
+        return lr, earlier[lr]
+
+    def _forward_signal(self, result: RoundResult) -> None:
+        """First handled signal: pass it to the ranks once and tell the other nodes to stop too."""
+        signum = self._pending_signal or signal.SIGTERM
+        name = signal.Signals(signum).name
+        self.events.emit(AgentSignalEvent(signal=name, phase="running", round=result.round))
+        self.workers.signal_all(signum)
+        self._rdzv.report_stop(result.round, StopKind.INTERRUPTED, {"signal": name, "signum": int(signum)})
+
+    def _conclude(self, result: RoundResult, record: StopRecord) -> int | None:
+        """Act on the round's stop record: finish, give up, or stop ranks for the next round."""
+        if record.kind is StopKind.SUCCEEDED:
+            self.workers.stop()  # nothing should be left; bounded anyway
+            # the job's own local checkpoints (--local-ckpt-dir) will not be restored any more; kept on failure
+            remove_job_session(self.cfg.workers.base_env.get(LOCAL_CKPT_DIR_ENV), self.cfg.rdzv.run_id)
+            return exit_codes.OK
+        if record.kind is StopKind.INTERRUPTED:
+            signum = int(record.detail.get("signum") or signal.SIGTERM)
+            if self._state is not RoundState.INTERRUPTED:  # another node was signalled: pass the same signal on, once
+                self.workers.signal_all(signum)
+            self._let_ranks_finish(self.cfg.workers.term_timeout)
+            self.workers.stop(grace=0.0)
+            return exit_codes.interrupted(signum)
+        self.workers.stop()
+        if record.kind in FAULT_KINDS:
+            named = {} if record.detail.get("rank") is not None else {"node": record.by_node}  # who said so
+            self.failures.append({**named, **record.detail, "round": record.round, "kind": record.kind})
+        if record.give_up:
+            steer = record.detail.get("steer")
+            return steer if steer in exit_codes.STEERING_CODES else exit_codes.FAILED
+        leaves = record.detail.get("leaves") or []
+        if record.kind is StopKind.FAILED and self._node in leaves:
+            if self._rs is not None and self._rs.is_host:  # the others need its store: it stays (and re-runs here)
+                log.warning("node %s is suspected but hosts the rendezvous store: it stays in the job", self._node)
+                return None
+            self._end_detail = "left the job: its rank exited 16 (resume on other hardware); the others go on"
+            log.error("node %s leaves the job (exit %d): %s", self._node, exit_codes.RESUME_ELSEWHERE,
+                      record.detail.get("describe"))
+            return exit_codes.RESUME_ELSEWHERE
+        return None
+
+    def _let_ranks_finish(self, grace: float) -> None:
+        """After a forwarded stop signal, give ranks the grace period to save and exit on their own."""
+        deadline = time.monotonic() + grace
+        while self.workers.alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.workers.wait([], timeout=left)
+
+    # ------------------------------------------------------------ signals
+
+    def _install_signal_handlers(self) -> None:
+        for sig in self.cfg.signals_to_handle:
+            try:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+            except (ValueError, OSError):  # not in the main thread, or not catchable here
+                log.debug("cannot handle %s", sig)
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)
+        self._old_handlers.clear()
+
+    @contextlib.contextmanager
+    def _signals_raise(self) -> Iterator[None]:
+        """While blocked in rendezvous there are no ranks to forward to: a signal ends the agent."""
+        if self._pending_signal is not None:
+            raise AgentSignal(self._pending_signal)
+        self._raise_on_signal = True
+        try:
+            yield
+        finally:
+            self._raise_on_signal = False
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._raise_on_signal:
+            self._pending_signal = signum
+            raise AgentSignal(signum)
+        if self._pending_signal is not None:
+            if signum == self._pending_signal and time.monotonic() - self._signal_time < DUPLICATE_SIGNAL_WINDOW:
+                return  # the same signal sent to every process of the step (Slurm): not a second request
+            # A second signal while stopping: do not wait for the grace period any longer.
+            self.workers.signal_all(signal.SIGKILL)
+            return
+        self._pending_signal = signum
+        self._signal_time = time.monotonic()
+        try:
+            os.write(self._sig_w, b"s")
+        except BlockingIOError:
+            pass
+
+    def _drain_signal_pipe(self) -> bool:
+        got = False
+        while True:
+            try:
+                if not os.read(self._sig_r, 64):
+                    break
+                got = True
+            except BlockingIOError:
+                break
+        return got
+
+    # ------------------------------------------------------------ shutdown
+
+    def _close_stores(self, grace: float = STORE_CLOSE_GRACE) -> None:
+        """Close the rendezvous and its store connections, but never let that hold up the agent's exit.
+
+        Ranks and monitors are already gone here; what is left are TCPStore objects whose teardown runs in
+        C++ and, with the store's host dead, has been seen to block the exit for over a minute (rarely,
+        under load). So it runs in a daemon thread with a bound; the CLI leaves with os._exit anyway.
+        """
+        def close_all() -> None:
+            for closer in (self._rdzv, self._rs):
+                if closer is not None:
+                    try:
+                        closer.close()
+                    except Exception:
+                        log.debug("close failed", exc_info=True)
+
+        closing = threading.Thread(target=close_all, name="store-close", daemon=True)
+        closing.start()
+        closing.join(grace)
+        if closing.is_alive():
+            log.warning("closing the rendezvous store connections took over %.0f s; leaving them to process exit",
+                        grace)
+
+    def _shutdown(self) -> None:
+        """Leave nothing running: ranks, fork server, stores."""
+        try:
+            self.workers.close()
+            if self.monitors is not None:
+                self.monitors.close()
+            self.error_files.remove()
+        finally:
+            self._close_stores()
+            for fd in (self._sig_r, self._sig_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass

@@ -1,0 +1,442 @@
+"""`nvrx inspect LOG_DIR`: what happened in a run or a resume chain, from its JSON-lines event logs.
+
+Rich tables on a terminal, plain text when piped, ``--json`` for scripts, ``--follow`` for a live run.
+The analysis lives in ``nvrx.inspection`` (data only); this module parses flags and renders, with the
+sentences of structured timeline entries and the wording of durations from ``nvrx.nvrx_cli.inspect_text``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from nvrx.events import FtConfigInfo, HeartbeatTimeoutAuto, TimeoutsInfo
+from nvrx.inspection.event_files import NotARun, discover
+from nvrx.inspection.run_report import Report, build_report, make_report
+from nvrx.inspection.timeline import CKPT_SECTION, Filters, Timeline
+from nvrx.nvrx_cli.inspect_text import entry_dict, entry_text, report_dict
+
+_REL = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)\s*d)?\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*m)?"
+                  r"\s*(?:(\d+(?:\.\d+)?)\s*s)?\s*(?:ago)?\s*$", re.I)
+_LEVEL_STYLE = {"error": "red", "warn": "yellow", "ok": "green", "info": ""}
+_LEVEL_MARK = {"error": "!!", "warn": "! ", "ok": "ok", "info": "  "}
+log = logging.getLogger("nvrx.inspect")
+FOLLOW_BUDGET = 4 << 20  # bytes folded per file per --follow poll: a poll stays short on a huge backlog
+
+
+def parse_since(value: str | None, now: float | None = None) -> float | None:
+    """--since: an ISO date/time (local unless it says otherwise), HH:MM[:SS] today, or 90s/10m/2h/1d/1h30m ago."""
+    if value is None:
+        return None
+    now = time.time() if now is None else now
+    text = value.strip()
+    m = _REL.match(text)
+    if text and m and any(m.groups()):
+        d, h, mi, s = (float(g) if g else 0.0 for g in m.groups())
+        return now - (d * 86400 + h * 3600 + mi * 60 + s)
+    try:
+        if re.fullmatch(r"\d{1,2}:\d{2}(:\d{2}(\.\d+)?)?", text):
+            day = datetime.fromtimestamp(now).date().isoformat()
+            return datetime.fromisoformat(f"{day}T{text}").timestamp()
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: use an ISO time (2024-05-01T12:30:00), HH:MM[:SS] for today, "
+                                 "or a duration ago like 90s, 10m, 2h, 1d", param_hint="--since") from None
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("log_dir", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (with --follow: one JSON line per new entry).")
+@click.option("-f", "--follow", is_flag=True, help="Keep watching a live run: print new entries until Ctrl-C.")
+@click.option("--rank", type=click.IntRange(min=0), default=None, help="Only this global rank's faults and statistics.")
+@click.option("--since", default=None, help="Only from this time: ISO time, HH:MM[:SS] today, or 10m / 2h / 1d ago.")
+@click.option("--step-section", default=None,
+              help="The section whose time counts as training progress for goodput [default: step, else iteration].")
+@click.option("--ckpt-section", default=CKPT_SECTION, show_default=True,
+              help="The section that saves a checkpoint: progress after the last one of a failed round is redone.")
+@click.option("--tail", "tail_lines", type=click.IntRange(min=0), default=10, show_default=True,
+              help="Last output lines of a failing rank to show.")
+@click.option("--interval", type=click.FloatRange(min=0.05, max=60), default=1.0, show_default=True,
+              help="Seconds between polls with --follow.")
+def inspect(log_dir: tuple[Path, ...], as_json: bool, follow: bool, rank: int | None, since: str | None,
+            step_section: str | None, ckpt_section: str, tail_lines: int, interval: float) -> int:
+    """Tell what happened in a run: jobs, rounds, restarts and their causes, time lost, uptime,
+    goodput, heartbeats, sections and timeouts.
+
+    LOG_DIR is a run's dir (<log-dir>/<run-id>), a --log-dir holding several runs (a resume chain),
+    or event files; several may be given (e.g. also the resume state dir).
+    """
+    filters = Filters(rank=rank, since=parse_since(since), step_section=step_section, ckpt_section=ckpt_section)
+    paths = list(log_dir)
+    try:
+        if follow:
+            return _follow(paths, filters, as_json, tail_lines, interval)
+        try:
+            report = build_report(paths, filters)
+        except NotARun as err:
+            raise click.UsageError(str(err)) from None
+        try:
+            if as_json:
+                click.echo(json.dumps(report_dict(report), indent=2, default=str))
+            elif sys.stdout.isatty():
+                _render_rich(report, tail_lines)
+            else:
+                click.echo(render_text(report, tail_lines), nl=False)
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+            # The readers skip malformed records; a value that still slips through must not end in a traceback.
+            log.debug("rendering the report failed", exc_info=True)
+            raise click.ClickException(f"cannot show the report of {', '.join(map(str, paths))}: "
+                                       f"{type(exc).__name__}: {exc} (a bug in nvrx inspect; please report it "
+                                       "with the log dir)") from None
+        return 0
+    except BrokenPipeError:  # `nvrx inspect ... | head`: the reader is gone; that is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+# ------------------------------------------------------------------ follow
+
+
+def _follow(paths: list[Path], filters: Filters, as_json: bool, tail_lines: int, interval: float) -> int:
+    """Print entries as they appear; Ctrl-C (or SIGTERM) ends it with exit code 0."""
+    for p in paths:
+        if not p.exists():
+            raise click.UsageError(f"{p}: no such file or directory (give a run's log dir, e.g. nvrx_logs/<run-id>)")
+    stop = {"now": False}
+    old = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    tl = Timeline(filters)
+    tl.live = True
+    shown: set[tuple] = set()
+    emit = _json_line if as_json else _text_line(sys.stdout.isatty(), tail_lines)
+    waiting_said = False
+    caught_up = False  # the first pass reads everything there is, so the backlog prints in time order
+    try:
+        while not stop["now"]:
+            try:
+                tl.add_files(discover(paths))
+            except NotARun as err:
+                if not tl.files and not waiting_said:
+                    click.echo(f"nvrx inspect: waiting for event files ({err})", err=True)
+                    waiting_said = True
+            for ef in list(tl.files):
+                tl.consume(ef, final=False, budget=FOLLOW_BUDGET if caught_up else None)
+            caught_up = caught_up or bool(tl.files)
+            if tl.files:
+                report = make_report(tl)
+                for it in report.items:
+                    if it.key not in shown and it.kind != "job_open":
+                        shown.add(it.key)
+                        emit(it)
+                sys.stdout.flush()
+            if not any(ef.offset < ef.size for ef in tl.files):  # behind on a big burst: read on at once
+                _sleep(interval, stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    if tl.files and not as_json:
+        click.echo(f"stopped following; so far: {'; '.join(_ratios(make_report(tl)))}", err=True)
+    return 0
+
+
+def _sleep(seconds: float, stop: dict[str, bool]) -> None:
+    end = time.monotonic() + seconds
+    while not stop["now"]:
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.2))
+
+
+def _json_line(it: Any) -> None:
+    click.echo(json.dumps(entry_dict(it), default=str))
+
+
+def _text_line(rich: bool, tail_lines: int) -> Callable[[Any], None]:
+    console = _console() if rich else None
+
+    def emit(it: Any) -> None:
+        lines = [f"{_clock(it.t)}  {_LEVEL_MARK.get(it.level, '  ')} {entry_text(it)}"]
+        lines += [f"{'':25}| {x}" for x in it.tail[-tail_lines:]] if tail_lines else []
+        if console is None:
+            click.echo("\n".join(lines))
+            return
+        from rich.markup import escape
+
+        style = _LEVEL_STYLE.get(it.level, "")
+        for i, line in enumerate(lines):
+            text = escape(line)
+            console.print(f"[{style}]{text}[/{style}]" if style and i == 0 else (f"[dim]{text}[/dim]" if i else text))
+
+    return emit
+
+
+# ------------------------------------------------------------------ plain text
+
+
+def _clock(t: float | None, with_date: bool = True) -> str:
+    if t is None:
+        return "-"
+    fmt = "%Y-%m-%d %H:%M:%S.%f" if with_date else "%H:%M:%S.%f"
+    try:
+        return datetime.fromtimestamp(t).strftime(fmt)[:-3]
+    except (ValueError, OverflowError, OSError):  # a derived time beyond what dates can show
+        return f"t={t!r:.20}"
+
+
+def _secs(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x >= 3600:
+        return f"{x / 3600:.2f} h"
+    if x >= 120:
+        return f"{x / 60:.1f} min"
+    if x >= 0.1 or x == 0:
+        return f"{x:.2f} s"
+    return f"{x * 1000:.3g} ms"
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def _multi_day(report: Report) -> bool:
+    s, e = report.span.get("start"), report.span.get("end")
+    try:
+        return bool(s and e and datetime.fromtimestamp(s).date() != datetime.fromtimestamp(e).date())
+    except (ValueError, OverflowError, OSError):
+        return True  # times that are not dates: show the date part too
+
+
+def _summary(report: Report) -> list[str]:
+    rounds = sum(len(j["rounds"]) for j in report.jobs)
+    faults = sum(1 for f in report.faults if f["kind"] in ("failed", "node_left"))
+    files = report.files
+    head = (f"{len(report.jobs)} job(s), {rounds} round(s), {faults} fault(s); {files['count']} event file(s), "
+            f"{_bytes(files['bytes'])}, {files['lines']} lines, {report.corrupt['count']} corrupt")
+    span = report.span
+    lines = [f"nvrx inspect: {', '.join(report.paths)}", head]
+    if span.get("start") is not None:
+        state = " (still running)" if span.get("running") else ""
+        lines.append(f"wall time {_secs(span['wall_s'])}: {_clock(span['start'])} -> "
+                     f"{_clock(span['end'])}{state}")
+        lines += _time_lines(report)
+    f = report.filters
+    if f.get("rank") is not None or f.get("since") is not None:
+        lines.append("filters:" + (f" rank {f['rank']}" if f.get("rank") is not None else "")
+                     + (f" since {_clock(f['since'])}" if f.get("since") is not None else ""))
+    return lines
+
+
+def _ratios(report: Report) -> list[str]:
+    """Uptime and goodput as two short phrases (goodput only when a progress source exists)."""
+    out = [f"uptime {report.uptime * 100:.1f} %" if report.uptime is not None else "uptime n/a"]
+    if report.goodput is not None:
+        out.append(f"goodput {report.goodput * 100:.1f} % (from {report.goodput_source})")
+    else:
+        out.append("no goodput (no progress source: no step sections, no heartbeats)")
+    return out
+
+
+def _time_lines(report: Report) -> list[str]:
+    """The summary's uptime and goodput lines, with the seconds behind them."""
+    a = report.time_accounting
+    wall = _secs(a["wall_s"])
+    up, good = _ratios(report)
+    lines = [f"{up}: {_secs(a['uptime_s'])} with all ranks running / {wall} wall"]
+    if report.goodput is None:
+        return lines + [good]
+    redone = (f"; {_secs(a['recomputed_s'])} of progress redone after restarts" if a["recomputed_s"] is not None
+              else f"; recompute {a['recompute']}")
+    return lines + [f"{good}: {_secs(a['kept_s'])} of progress kept / {wall} wall{redone}"]
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return ["  " + fmt(headers), "  " + fmt(["-" * w for w in widths])] + ["  " + fmt(r) for r in rows]
+
+
+def _fault_rows(report: Report, with_date: bool) -> list[list[str]]:
+    return [[str(f["job"]), str(f["round"]), _clock(f.get("t"), with_date), f["kind"], str(f["rank"] if f.get("rank") is not None else "-"),
+             f["cause"], _secs(f.get("lost_s")) if f.get("lost_s") is not None else "not recovered"]
+            for f in report.faults]
+
+
+def _rank_rows(report: Report) -> list[list[str]]:
+    rows = []
+    for r in report.ranks:
+        secs = "; ".join(f"{n}: {s['closes']} x, max {_secs(s['max_s'])}, ~{_secs(s['total_s_est'])}"
+                         for n, s in r["sections"].items()) or "-"
+        beats = str(r["heartbeats"])
+        if r.get("auto_heartbeat"):  # automatic beats are seen by the monitor, not counted
+            beats = "auto" if not r["heartbeats"] else f"{beats} + auto"
+        rows.append([str(r["rank"]), ",".join(r["nodes"]), str(r["sessions"]), beats,
+                     _secs(r["hb_max_interval_s"]), _secs(r["first_heartbeat_max_s"]), str(r["hangs"]), secs])
+    return rows
+
+
+def _fmt_timeouts(t: dict[str, Any] | None) -> str:
+    if not t:
+        return "-"
+    f = TimeoutsInfo.F
+    secs = t.get(f.sections) or {}
+    parts = [f"first hb {_num(t.get(f.initial_heartbeat))}", f"hb {_num(t.get(f.heartbeat))}"]
+    parts += [f"{n} {_num(v)}" for n, v in secs.items()]
+    parts.append(f"out-of-section {_num(t.get(f.out_of_section))}")
+    return ", ".join(parts)
+
+
+def _num(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool) and abs(v) < 10**15):
+        return f"{v:g}"
+    text = str(v)
+    return text if len(text) <= 20 else text[:17] + "..."
+
+
+def _configured(cfg: dict[str, Any] | None) -> str:
+    if not cfg:
+        return "not logged (no ft_config event)"
+    c, f = FtConfigInfo.F, TimeoutsInfo.F
+    t = {f.initial_heartbeat: cfg.get(c.initial_rank_heartbeat_timeout), f.heartbeat: cfg.get(c.rank_heartbeat_timeout),
+         f.sections: cfg.get(c.rank_section_timeouts) or {}, f.out_of_section: cfg.get(c.rank_out_of_section_timeout)}
+    auto = "; automatic heartbeat" if cfg.get(c.auto_heartbeat) else ""
+    return (f"{_fmt_timeouts(t)}; check every {_num(cfg.get(c.workload_check_interval))} s, "
+            f"safety factor {_num(cfg.get(c.safety_factor))}, kill with {cfg.get(c.rank_termination_signal)}{auto}")
+
+
+def _fmt_auto(a: dict[str, Any] | None) -> str:
+    """The automatic heartbeat timeout of a rank: value, enforced or suggested, and what it came from."""
+    if not a:
+        return "-"
+    f = HeartbeatTimeoutAuto.F
+    how = "set" if a.get(f.mode) == "set" and not a.get(f.capped) else "suggested"
+    busy = f"; {a['deferred']} busy gap(s) let through" if a.get("deferred") else ""
+    return (f"hb {_num(a.get(f.timeout))} {how} ({_num(a.get(f.multiple))} x p{_num(a.get(f.percentile))} gap "
+            f"{_num(a.get(f.basis))}, longest {_num(a.get(f.longest_gap))}, {a.get(f.gaps)} gaps{busy})")
+
+
+def _timeout_rows(report: Report) -> list[list[str]]:
+    to = report.timeouts
+    auto = to.get("auto") or {}
+    keys = sorted(set(to["in_force"]) | set(to["computed"]) | set(auto),
+                  key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else k))
+    return [[k, _fmt_timeouts(to["in_force"].get(k)),
+             _fmt_timeouts((to["computed"].get(k) or {}).get("timeouts")) if k in to["computed"] else "-",
+             _fmt_auto(auto.get(k))]
+            for k in keys]
+
+
+FAULT_HEAD = ["job", "round", "at", "kind", "rank", "cause", "time lost"]
+RANK_HEAD = ["rank", "node", "runs", "heartbeats", "max hb gap", "first hb", "hangs", "sections: closes, max, ~total"]
+TIMEOUT_HEAD = ["rank", "in force (s)", "computed (s)", "automatic (s)"]
+
+
+def render_text(report: Report, tail_lines: int = 10) -> str:
+    """The report as plain text (no colours, no box drawing): what a pipe or a log file gets."""
+    with_date = _multi_day(report)
+    out = _summary(report) + ["", "Timeline"]
+    for it in report.items:
+        out.append(f"  {_clock(it.t, with_date)}  {_LEVEL_MARK.get(it.level, '  ')} {entry_text(it)}")
+        if tail_lines:
+            out += [f"  {'':14}  | {x}" for x in it.tail[-tail_lines:]]
+    if not report.items:
+        out.append("  (no entries)")
+    if report.faults:
+        out += ["", "Faults and stops"] + _table(FAULT_HEAD, _fault_rows(report, with_date))
+    if report.ranks:
+        out += ["", "Ranks"] + _table(RANK_HEAD, _rank_rows(report))
+    out += ["", "Timeouts", f"  configured: {_configured(report.timeouts['configured'])}"]
+    rows = _timeout_rows(report)
+    if rows:
+        out += _table(TIMEOUT_HEAD, rows)
+    out += _problems(report)
+    out += _definitions(report)
+    return "\n".join(out) + "\n"
+
+
+def _definitions(report: Report) -> list[str]:
+    a = report.time_accounting
+    out = [f"{name}: {text}" for name, text in a["definitions"].items()]
+    if a.get("recompute"):
+        out.append(f"redone: {a['recompute']}")
+    return out
+
+
+def _problems(report: Report) -> list[str]:
+    out = []
+    c = report.corrupt
+    if c["count"]:
+        out += ["", f"Corrupt lines: {c['count']} skipped"] + [f"  {x}" for x in c["first"]]
+        if c["count"] > len(c["first"]):
+            out.append(f"  ... and {c['count'] - len(c['first'])} more")
+    if report.unknown_events:
+        total = sum(report.unknown_events.values())
+        out += ["", f"Unknown events: {total} counted, not interpreted"]
+        out += [f"  {k}: {v}" for k, v in report.unknown_events.items()]
+    return out + [""]
+
+
+# ------------------------------------------------------------------ rich
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=False)
+
+
+def _render_rich(report: Report, tail_lines: int) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = _console()
+    with_date = _multi_day(report)
+    head = _summary(report)
+    console.print(f"[bold]{escape(head[0])}[/bold]")
+    for line in head[1:]:
+        console.print(escape(line))
+    tbl = Table(title="Timeline", title_justify="left", show_header=False, box=None, pad_edge=False)
+    tbl.add_column("at", style="dim", no_wrap=True)
+    tbl.add_column("what")
+    for it in report.items:
+        style = _LEVEL_STYLE.get(it.level, "")
+        words = escape(entry_text(it))
+        text = f"[{style}]{words}[/{style}]" if style else words
+        tail = it.tail[-tail_lines:] if tail_lines else []
+        if tail:
+            text += "\n" + "\n".join(f"[dim]| {escape(x)}[/dim]" for x in tail)
+        tbl.add_row(_clock(it.t, with_date), text)
+    console.print(tbl)
+    for title, headers, rows in (("Faults and stops", FAULT_HEAD, _fault_rows(report, with_date)),
+                                 ("Ranks", RANK_HEAD, _rank_rows(report)),
+                                 ("Timeouts in force, computed and automatic", TIMEOUT_HEAD, _timeout_rows(report))):
+        if not rows:
+            continue
+        t = Table(title=title, title_justify="left")
+        for h in headers:
+            t.add_column(h)
+        for r in rows:
+            t.add_row(*(escape(c) for c in r))
+        console.print(t)
+    console.print(f"configured timeouts: {escape(_configured(report.timeouts['configured']))}")
+    for line in _problems(report):
+        console.print(f"[yellow]{escape(line)}[/yellow]" if line else "")
+    for line in _definitions(report):
+        console.print(f"[dim]{escape(line)}[/dim]")
