@@ -4,18 +4,18 @@ A typical training loop (every rank runs the same calls)::
 
     from nvrx import ckpt
     from nvrx.launcher.rank import job_control
-    info = nvrx.ckpt.resume("ckpts", state)            # newest complete checkpoint, verified (None: fresh start);
+    info = ckpt.resume("ckpts", state)            # newest complete checkpoint, verified (None: fresh start);
                                                  # also reserves staging memory, so even the first save is warm,
                                                  # and removes unfinished checkpoints of crashed saves
     # (no resume? nvrx.ckpt.configure(state_dict=state) or nvrx.ckpt.prepare(state) reserves the staging memory)
     for step in range(start, total):
         train_step()
-        nvrx.ckpt.maybe_finalize()                    # cheap; publishes saves whose writes are durable
+        ckpt.maybe_finalize()                    # cheap; publishes saves whose writes are durable
         if step % 100 == 0:
-            nvrx.ckpt.async_save(state, f"ckpts/step_{step:07d}")   # blocks only for the copy
+            ckpt.async_save(state, f"ckpts/step_{step:07d}")   # blocks only for the copy
         if job_control.should_stop(step):        # SIGTERM / preemption: the step all ranks agreed on
             ckpt.async_save(state, f"ckpts/step_{step:07d}")
-            nvrx.ckpt.finalize_before_exit()          # every pending save published, writer stopped
+            ckpt.finalize_before_exit()          # every pending save published, writer stopped
             break
     ckpt.finalize_before_exit()
 """

@@ -52,7 +52,7 @@ def main() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     pace = {"every_seconds": float(sys.argv[4])} if len(sys.argv) > 4 else {"every_steps": 5}
     saver = ckpt.PeriodicCheckpointer(os.path.join(out, "ckpts"), model=model, optimizer=opt, **pace)
-    newest = nvrx.ckpt.find_latest_checkpoint(os.path.join(out, "ckpts"))  # what resume() must load
+    newest = ckpt.find_latest_checkpoint(os.path.join(out, "ckpts"))  # what resume() must load
     start = saver.resume()
     record(out, f"start-a{attempt}-r{rank}.json", {"start": start, "zero_steps": len(ZERO_STEPS),
                                                    "newest": newest.path.name if newest else None})

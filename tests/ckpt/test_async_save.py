@@ -125,7 +125,7 @@ def test_plan_cache_is_reused_for_identical_saves_and_dropped_when_the_structure
     target["model"]["new"] = torch.zeros(4)
     del target["empty"]
     assert torch.equal(dcp_load(target, tmp_path / "c")["model"]["new"], torch.ones(4))
-    assert "empty" not in nvrx.ckpt.load_metadata(tmp_path / "c").state_dict_metadata  # the removed key is gone
+    assert "empty" not in ckpt.load_metadata(tmp_path / "c").state_dict_metadata  # the removed key is gone
     assert "empty" in ckpt.load_metadata(tmp_path / "b").state_dict_metadata
 
 
@@ -255,7 +255,7 @@ def test_published_checkpoint_whose_latest_update_failed_is_reported_as_publishe
                               "`latest` pointer failed: Is a directory"), message
     assert "not published" not in message and "\n" not in message
     assert isinstance(err.value, ckpt.CheckpointWriteError) and cp.pending == 0
-    nvrx.ckpt.verify_checkpoint(tmp_path / "step_2")  # kept, not discarded
+    ckpt.verify_checkpoint(tmp_path / "step_2")  # kept, not discarded
     assert ckpt.find_latest_checkpoint(tmp_path).path.name == "step_2"
     assert dcp_load({"x": torch.zeros(10)}, tmp_path / "step_2")["x"][0] == 2.0
 
@@ -279,7 +279,7 @@ def test_loader_skips_a_damaged_newest_checkpoint(tmp_path: Path, caplog: pytest
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF  # one flipped byte in the tensor data
     data.write_bytes(bytes(raw))
-    assert nvrx.ckpt.find_latest_checkpoint(tmp_path, verify="sizes").path.name == "step_1"  # sizes alone cannot tell
+    assert ckpt.find_latest_checkpoint(tmp_path, verify="sizes").path.name == "step_1"  # sizes alone cannot tell
     with pytest.raises(ckpt.CheckpointError, match="damaged"):
         ckpt.verify_checkpoint(tmp_path / "step_1")
     info = ckpt.load_latest(tmp_path, target := {"x": torch.zeros(4096), "y": torch.zeros(3)})

@@ -96,7 +96,7 @@ def test_one_flipped_bit_in_a_tensor_falls_back_to_the_older_checkpoint(tmp_path
                                                                         caplog: pytest.LogCaptureFixture) -> None:
     save_two(tmp_path)
     flip_tensor(tmp_path / "step_2", fqn, 3)
-    assert nvrx.ckpt.find_latest_checkpoint(tmp_path, verify="sizes").path.name == "step_2"  # sizes cannot tell
+    assert ckpt.find_latest_checkpoint(tmp_path, verify="sizes").path.name == "step_2"  # sizes cannot tell
     with caplog.at_level(logging.WARNING, logger="nvrx.ckpt.loader"):
         info_loaded = ckpt.load_latest(tmp_path, target := blank())
     assert info_loaded.path.name == "step_1"
@@ -147,5 +147,5 @@ def test_a_state_the_direct_reader_cannot_take_goes_through_dcp_and_is_still_ver
     flip_tensor(newest.path, "model.b", 1)
     target = blank()
     target["model"]["w"] = torch.zeros(30, 20).t()
-    assert nvrx.ckpt.load_latest(tmp_path, target).path.name == "step_1"  # the full verification pass caught it
+    assert ckpt.load_latest(tmp_path, target).path.name == "step_1"  # the full verification pass caught it
     assert_state(target, 1.0)

@@ -84,5 +84,5 @@ def test_no_writer_is_left_behind_when_training_ends_without_finalize(tmp_path: 
         writer = int(out.split()[1])
         assert writer_gone(writer), f"{mode}: writer {writer} outlived its trainer"
         assert "never finalized and are not published" in err
-        assert nvrx.ckpt.list_checkpoints(root) == []  # an unfinalized save is never listed
+        assert ckpt.list_checkpoints(root) == []  # an unfinalized save is never listed
         assert tagged_processes(token) == []

@@ -233,7 +233,7 @@ def test_unmodified_torchrun_script_gives_same_results(launcher, tmp_path):
     script = write_script(tmp_path / "ddp.py", TORCHRUN_SCRIPT)
     ours = launcher.run("--nproc-per-node", "2", "--standalone", str(script))
     assert ours.returncode == 0, ours.stderr
-    peer_env = nvrx.launcher.env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # the peer's most reliable mode
+    peer_env = launcher.env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # the peer's most reliable mode
     # torchrun itself sometimes aborts (SIGABRT in gloo teardown) on a loaded 2-core machine; that is the
     # peer's flakiness, not what this test checks, so the peer gets up to three tries.
     for _ in range(3):

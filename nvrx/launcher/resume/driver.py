@@ -470,7 +470,7 @@ class ResumeDriver:
             return
         try:
             slurm_submit.find_tool(sub.tool, self.cfg.env, sub.flag)
-            if not nvrx.slurm.job_id:
+            if not slurm.job_id:
                 raise SlurmSetupError(f"{sub.flag} needs the Slurm job id: run it inside the batch job "
                                       "(SLURM_JOB_ID) or pass --job-id")
             if sub.method == "sbatch" and sub.script is not None and not sub.script.is_file():
@@ -484,7 +484,7 @@ class ResumeDriver:
     def _submit(self, state: ResumeState) -> ResumeState:
         """Submit the continuation (once per job execution); record it before and after."""
         sub, slurm = self.cfg.submit, self.cfg.slurm
-        assert sub is not None and nvrx.slurm.job_id
+        assert sub is not None and slurm.job_id
         done = [s for s in state.submitted if s.get("from_job") == slurm.run_key and s.get("ok")]
         if done:
             log.info("a continuation (job %s) was already submitted from this job", done[-1].get("job_id"))
