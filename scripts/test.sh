@@ -1,12 +1,47 @@
 #!/usr/bin/env bash
-# Fresh machine -> the whole test suite. Extra arguments go to pytest (e.g. -m "not slow").
+# Fresh machine -> the whole test suite, run against nvrx as users install it.
+#
+#   scripts/test.sh [PYTEST ARGS...]             build the sdist and the wheel (the wheel from the sdist), install
+#                                               the wheel with its declared test extras in a fresh venv
+#                                               ($NVRX_TEST_VENV, default .venv-test/; torch pinned first), copy the
+#                                               tests to a temp dir without the nvrx/ sources, run pytest there
+#   scripts/test.sh --editable [PYTEST ARGS...]  the suite against `pip install -e .` in this Python (scripts/setup.sh)
+#
+# As root it also installs the Slurm the Slurm tests start (scripts/install_slurm.sh); a test Slurm that does not
+# come up then fails those tests instead of skipping them (NVRX_REQUIRE_SLURM=0 to skip anyway).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
-# Real Slurm for tests/slurm. When it is installed (and usable: root), a test Slurm that does not come up
-# fails the Slurm tests instead of skipping them (NVRX_REQUIRE_SLURM=1; export NVRX_REQUIRE_SLURM=0 to
-# skip anyway). When it cannot be installed they skip, with the reason.
+REPO=$PWD
+TORCH_PIN="torch==2.13.0"
+PIP_FLAGS=(--quiet --disable-pip-version-check)
+
 if INSTALL_SLURM_STRICT=1 scripts/install_slurm.sh; then
     export NVRX_REQUIRE_SLURM="${NVRX_REQUIRE_SLURM:-1}"
 fi
-exec "${PYTHON:-python3}" -m pytest -q "$@"
+
+if [ "${1:-}" = "--editable" ]; then
+    shift
+    scripts/setup.sh
+    exec "${PYTHON:-python3}" -m pytest -q "$@"
+fi
+
+VENV=${NVRX_TEST_VENV:-$REPO/.venv-test}
+rm -rf "$VENV" dist
+"${PYTHON:-python3}" -m venv "$VENV"
+PY=$VENV/bin/python
+"$PY" -m pip install "${PIP_FLAGS[@]}" "$TORCH_PIN" build
+"$PY" -m build --outdir dist . >/dev/null       # sdist first, then the wheel built from the sdist
+rm -rf build ./*.egg-info
+WHEEL=$(ls dist/nvrx-*.whl)
+# only what the wheel declares (the pin again: nothing in the extras may swap the CPU build)
+"$PY" -m pip install "${PIP_FLAGS[@]}" "${WHEEL}[test]" "$TORCH_PIN"
+
+# The tests, scripts and benchmarks, without the package sources: `nvrx` can only come from the venv.
+WORK=$(mktemp -d /tmp/nvrx-tests.XXXXXX)
+tar --exclude=./nvrx --exclude=./.git --exclude=./dist --exclude=./.venv-test --exclude='__pycache__' -cf - . \
+    | tar -xf - -C "$WORK"
+cd "$WORK"
+"$PY" -P -c 'import nvrx, sys; sys.exit(0 if "site-packages" in nvrx.__file__ else "nvrx is not the installed wheel: " + nvrx.__file__)'
+export PATH="$VENV/bin:$PATH" NVRX_TEST_INSTALLED=1 NVRX_TEST_WHEEL="$REPO/$WHEEL"
+echo "testing $WHEEL installed in $VENV, tests in $WORK"
+exec "$PY" -m pytest -q "$@"

@@ -9,7 +9,6 @@ import sys
 import click
 
 from nvrx.common.errors import ConfigError
-from nvrx.common.imports import describe_import_error
 from nvrx.nvrx_cli.inspect_cmd import inspect
 from nvrx.nvrx_cli.launch_cmd import launch, split_ft_args
 from nvrx.nvrx_cli.resume_cmd import resume
@@ -49,9 +48,6 @@ def main(argv: list[str] | None = None) -> None:
     except click.Abort:
         click.echo("nvrx: aborted", err=True)
         sys.exit(130)
-    except ImportError as err:  # a dependency imported on first use (torch) missing or shadowed
-        click.echo(f"nvrx: error: {describe_import_error(err)}", err=True)
-        _exit_now(2)
     _exit_now(rv if isinstance(rv, int) else 0)
 
 

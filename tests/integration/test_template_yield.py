@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from nvrx.launcher.agent import fork_server
-from nvrx.launcher.agent.fork_client import launcher_env
+from nvrx.common.process import python_module_command
 from tests.conftest import pid_gone, wait_for, write_script
 
 RANK = r'''
@@ -68,8 +68,9 @@ class _Template:
 
     def __init__(self, env: dict[str, str]) -> None:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cmd = [sys.executable, "-m", "nvrx.launcher.agent.fork_server", "--fd", str(theirs.fileno()), "--parent", str(os.getpid())]
-        self.proc = subprocess.Popen(cmd, env=launcher_env(env), pass_fds=(theirs.fileno(),), process_group=0)
+        cmd = python_module_command(sys.executable, "nvrx.launcher.agent.fork_server", "--fd", str(theirs.fileno()),
+                                    "--parent", str(os.getpid()))
+        self.proc = subprocess.Popen(cmd, env=dict(env), pass_fds=(theirs.fileno(),), process_group=0)
         theirs.close()
         self.sock.settimeout(120)
         self.env = env

@@ -349,6 +349,16 @@ def resolve_state_dir(flag: str | None, env: Mapping[str, str], run_log_dir: Pat
     return Path(chosen).expanduser().resolve()
 
 
+def check_no_shadowing_nvrx(main_dir: Path) -> None:
+    """Refuse a script directory holding its own `nvrx` module: a rank runs with that directory first on
+    sys.path, so the user's code would import nvrx's package where under torchrun it imports the user's."""
+    ours = Path(__file__).resolve().parents[2]  # the nvrx package directory
+    for candidate in (main_dir / "nvrx.py", main_dir / "nvrx" / "__init__.py"):
+        if candidate.exists() and candidate.resolve().parent != ours:
+            raise ConfigError(f"{candidate} shadows the nvrx package in the ranks (its directory is first on their "
+                              f"sys.path): rename it")
+
+
 def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str],
                         ft: FaultToleranceConfig | None = None) -> LaunchConfig:
     """Validate raw CLI values (keys as the click parameter names) into a LaunchConfig.
@@ -430,6 +440,8 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str],
 
     if not module and not no_python and not Path(entry).is_file():
         raise ConfigError(f"training script {entry!r} does not exist (relative to {os.getcwd()})")
+    if not no_python:
+        check_no_shadowing_nvrx(Path.cwd() if module else Path(entry).resolve().parent)
 
     log_dir = Path(raw["log_dir"]).expanduser().resolve() if raw.get("log_dir") else None
     redirects = parse_std_map(raw.get("redirects"), nproc, "--redirects")

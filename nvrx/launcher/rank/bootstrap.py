@@ -104,6 +104,8 @@ def _fresh_main(**attrs: object) -> types.ModuleType:
     main.__dict__.update({"__builtins__": builtins, "__cached__": None, "__package__": None, "__spec__": None})
     main.__dict__.update(attrs)
     sys.modules["__main__"] = main
+    if "__mp_main__" in sys.modules:  # multiprocessing's alias of __main__, made when it was imported before us
+        sys.modules["__mp_main__"] = main
     return main
 
 
