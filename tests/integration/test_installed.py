@@ -145,3 +145,21 @@ def test_a_file_named_like_a_dependency_in_the_working_directory_changes_nothing
                           text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count(" sum 3") == 2
+
+
+def test_the_public_surface_imports_on_first_use(tmp_path: Path) -> None:
+    """`import nvrx` is cheap (no torch); each public name is the module that implements it."""
+    probe = (
+        "import sys, json\n"
+        "import nvrx\n"
+        "cheap = 'torch' not in sys.modules\n"
+        "from nvrx import inprocess, ckpt, fault_tolerance, straggler, rerun, job_control\n"
+        "import nvrx.launcher.rank.inprocess as full\n"
+        "print(json.dumps([cheap, inprocess is full, hasattr(inprocess, 'Wrapper'), hasattr(ckpt, 'PeriodicCheckpointer'),\n"
+        "                  hasattr(fault_tolerance, 'RankMonitorClient'), hasattr(straggler, 'Detector'),\n"
+        "                  hasattr(rerun, 'RerunStateMachine'), hasattr(job_control, 'mark_finished')]))\n"
+    )
+    done = subprocess.run([sys.executable, "-P", "-c", probe], cwd=tmp_path, env=_clean_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [True] * 8
