@@ -14,6 +14,12 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 TORCH_PIN="torch==2.13.0"
 PIP_FLAGS=(--quiet --disable-pip-version-check)
+quiet() {  # run "$@" showing its output only when it fails
+    local log
+    log=$(mktemp)
+    if ! "$@" >"$log" 2>&1; then cat "$log"; rm -f "$log"; return 1; fi
+    rm -f "$log"
+}
 
 if INSTALL_SLURM_STRICT=1 scripts/install_slurm.sh; then
     export NVRX_REQUIRE_SLURM="${NVRX_REQUIRE_SLURM:-1}"
@@ -29,12 +35,12 @@ VENV=${NVRX_TEST_VENV:-$REPO/.venv-test}
 rm -rf "$VENV" dist
 "${PYTHON:-python3}" -m venv "$VENV"
 PY=$VENV/bin/python
-"$PY" -m pip install "${PIP_FLAGS[@]}" "$TORCH_PIN" build
-"$PY" -m build --outdir dist . >/dev/null       # sdist first, then the wheel built from the sdist
+quiet "$PY" -m pip install "${PIP_FLAGS[@]}" "$TORCH_PIN" build
+quiet "$PY" -m build --outdir dist .            # sdist first, then the wheel built from the sdist
 rm -rf build ./*.egg-info
 WHEEL=$(ls dist/nvrx-*.whl)
 # only what the wheel declares (the pin again: nothing in the extras may swap the CPU build)
-"$PY" -m pip install "${PIP_FLAGS[@]}" "${WHEEL}[test]" "$TORCH_PIN"
+quiet "$PY" -m pip install "${PIP_FLAGS[@]}" "${WHEEL}[test]" "$TORCH_PIN"
 
 # The tests, scripts and benchmarks, without the package sources: `nvrx` can only come from the venv.
 WORK=$(mktemp -d /tmp/nvrx-tests.XXXXXX)

@@ -68,14 +68,22 @@ def _make_user_dir(root: Path) -> Path:
     return work
 
 
-def _run(cmd: list[str], work: Path, out: Path, env_extra: dict[str, str] | None = None) -> dict:
+def _run(cmd: list[str], work: Path, out: Path, env_extra: dict[str, str] | None = None, tries: int = 1) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "NVRX_"))}
     env.update({"USER_WORLD_OUT": str(out), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(work / "extra"),
                 **(env_extra or {})})
     (work / "extra").mkdir(exist_ok=True)
-    done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, (cmd, done.stdout[-2000:], done.stderr[-3000:])
+    for _ in range(tries):
+        done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=180)
+        if done.returncode == 0:
+            break
+    assert done.returncode == 0, (cmd, done.stdout[-2000:], done.stderr[:3000], done.stderr[-3000:])
     return json.loads(out.read_text())
+
+
+# torchrun itself sometimes aborts on a loaded 2-core machine (SIGABRT in gloo teardown, seen in
+# test_launch.py too); that is the peer's flakiness, not what these tests check: it gets three tries.
+PEER_TRIES = 3
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +96,7 @@ def reference(user_dir: Path) -> dict:
     """What torchrun gives the script."""
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py"],
-                user_dir, user_dir / "torchrun.json", env)
+                user_dir, user_dir / "torchrun.json", env, tries=PEER_TRIES)
 
 
 NVRX = [sys.executable, "-P", "-m", "nvrx", "launch", "--standalone", "--nproc-per-node", "2"]
@@ -113,7 +121,7 @@ def test_the_users_modules_are_imported_as_under_torchrun(user_dir: Path, refere
 def test_module_mode_matches_torchrun(user_dir: Path) -> None:
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     theirs = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                   "userpkg.probe"], user_dir, user_dir / "torchrun-m.json", env)
+                   "userpkg.probe"], user_dir, user_dir / "torchrun-m.json", env, tries=PEER_TRIES)
     ours = _run([*NVRX, "-m", "userpkg.probe"], user_dir, user_dir / "nvrx-m.json")
     assert theirs["mine"] == {name: name for name in USER_MODULES}
     assert ours["mine"] == theirs["mine"] and ours["sys_path"] == theirs["sys_path"]
