@@ -49,10 +49,10 @@ def test_launch_without_the_flag_starts_no_writer_early(launcher, tmp_path: Path
 
 @pytest.mark.skipif(not _wired(), reason="nvrx launch has no --async-ckpt flag yet")
 def test_a_user_module_named_ckpt_still_imports(launcher, tmp_path: Path) -> None:
-    """The bootstrap imports our writer before user code; a user's own `nvrx.ckpt` module must win the import."""
+    """The bootstrap imports our writer before user code; a user's own `ckpt` module must win the import."""
     project = tmp_path / "project"  # the script's directory comes first on the rank's sys.path
     project.mkdir()
-    (project / "nvrx.ckpt.py").write_text("OWN = 'user ckpt'\n")
+    (project / "ckpt.py").write_text("OWN = 'user ckpt'\n")
     (project / "train.py").write_text("import ckpt\nprint(ckpt.OWN)\n")
     done = launcher.run("--standalone", "--nproc-per-node", "1", "--async-ckpt", str(project / "train.py"))
     assert done.returncode == 0, done.stderr

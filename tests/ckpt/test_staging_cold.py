@@ -148,10 +148,13 @@ def test_a_failing_lane_stops_the_fill_and_leaves_no_thread() -> None:
     pool = StagingPool()
     buf = pool.acquire(total, populate=False)
 
-    def broken(chunk):
+    def broken(*args):
         raise OSError(28, "No space left on device")
 
+    # Both lanes fail: which lane takes the first chunk depends on scheduling (a helper lane that gets a core
+    # first can fill everything before the caller's pwrite lane starts), and either failing must end the fill.
     buf._pwrite_chunk = broken
+    buf._map_and_copy = broken
     with pytest.raises(OSError, match="No space"):
         buf.fill(copies, lanes=2)
     assert not [t for t in threading.enumerate() if t.name == "nvrx-ckpt-fill"]

@@ -28,7 +28,7 @@ import warnings
 from typing import NoReturn
 
 # Ranks attach to their monitor with these. Every nvrx module lives under the one `nvrx` package, so none
-# of them can shadow a user's module (a user's `nvrx.launcher.py`, `nvrx/ckpt/`, ...) and they stay listed.
+# of them can shadow a user's module (a user's `launcher.py`, `ckpt/`, ...) and they stay listed.
 from nvrx.monitors import client as monitor_client
 from nvrx.monitors.progress_watchdog import ProgressWatchdog
 from nvrx.ckpt.async_ckpt import writer_process as ckpt_writer  # light: no torch import
