@@ -23,7 +23,8 @@ HOUR = 3600.0
 def crash_mid_save(root: Path, name: str) -> None:
     """A real training process that starts a save of NAME and is SIGKILLed before it is finalized."""
     code = textwrap.dedent(f"""
-        import os, signal, torch, ckpt
+        import os, signal, torch
+        from nvrx import ckpt
         cp = ckpt.AsyncCheckpointer()
         cp.async_save({{"x": torch.full((1 << 20,), 2.0)}}, {str(root / name)!r})
         os.kill(os.getpid(), signal.SIGKILL)

@@ -76,7 +76,7 @@ for action in sys.argv[1:]:
         elif name == "token_in_env":
             out("token_in_env", "NVRX_MONITOR_TOKEN" in os.environ)
         elif name == "child_init":  # a child process started the usual way inherits os.environ
-            child = subprocess.run([sys.executable, "-c", "from monitors.client import RankMonitorClient; "
+            child = subprocess.run([sys.executable, "-c", "from nvrx.monitors.client import RankMonitorClient; "
                                     "RankMonitorClient().init_workload_monitoring()"],
                                    capture_output=True, text=True)
             out("child_init", {"rc": child.returncode, "err": child.stderr.strip().splitlines()[-1:]})

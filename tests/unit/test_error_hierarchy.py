@@ -57,7 +57,7 @@ def test_every_exception_class_derives_from_nvrx_error():
     found = exception_classes()
     rootless = sorted(name for name, cls in found.items()
                       if not issubclass(cls, NvrxError) and name not in NOT_NVRX_ERRORS)
-    assert rootless == [], "derive these from nvrx_common.errors.NvrxError (or list them, with the reason)"
+    assert rootless == [], "derive these from nvrx.common.errors.NvrxError (or list them, with the reason)"
 
 
 def test_the_allow_list_is_current():

@@ -158,8 +158,10 @@ def _warm_up() -> None:
 def main(argv: list[str]) -> None:
     fd, parent_pid = int(argv[0]), int(argv[1])
     nice = int(argv[2]) if len(argv) > 2 else _NICE
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT):
+    stop_signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+    for sig in stop_signals:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)  # blocked by the training process across our start
     die_with_parent(parent_pid)
     try:
         os.nice(max(0, nice - os.nice(0)))  # training comes first: while a rank copies its state the writer yields

@@ -67,6 +67,11 @@ class WriterProcess:
         env.setdefault("OMP_NUM_THREADS", "1")
         args = [str(theirs.fileno()), str(os.getpid()), str(self.nice)]
         cmd = python_module_command(self.python, "nvrx.ckpt.async_ckpt.writer_main", *args)
+        # The writer ignores the launcher's stop signals, but only once its main() runs: a spawned writer imports
+        # for a while first (seconds on a loaded node), and a SIGTERM to the rank's process group then would kill
+        # it and lose the save in flight. Blocked here, the signals stay blocked across fork + exec until the
+        # writer has set them to be ignored (a signal pending meanwhile is then discarded).
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, writer_main_signals())
         try:
             if _can_fork():
                 self.proc = _ForkedWriter(theirs.fileno(), args, cmd[:4])  # type: ignore[assignment]
@@ -74,6 +79,7 @@ class WriterProcess:
                 self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
                                              close_fds=True)
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
             theirs.close()
         self.channel = Channel(ours)
         self.pid = self.proc.pid
@@ -293,6 +299,11 @@ def _can_fork() -> bool:
         return len(os.listdir("/proc/self/task")) == 1
     except OSError:
         return False
+
+
+def writer_main_signals() -> set[signal.Signals]:
+    """The stop signals the writer ignores (it ends when its training process goes, not on a signal)."""
+    return {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT}
 
 
 class _ForkedWriter:

@@ -360,7 +360,7 @@ WARM_UP_STEPS: tuple[str | Callable[[], None], ...] = (
     "torch.utils.serialization.config", "torch._weights_only_unpickler",  # torch.load / torch.save (and DCP) on first use
     "torch.distributed.checkpoint._fsspec_filesystem",  # tried by every dcp.load/save (if fsspec is installed)
     "torch.profiler._cupti_monitor",  # the first backward pass imports it
-    # what a rank saving and resuming with `nvrx.ckpt` imports: set aside in the rank, handed back by its `import ckpt`
+    # what a rank saving and resuming with `nvrx.ckpt` imports (kept listed in the rank: its `from nvrx import ckpt` costs nothing)
     "nvrx.ckpt.periodic", "nvrx.ckpt.api", "nvrx.ckpt.loader", "nvrx.ckpt.manifest", "nvrx.ckpt.publish", "nvrx.ckpt.snapshot",
     "nvrx.ckpt.async_ckpt.state_dict_saver", "nvrx.ckpt.async_ckpt.filesystem_async", "nvrx.ckpt.async_ckpt.core",
     "nvrx.ckpt.async_ckpt.file_writer", "nvrx.ckpt.async_ckpt.cached_metadata_filesystem_reader", "nvrx.common.files",
