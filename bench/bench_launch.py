@@ -557,11 +557,8 @@ def plan_runs(args: argparse.Namespace, launchers: dict[str, Launcher]) -> list[
     return plan
 
 
-NVRX_PACKAGES = ("nvrx_cli", "nvrx_common", "launcher", "monitors", "ckpt", "slurm")
-
-
 def byte_compile_nvrx() -> None:
-    """Byte-compile nvrx's packages, as installing a wheel does (torch's own came compiled with pip).
+    """Byte-compile the nvrx package, as installing a wheel does (torch's own came compiled with pip).
 
     A source checkout run with PYTHONDONTWRITEBYTECODE=1 (as on the dev VM) would otherwise compile every
     module in every process it starts (agent, template, monitors): ~1 s of CPU per start that no
@@ -569,8 +566,7 @@ def byte_compile_nvrx() -> None:
     """
     import compileall
 
-    for name in NVRX_PACKAGES:
-        compileall.compile_dir(str(REPO_ROOT / name), quiet=2)
+    compileall.compile_dir(str(REPO_ROOT / "nvrx"), quiet=2)
 
 
 def warm_up(args: argparse.Namespace, launchers: dict[str, Launcher]) -> list[dict[str, Any]]:
