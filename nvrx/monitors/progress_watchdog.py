@@ -88,7 +88,11 @@ class ProgressWatchdog:
         return self
 
     def stop(self) -> None:
+        """Stop beating and wait for the thread to end (within about one interval): whoever started the
+        watchdog for a bounded time (a Wrapper call) leaves no thread of it behind."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval + 5.0)
 
 
 def watchdog_interval(heartbeat_timeout: float | None, auto_floor: float | None = None) -> float:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import os
+import subprocess
+import sys
 import threading
 
 import psutil
@@ -13,7 +16,7 @@ import pytest
 
 from nvrx.launcher.rank import inprocess
 from nvrx.launcher.rank.inprocess.exceptions import HealthCheckError, RestartAbort
-from tests.conftest import free_port
+from tests.conftest import REPO, free_port, write_script
 from tests.inprocess.harness import run_job
 
 FAST = {"soft_timeout": 1.5, "hard_timeout": 3.0, "heartbeat_timeout": 3.0, "monitor_process_interval": 0.25,
@@ -125,6 +128,53 @@ def test_disable_hang_protection_exempts_a_block_from_the_soft_timeout(one_rank)
 
     assert slow_setup() == 0
     assert calls == [0]
+
+
+NOTHING_LEFT = """
+import json, os, sys, threading
+import psutil
+from nvrx.launcher.rank import inprocess
+seen = {}
+held = threading.Lock()
+held.acquire()  # a lock another thread of the rank holds while the Wrapper starts (a data loader, ...)
+busy = threading.Thread(target=held.acquire, name="user-thread", daemon=True)
+busy.start()
+
+@inprocess.Wrapper(soft_timeout=5, hard_timeout=10, heartbeat_timeout=5, monitor_process_pidfile=sys.argv[1])
+def train(call_wrapper=None):
+    monitor = psutil.Process(int(open(sys.argv[1].format(rank=0)).read()))
+    seen["monitor"] = {"cmdline": monitor.cmdline(), "ppid": monitor.ppid()}
+    seen["threads_inside"] = sorted(t.name for t in threading.enumerate())
+    if call_wrapper.iteration == 0:
+        raise RuntimeError("first attempt fails")
+    return "ok"
+
+result = train()
+held.release()
+busy.join()
+print(json.dumps({"result": result, "threads": [t.name for t in threading.enumerate()],
+                  "children": [c.pid for c in psutil.Process().children(recursive=True)], **seen}))
+"""
+
+
+def test_nothing_of_the_wrapper_outlives_its_call_and_its_monitor_is_a_fresh_interpreter(tmp_path):
+    """NVRx's tests assert that only the main thread is left once a wrapped call returned. The monitor process
+    is started as its own interpreter (not forked from a rank that already runs threads, which could leave it
+    a copy of a lock some thread held)."""
+    script = write_script(tmp_path / "train.py", NOTHING_LEFT)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()),
+               PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    res = subprocess.run([sys.executable, str(script), str(tmp_path / "monitor-{rank}.pid")], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["result"] == "ok"
+    assert "nvrx-progress-watchdog" in out["threads_inside"] and "inprocess-monitor" in out["threads_inside"]
+    assert out["threads"] == ["MainThread"], "a thread of the Wrapper outlived its call"
+    assert out["children"] == [], "a process of the Wrapper outlived its call"
+    assert out["monitor"]["cmdline"][1:] [:3] == ["-P", "-m", "nvrx.launcher.rank.inprocess.monitor_process"]
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ def hangs(tmp_path_factory) -> JobResult:
     plan = {"wrapper": WRAPPER, "steps": 4, "debug": True, "gloo_timeout": 300, "ddp_layers": 300,
             "actions": {"0": {"1": {"at_step": 2, "do": "recv_hang"}},   # rank 1 hangs, rank 0 in DDP's all-reduce
                         "1": {"0": {"at_step": 2, "do": "recv_hang"}}}}  # and the other way round
-    return run_job(tmp_path_factory.mktemp("hang_in_collective"), 2, plan, timeout=30)
+    return run_job(tmp_path_factory.mktemp("hang_in_collective"), 2, plan, timeout=90)  # each rank starts an interpreter for its monitor process
 
 
 def test_both_ranks_finish_in_place_with_the_same_model(hangs):

@@ -3,11 +3,17 @@
 Not the rank monitor of ``nvrx launch`` (``nvrx/monitors/rank_monitor.py``): this one belongs to the in-process
 restart Wrapper and lives only while a wrapped call runs.
 
-The Wrapper forks it when a call starts (before the Wrapper starts its own threads), so it costs
-milliseconds instead of a second interpreter importing torch. The child closes every descriptor it
-inherited except its two pipes, sends its output to ``monitor_process_logfile`` (or nowhere), and
-talks to the rank only in JSON lines (``ready`` out; ``watch``/``stop`` in): nothing is pickled. It opens
-its own connection to the store and every ``monitor_process_interval``:
+The Wrapper starts it as a fresh interpreter (``python -P -m nvrx.launcher.rank.inprocess.monitor_process``),
+never as a fork of the rank: a rank already runs threads when the Wrapper starts (``import torch`` starts one,
+a data loader more), and a forked child inherits every lock such a thread held at that moment, with no thread
+left to release it. A fresh interpreter holds no lock it did not take. The start costs an interpreter and an
+``import torch`` (seconds), paid while the rank opens its store, before the initial barrier; the rank waits for
+it only before that barrier, because the other ranks watch its heartbeats from then on.
+
+It inherits only its two pipes and sends its output to ``monitor_process_logfile`` (or nowhere). It talks
+to the rank only in JSON lines (``config`` first, then ``watch``/``rendezvous``/``stop`` in; ``ready`` or
+``error`` out): nothing is pickled. It opens its own connection to the store and every
+``monitor_process_interval``:
 
 * beats for its rank in the store, and watches the other ranks' beats: a rank silent for
   ``heartbeat_timeout`` (its node or both its processes are gone) is recorded as terminated and as a fault;
@@ -20,33 +26,39 @@ its own connection to the store and every ``monitor_process_interval``:
   can run, so the GIL is not held), the hard timeout counts from the last note. The hard timeout needs no
   store: a rank stuck because the store's host died is ended all the same.
 
-It exits when its rank ends or tells it to stop, without running the interpreter's teardown.
+It exits when its rank ends or tells it to stop.
 """
 
 from __future__ import annotations
 
-import gc
+import argparse
 import logging
 import os
 import select
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
+from nvrx.common.errors import NvrxError
+from nvrx.common.process import python_module_command
 from nvrx.launcher.rank.inprocess.progress import SLOT_DIR_PREFIX
 from nvrx.launcher.rank.inprocess.store import first_line
 from nvrx.monitors.control import LineBuffer, MonitorProtocolError, encode
-from nvrx.common.errors import NvrxError
 
 log = logging.getLogger("nvrx.launcher.rank.inprocess.monitor_process")
 
-READY_TIMEOUT = 60.0
+MODULE = "nvrx.launcher.rank.inprocess.monitor_process"
+READY_TIMEOUT = 60.0  # a fresh interpreter importing torch on a loaded node
 
 
 class MonitorNotReady(NvrxError, RuntimeError):
-    """The monitor process did not report ready in time (it may be stuck on a lock copied by the fork)."""
+    """The monitor process did not report ready in time."""
+
+
 _RESET_SIGNALS = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT")
 
 
@@ -54,12 +66,15 @@ _RESET_SIGNALS = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT")
 
 
 class InprocessMonitorProcess:
-    """Fork, command and stop the in-process monitor process of this rank (one per Wrapper call)."""
+    """Start, configure, command and stop the in-process monitor process of this rank (one per Wrapper call).
 
-    def __init__(self, config: dict[str, Any], logfile: str | None) -> None:
-        self.config = config
+    ``start()`` launches the interpreter at once; ``configure()`` sends what it needs once the rank's store
+    exists (the two overlap); ``wait_ready()`` waits until it is connected to the store and beating."""
+
+    def __init__(self, logfile: str | None) -> None:
         self.logfile = logfile
         self.pid: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._pidfd = -1
         self._cmd = -1
         self._replies: _Messages | None = None
@@ -67,20 +82,22 @@ class InprocessMonitorProcess:
     def start(self) -> "InprocessMonitorProcess":
         cmd_r, cmd_w = os.pipe2(os.O_CLOEXEC)
         rep_r, rep_w = os.pipe2(os.O_CLOEXEC)
-        pid = os.fork()
-        if pid == 0:  # the monitor process: never returns
-            code = 70
-            try:
-                os.close(cmd_w)
-                os.close(rep_r)
-                code = _child_main(self.config, self.logfile, cmd_r, rep_w)
-            finally:
-                os._exit(code)
-        os.close(cmd_r)
-        os.close(rep_w)
-        self.pid, self._cmd, self._replies = pid, cmd_w, _Messages(rep_r)
-        self._pidfd = os.pidfd_open(pid)
+        out = (os.open(self.logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+               if self.logfile else subprocess.DEVNULL)
+        argv = python_module_command(sys.executable, MODULE, "--commands-fd", str(cmd_r), "--reply-fd", str(rep_w))
+        try:  # fork+exec in C (no Python code, no lock taken between them): safe in a threaded rank
+            self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                          pass_fds=(cmd_r, rep_w), close_fds=True)
+        finally:
+            for fd in (cmd_r, rep_w) + ((out,) if isinstance(out, int) and out >= 0 else ()):
+                os.close(fd)
+        self.pid, self._cmd, self._replies = self._proc.pid, cmd_w, _Messages(rep_r)
+        self._pidfd = os.pidfd_open(self.pid)
         return self
+
+    def configure(self, config: dict[str, Any]) -> None:
+        """Tell the monitor process whom to watch and how (its first message)."""
+        self.send({"cmd": "config", "config": dict(config, logfile=self.logfile, sys_path=list(sys.path))})
 
     def send(self, message: dict[str, Any]) -> None:
         if self._cmd >= 0:
@@ -94,7 +111,8 @@ class InprocessMonitorProcess:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise MonitorNotReady(f"the in-process monitor process did not start within {timeout:g} s")
+                raise MonitorNotReady(f"the in-process monitor process did not start within {timeout:g} s"
+                                      f"{self._see_log()}")
             ready, _, _ = select.select([self._replies.fd], [], [], min(left, 1.0))
             if not ready:
                 continue
@@ -111,7 +129,7 @@ class InprocessMonitorProcess:
 
     def stop(self, timeout: float = 2.0) -> None:
         """Tell it to stop and reap it (killed if it does not go within TIMEOUT)."""
-        if self.pid is None:
+        if self._proc is None:
             return
         self.send({"cmd": "stop"})
         for fd in (self._cmd, self._replies.fd if self._replies else -1):
@@ -121,53 +139,46 @@ class InprocessMonitorProcess:
         ready, _, _ = select.select([self._pidfd], [], [], timeout)
         if not ready:
             signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-        os.waitpid(self.pid, 0)
+        self._proc.wait()
         os.close(self._pidfd)
-        self.pid, self._pidfd = None, -1
+        self.pid, self._pidfd, self._proc = None, -1, None
 
 
-def _child_main(cfg: dict[str, Any], logfile: str | None, commands_fd: int, reply_fd: int) -> int:
-    """Become the monitor process: own signals, own descriptors, own store connection."""
-    gc.freeze()  # objects inherited from the rank are never finalised here (their descriptors are closed)
+# ---------------------------------------------------------------- the monitor process's entry point
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -P -m nvrx.launcher.rank.inprocess.monitor_process --commands-fd N --reply-fd M``."""
+    parser = argparse.ArgumentParser(prog=MODULE, description="the in-process monitor process (started by the Wrapper)")
+    parser.add_argument("--commands-fd", type=int, required=True)
+    parser.add_argument("--reply-fd", type=int, required=True)
+    args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the rank; we end when it ends
     for name in _RESET_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_SETMASK, set())
-    _own_descriptors(logfile, keep=(commands_fd, reply_fd))
+    commands = _Messages(args.commands_fd)
+    first = commands.next_message()
+    if first is None or first.get("cmd") != "config":  # the rank went away (or stopped us) before configuring
+        return 0
+    return _serve(first["config"], commands, args.reply_fd)
+
+
+def _serve(cfg: dict[str, Any], commands: "_Messages", reply_fd: int) -> int:
+    """Set up logging, connect to the store, say ready, and watch until told to stop or the rank ends."""
     from nvrx.launcher.rank.inprocess.log_setup import set_context, setup_file_logging
 
-    setup_file_logging(logfile)
+    setup_file_logging(cfg.get("logfile"))
     set_context(initial_rank=cfg.get("rank"))
+    sys.path.extend(p for p in cfg.get("sys_path", []) if p not in sys.path)  # where the rank found its store class
     try:
         monitor = _Monitor(cfg, reply_fd)
     except Exception as exc:
         log.exception("start-up failed")
         _send(reply_fd, {"error": first_line(exc)})
         return 1
-    code = monitor.run(_Messages(commands_fd))
+    code = monitor.run(commands)
     logging.shutdown()
     return code
-
-
-def _own_descriptors(logfile: str | None, keep: tuple[int, ...]) -> None:
-    """stdin from /dev/null, stdout/stderr to the log file (or /dev/null); close everything else."""
-    null = os.open(os.devnull, os.O_RDWR)
-    out = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if logfile else null
-    os.dup2(null, 0)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    for fd in {null, out}:
-        if fd > 2 and fd not in keep:
-            os.close(fd)
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd > 2 and fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-    for fd in keep:
-        os.set_inheritable(fd, False)
 
 
 # ---------------------------------------------------------------- the monitor process itself
@@ -203,6 +214,9 @@ class _Monitor:
         log.info("monitoring pid %d (interval %g s, heartbeat timeout %g s, hard timeout %g s)",
                  self.pid, self.interval, self.heartbeat_timeout, self.hard_timeout)
         next_tick = time.monotonic()
+        for msg in commands.take_pending():  # sent together with the configuration
+            if self._command(msg):
+                return 0
         while True:
             wait = max(0.0, next_tick - time.monotonic())
             readable, _, _ = select.select([commands.fd, self.pidfd], [], [], wait)
@@ -346,9 +360,14 @@ class _Messages:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self._buffer = LineBuffer()
+        self._pending: list[dict[str, Any]] = []
 
     def read(self) -> list[dict[str, Any]] | None:
-        """Messages completed by one read; None at end of file. Only our own code writes these pipes."""
+        """Messages completed by one read (after any left by ``next_message``); None at end of file.
+        Only our own code writes these pipes."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            return pending
         chunk = os.read(self.fd, 65536)
         if not chunk:
             return None
@@ -357,6 +376,19 @@ class _Messages:
             if isinstance(bad, MonitorProtocolError):
                 raise bad
         return messages  # type: ignore[return-value]
+
+    def take_pending(self) -> list[dict[str, Any]]:
+        pending, self._pending = self._pending, []
+        return pending
+
+    def next_message(self) -> dict[str, Any] | None:
+        """Block for one message (the rest are kept for ``read``); None at end of file."""
+        while not self._pending:
+            messages = self.read()
+            if messages is None:
+                return None
+            self._pending = messages
+        return self._pending.pop(0)
 
 
 def _alive(pidfd: int) -> bool:
@@ -377,3 +409,7 @@ def _send(fd: int, message: dict[str, Any]) -> None:
         os.write(fd, encode(message))
     except OSError:
         pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -36,7 +36,7 @@ from nvrx.launcher.rank.inprocess.exceptions import (ConfigurationError, HealthC
 from nvrx.launcher.rank.inprocess.interruption import InterruptGate
 from nvrx.launcher.rank.inprocess.log_setup import set_context
 from nvrx.launcher.rank.inprocess.monitor_process import READY_TIMEOUT as MONITOR_READY_TIMEOUT
-from nvrx.launcher.rank.inprocess.monitor_process import InprocessMonitorProcess, MonitorNotReady
+from nvrx.launcher.rank.inprocess.monitor_process import InprocessMonitorProcess
 from nvrx.launcher.rank.inprocess.monitor_thread import InprocessMonitorThread
 from nvrx.launcher.rank.inprocess.progress import ProgressRecorder
 from nvrx.launcher.rank.inprocess.rank_assignment import RankAssignmentCtx, RankDiscarded
@@ -153,11 +153,12 @@ class RestartSession:
         self.gate = InterruptGate()
         self.gate.install()
         self.recorder = ProgressRecorder(settings.progress_watchdog_interval)
-        self.store = self._make_store()
-        # Forked before the Wrapper's own threads start (see monitor_process).
+        # A fresh interpreter (see monitor_process): it starts while this rank opens its store.
         logfile = _logfile(settings.monitor_process_logfile, self.rank)
-        self.monitor_process = self._start_monitor_process(logfile)
+        self.monitor_process = InprocessMonitorProcess(logfile).start()
         self._write_pidfile()
+        self.store = self._make_store()
+        self.monitor_process.configure(self._monitor_config())
         self.recorder.start()
         try:
             client = self.store.new_client()
@@ -171,28 +172,16 @@ class RestartSession:
         self.call_wrapper = CallWrapper(self.gate, self.recorder)
         self.call_wrapper.state = self.state
         self._make_current()
+        self._wait_for_monitor_process()
 
-    def _start_monitor_process(self, logfile: str | None) -> InprocessMonitorProcess:
-        """Fork the monitor process and wait until it is connected to the store, before our threads start.
-
-        A fork copies the locks other threads of the process hold at that moment (a user's data loader,
-        the previous call's leftovers), and a child can block on one for ever: a child that is not ready in
-        a quarter of the allowed time is killed and forked again, once.
-        """
-        first_try = MONITOR_READY_TIMEOUT / 4
-        for timeout in (first_try, MONITOR_READY_TIMEOUT - first_try):
-            process = InprocessMonitorProcess(self._monitor_config(), logfile).start()
-            try:
-                process.wait_ready(timeout)
-                return process
-            except MonitorNotReady:
-                log.warning("the in-process monitor process was not ready in %g s; starting it again", timeout)
-                process.stop(timeout=0)
-                last = f"the in-process monitor process did not start within {MONITOR_READY_TIMEOUT:g} s"
-            except RuntimeError as exc:
-                process.stop(timeout=0)
-                raise InprocessError(str(exc)) from None
-        raise InprocessError(last)
+    def _wait_for_monitor_process(self) -> None:
+        """Before the initial barrier: from then on the other ranks watch this rank's heartbeats, which its
+        monitor process writes."""
+        assert self.monitor_process is not None
+        try:
+            self.monitor_process.wait_ready(MONITOR_READY_TIMEOUT)
+        except RuntimeError as exc:  # MonitorNotReady included
+            raise InprocessError(str(exc)) from None
 
     def _note_rendezvous(self) -> None:
         """(monitor thread) The main thread waits in init_process_group: the monitor process holds off the hard
