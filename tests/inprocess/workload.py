@@ -64,6 +64,13 @@ def components() -> dict[str, object]:
         out["store_kwargs"] = {"timeout": datetime.timedelta(seconds=PLAN["store_timeout"])}
     if PLAN.get("max_iterations"):
         out["initialize"] = inprocess.initialize.RetryController(max_iterations=PLAN["max_iterations"])
+    if PLAN.get("file_store"):  # NVRx's FileStore: one file, no rank hosts the Wrapper's store
+        out["store_factory"] = inprocess.store.FileStore
+        out["store_kwargs"] = {"file_name": PLAN["file_store"]}
+    if PLAN.get("tree_pairs_backfill"):  # pairs of ranks; a lost active rank is backfilled from the whole job
+        out["rank_assignment"] = ra.Tree([
+            ra.Layer(key_or_fn="job", flag=ra.LayerFlag.BACKFILL),
+            ra.Layer(key_or_fn=lambda state: state.initial_rank // 2, flag=ra.LayerFlag.BACKFILL)])
     return out
 
 

@@ -16,8 +16,12 @@ groups ranks by their host. Old-style ``FilterGroupedByKey`` keys are functions 
 from __future__ import annotations
 
 import abc
+import bisect
 import dataclasses
 import enum
+import heapq
+import itertools
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -287,17 +291,48 @@ class Layer:
         _state_key(self.key_or_fn, "Layer")
 
 
+class TopologyError(RestartError, RuntimeError):
+    """The ranks' Tree keys do not form one tree (a ``RuntimeError``, as in NVRx)."""
+
+
+def _exchanges_states(store: Any) -> bool:
+    """NVRx's store shape for Tree: ``send_state/get_states/send_key/get_keys``."""
+    return all(callable(getattr(store, name, None)) for name in ("send_state", "get_states", "send_key", "get_keys"))
+
+
+class _Leaf:
+    """One rank of a Tree: its ``State`` (NVRx's ``init_rank_map[r].state``), its groups (outermost first) and
+    the group its lost active rank is backfilled from (``domain``)."""
+
+    __slots__ = ("state", "groups", "domain")
+
+    def __init__(self, state: State, groups: list[tuple[Any, ...]], domain: Optional[tuple[Any, ...]]) -> None:
+        self.state = state
+        self.groups = groups
+        self.domain = domain
+
+    @property
+    def mode(self) -> Mode:
+        return self.state.mode
+
+
 class Tree(RankAssignment):
     """Hierarchical assignment: ranks grouped by ``layers`` (outermost first; the first layer's key must be
-    the same on every rank, e.g. ``Layer(key_or_fn="root")``).
+    the same on every rank, e.g. ``Layer(key_or_fn="root")``). Ranks are ordered depth first (groups in the
+    order their first rank appears); a warning says when that order differs from the ranks' own.
 
-    First call: ranks become active in rank order while every group they belong to is below its
-    ``max_ranks``; the rest are spares. Later calls, for the terminated ranks: a group left with fewer than
-    ``min_ranks`` live ranks is terminated whole (innermost layers first); each lost active rank's place is
-    taken by a spare of the nearest RESERVE group containing it, else by the highest active rank of the
-    nearest BACKFILL group, else the remaining active ranks shift down. ``world_size_filter(n)`` may then
-    lower the number of active ranks (the highest become spares). Live ranks are renumbered 0..n-1 in order.
-    A Tree keeps its own record of the ranks, so it replaces (is not composed with) other assignments.
+    First call: in that order, a rank becomes active while every group it belongs to is below its
+    ``max_ranks``; the rest are spares. Every call, for the terminated ranks: a group left with fewer than
+    ``min_ranks`` live ranks is terminated whole (innermost layers first); a lost active rank's place goes
+    to the most recently idled spare of its nearest group, climbing while the layers are flagged RESERVE;
+    else, when the innermost layers are flagged BACKFILL, to the highest active ranks of the outermost group
+    of that flagged chain; the remaining gaps close by shifting. ``world_size_filter(n)`` may then lower
+    the number of active ranks (the highest become spares). Live ranks are numbered 0..n-1 in tree order.
+
+    The keys travel through ``ctx.store`` when it has NVRx's ``send_state/get_states/send_key/get_keys``,
+    else through the Wrapper's gather (``ctx.gather``). A Tree keeps its own record of every rank
+    (``init_rank_map``: initial rank -> leaf with ``.state``), so it replaces (is not composed with) other
+    assignments.
     """
 
     def __init__(self, layers: list[Layer], world_size_filter: Optional[Callable[[int], int]] = None) -> None:
@@ -311,114 +346,239 @@ class Tree(RankAssignment):
         self.layers = list(layers)
         self.world_size_filter = world_size_filter
         self._keys = [_state_key(layer.key_or_fn, "Layer") for layer in self.layers]
-        self._paths: dict[int, tuple[Any, ...]] = {}  # initial rank -> group key per layer
-        self._alive: list[int] = []  # initial ranks of the live ranks, in rank order
-        self._active: dict[int, int] = {}  # initial rank -> active rank
-        self._last_holder: dict[int, int] = {}  # active rank -> initial rank, before the current termination
-
-    # ------------------------------------------------------------ the pure part
-
-    def start(self, paths: Mapping[int, tuple[Any, ...]]) -> None:
-        """The first assignment over the ranks' key PATHS (initial rank -> one key per layer)."""
-        roots = {path[0] for path in paths.values()}
-        if len(roots) > 1:
-            raise RestartError(f"Tree: the first layer's key must be the same on every rank, got {sorted(roots)}")
-        self._paths = dict(paths)
-        self._alive = self._surviving(sorted(paths))
-        self._active = {}
-        counts: Counter[tuple[Any, ...]] = Counter()
-        for rank in self._alive:
-            groups = self._groups(rank)
-            if all(layer.max_ranks is None or counts[g] < layer.max_ranks for layer, g in zip(self.layers, groups)):
-                self._active[rank] = len(self._active)
-                counts.update(groups)
-        self._filter_world_size()
-
-    def terminate(self, lost: set[int]) -> None:
-        """Update the assignment after losing LOST (initial ranks)."""
-        self._last_holder = {a: r for r, a in self._active.items()}
-        gaps = sorted(self._active.pop(r) for r in lost if r in self._active)
-        self._alive = self._surviving([r for r in self._alive if r not in lost])
-        for rank in [r for r in self._active if r not in self._alive]:  # whole groups terminated
-            gaps.append(self._active.pop(rank))
-        for gap in sorted(gaps):
-            self._fill(gap)
-        order = sorted(self._active, key=self._active.__getitem__)  # close what is still open
-        self._active = {rank: i for i, rank in enumerate(order)}
-        self._filter_world_size()
-
-    def assignment(self) -> dict[int, tuple[int, Optional[int]]]:
-        """Initial rank -> (rank, active rank or None) of every live rank."""
-        return {r: (i, self._active.get(r)) for i, r in enumerate(self._alive)}
-
-    def _groups(self, rank: int) -> list[tuple[Any, ...]]:
-        path = self._paths[rank]
-        return [path[: depth + 1] for depth in range(len(self.layers))]
-
-    def _surviving(self, ranks: list[int]) -> list[int]:
-        """RANKS without the groups that fell below their layer's min_ranks (innermost layer first)."""
-        for depth in range(len(self.layers) - 1, -1, -1):
-            counts = Counter(self._paths[r][: depth + 1] for r in ranks)
-            ranks = [r for r in ranks if counts[self._paths[r][: depth + 1]] >= self.layers[depth].min_ranks]
-        return ranks
-
-    def _fill(self, gap: int) -> None:
-        """Give active rank GAP to a spare of the nearest RESERVE group, or the top of the nearest BACKFILL one."""
-        lost_groups = self._gap_groups(gap)
-        for depth in range(len(self.layers) - 1, -1, -1):
-            flag, group = self.layers[depth].flag, lost_groups.get(depth)
-            if group is None or not flag:
-                continue
-            members = [r for r in self._alive if self._paths[r][: depth + 1] == group]
-            if flag & LayerFlag.RESERVE:
-                spares = [r for r in members if r not in self._active and self._fits(r)]
-                if spares:
-                    self._active[spares[0]] = gap
-                    return
-            if flag & LayerFlag.BACKFILL:
-                above = [r for r in members if self._active.get(r, -1) > gap]
-                if above:
-                    top = max(above, key=self._active.__getitem__)
-                    self._active[top] = gap  # its old place is closed by the final shift
-                    return
-
-    def _gap_groups(self, gap: int) -> dict[int, tuple[Any, ...]]:
-        """The groups (per layer) of the rank that held active rank GAP before it was lost."""
-        holder = self._last_holder.get(gap)
-        return {} if holder is None else dict(enumerate(self._groups(holder)))
-
-    def _fits(self, rank: int) -> bool:
-        counts = Counter(g for r in self._active for g in self._groups(r))
-        return all(layer.max_ranks is None or counts[g] < layer.max_ranks
-                   for layer, g in zip(self.layers, self._groups(rank)))
-
-    def _filter_world_size(self) -> None:
-        if self.world_size_filter is None:
-            return
-        size = int(self.world_size_filter(len(self._active)))
-        self._active = {r: a for r, a in self._active.items() if a < size}
+        self.init_rank_map: dict[int, _Leaf] = {}  # initial rank -> leaf (NVRx's name)
+        self.rank_map: dict[int, _Leaf] = {}  # current rank -> leaf (NVRx's name)
+        self._leaves: list[_Leaf] = []  # depth-first order
+        self._members: dict[tuple[Any, ...], list[_Leaf]] = {}  # group -> its leaves, depth-first
+        self._by_depth: list[list[tuple[Any, ...]]] = []  # the groups of each layer
+        self._spares: dict[tuple[Any, ...], dict[int, _Leaf]] = {}  # group -> its inactive leaves, oldest first
+        self._live: dict[tuple[Any, ...], int] = {}  # group -> how many of its leaves are not terminated
+        self._active_world_size = 0
 
     # ------------------------------------------------------------ the component
 
     def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
-        state = ctx.state
-        first = ctx.initial or not self._paths
-        if first:
-            gathered = _gather_keys(ctx, "Tree", self._keys)
-            alive = [r for r in sorted(gathered) if r not in ctx.terminated_ranks]
-            self.start({r: gathered[r] for r in alive})
-        else:
-            lost = {self._alive[r] for r in ctx.terminated_ranks if r < len(self._alive)}
-            self.terminate(lost)
-        assignment = self.assignment()
-        me = state.rank if first else state.initial_rank
-        if me not in assignment:
-            raise _discard(state, "Tree")
-        rank, active = assignment[me]
-        new = dataclasses.replace(state, rank=rank, world_size=len(assignment), active_rank=active,
-                                  active_world_size=len(self._active),
-                                  mode=Mode.ACTIVE if active is not None else Mode.INACTIVE)
+        if ctx.initial or not self.init_rank_map:
+            self._build(self._exchange(ctx))
+        for leaf in self._leaves:
+            leaf.state.iteration, leaf.state.fn_exception = ctx.state.iteration, ctx.state.fn_exception
+        self.terminate({r for r in ctx.terminated_ranks if r in self.rank_map})
+        me = self.init_rank_map.get(ctx.state.initial_rank)  # type: ignore[arg-type]
+        if me is None or me.mode is Mode.TERMINATED:
+            raise _discard(ctx.state, "Tree")
+        mine = me.state
+        new = dataclasses.replace(ctx.state, rank=mine.rank, world_size=mine.world_size, active_rank=mine.active_rank,
+                                  active_world_size=mine.active_world_size, mode=mine.mode)
         return dataclasses.replace(ctx, state=new, terminated_ranks=set())
+
+    def _exchange(self, ctx: RankAssignmentCtx) -> list[tuple[int, int, tuple[Any, ...]]]:
+        """(rank, initial rank, key per layer) of every rank taking part, in rank order."""
+        state = ctx.state
+        if _exchanges_states(ctx.store):
+            store = ctx.store
+            store.send_state(state, state.rank)
+            states = store.get_states(range(state.world_size))
+            store.send_key([key(ctx) for key in self._keys], state.rank)
+            keys = store.get_keys(range(state.world_size))
+            return [(int(getattr(s, "rank", i)), int(getattr(s, "initial_rank", None) or getattr(s, "rank", i)),
+                     tuple(k)) for i, (s, k) in enumerate(zip(states, keys))]
+        if ctx.gather is _no_gather:
+            raise RestartError("Tree needs every rank's layer keys: pass RankAssignmentCtx(state, store) with a store "
+                               "that has send_state/get_states/send_key/get_keys, or run it inside the Wrapper")
+
+        def mine(own_state: State) -> list[Any]:
+            own = dataclasses.replace(ctx, state=own_state)
+            return [own_state.initial_rank, *(repr(key(own)) for key in self._keys)]
+
+        gathered = ctx.gather("Tree", mine)
+        return sorted((int(r), int(v[0]), tuple(v[1:])) for r, v in gathered.items())
+
+    # ------------------------------------------------------------ building
+
+    def _build(self, entries: list[tuple[int, int, tuple[Any, ...]]]) -> None:
+        """The tree of ENTRIES (rank, initial rank, keys), with the first activation."""
+        roots = {keys[0] for _, _, keys in entries}
+        if len(roots) > 1:
+            raise TopologyError(f"Tree: the first layer's key must be the same on every rank, got {sorted(map(repr, roots))}")
+        depth = len(self.layers)
+        seen: dict[tuple[Any, ...], int] = {}  # group -> when it first appeared (orders siblings)
+        paths = []
+        for rank, initial, keys in entries:
+            groups = [keys[: d + 1] for d in range(depth)]
+            paths.append(([seen.setdefault(g, len(seen)) for g in groups], rank, initial, groups))
+        paths.sort(key=lambda p: (p[0], p[1]))
+        ranks = [p[1] for p in paths]
+        if any(a > b for a, b in zip(ranks, ranks[1:])):
+            warnings.warn("Tree: the ranks' order differs from the order of the layers' groups; ranks are renumbered "
+                          "in group order", UserWarning, stacklevel=3)
+        world_size = len(entries)
+        domain_depth = self._backfill_depth()
+        self._leaves, self._members, self._spares = [], {g: [] for g in seen}, {g: {} for g in seen}
+        self._by_depth = [[] for _ in range(depth)]
+        for group in seen:
+            self._by_depth[len(group) - 1].append(group)
+        for _, rank, initial, groups in paths:
+            leaf = _Leaf(State(rank, world_size, initial_rank=initial, initial_world_size=world_size), groups,
+                         None if domain_depth is None else groups[domain_depth])
+            self._leaves.append(leaf)
+            for group in groups:
+                self._members[group].append(leaf)
+        self._live = {group: len(members) for group, members in self._members.items()}
+        self.init_rank_map = {leaf.state.initial_rank: leaf for leaf in self._leaves}  # type: ignore[misc]
+        self.rank_map = {leaf.state.rank: leaf for leaf in self._leaves}  # type: ignore[misc]
+        self._activate_first()
+
+    def _flagged(self, flag: LayerFlag) -> list[bool]:
+        return [bool(layer.flag and layer.flag & flag) for layer in self.layers]
+
+    def _backfill_depth(self) -> Optional[int]:
+        """The outermost layer of the chain of BACKFILL layers that starts at the innermost layer, if any: a
+        lost active rank is backfilled from its group in that layer."""
+        flagged = self._flagged(LayerFlag.BACKFILL)
+        domain = None
+        for depth in range(len(self.layers) - 1, -1, -1):
+            if not flagged[depth]:
+                break
+            domain = depth
+        return domain
+
+    def _activate_first(self) -> None:
+        limits = [layer.max_ranks for layer in self.layers]
+        counts: dict[tuple[Any, ...], int] = {}
+        active = 0
+        for leaf in self._leaves:
+            if all(m is None or counts.get(g, 0) < m for m, g in zip(limits, leaf.groups)):
+                self._activate(leaf, active)
+                active += 1
+                for group in leaf.groups:
+                    counts[group] = counts.get(group, 0) + 1
+            else:
+                self._idle(leaf)
+        self._set_active_world_size(active)
+
+    # ------------------------------------------------------------ a leaf's role
+
+    def _activate(self, leaf: _Leaf, active_rank: int) -> None:
+        leaf.state.mode, leaf.state.active_rank = Mode.ACTIVE, active_rank
+        for group in leaf.groups:
+            self._spares[group].pop(leaf.state.initial_rank, None)  # type: ignore[arg-type]
+
+    def _idle(self, leaf: _Leaf) -> None:
+        leaf.state.mode, leaf.state.active_rank = Mode.INACTIVE, None
+        for group in leaf.groups:
+            self._spares[group].setdefault(leaf.state.initial_rank, leaf)  # type: ignore[arg-type]
+
+    def _end(self, leaf: _Leaf) -> None:
+        if leaf.mode is Mode.TERMINATED:
+            return
+        leaf.state.mode = Mode.TERMINATED  # its active rank stays until the gaps are filled
+        for group in leaf.groups:
+            self._spares[group].pop(leaf.state.initial_rank, None)  # type: ignore[arg-type]
+            self._live[group] -= 1
+
+    def _set_active_world_size(self, size: int) -> None:
+        self._active_world_size = size
+        for leaf in self._leaves:
+            leaf.state.active_world_size = size
+
+    # ------------------------------------------------------------ after a termination
+
+    def terminate(self, lost: set[int]) -> None:
+        """Update the assignment after losing LOST (current ranks)."""
+        lost = self._whole_groups(set(lost))
+        lost_active = sorted(r for r in lost if self.rank_map[r].mode is Mode.ACTIVE)
+        for rank in lost:
+            self._end(self.rank_map[rank])
+        unfilled = [r for r in lost_active if not self._from_reserve(self.rank_map[r])]
+        if unfilled:
+            freed = self._backfill([self.rank_map[r] for r in unfilled])
+            self._shift(sorted(freed), len(unfilled))
+        if self.world_size_filter is not None:
+            self._filter_world_size()
+        for rank in lost:
+            self.rank_map[rank].state.active_rank = None
+        self._renumber()
+
+    def _whole_groups(self, lost: set[int]) -> set[int]:
+        """LOST (the live ones) plus the live ranks of every group left below its layer's min_ranks (innermost
+        layer first)."""
+        lost = {r for r in lost if self.rank_map[r].mode is not Mode.TERMINATED}
+        leaving: Counter[tuple[Any, ...]] = Counter(g for r in lost for g in self.rank_map[r].groups)
+        for depth in range(len(self.layers) - 1, -1, -1):
+            minimum = self.layers[depth].min_ranks
+            for group in self._by_depth[depth]:
+                if self._live[group] - leaving[group] >= minimum:
+                    continue
+                for leaf in self._members[group]:
+                    if leaf.mode is not Mode.TERMINATED and leaf.state.rank not in lost:
+                        lost.add(leaf.state.rank)  # type: ignore[arg-type]
+                        leaving.update(leaf.groups)
+        return lost
+
+    def _from_reserve(self, lost: _Leaf) -> bool:
+        """Give LOST's active rank to a spare of its nearest group, climbing while the layers say RESERVE."""
+        reserve = self._flagged(LayerFlag.RESERVE)
+        for depth in range(len(self.layers) - 1, -1, -1):
+            if not reserve[depth]:
+                return False
+            spares = self._spares[lost.groups[depth]]
+            if spares:
+                _, spare = spares.popitem()  # the most recently idled
+                self._activate(spare, lost.state.active_rank)  # type: ignore[arg-type]
+                return True
+        return False
+
+    def _backfill(self, lost: list[_Leaf]) -> set[int]:
+        """Move the highest active ranks of each lost rank's backfill domain into the lost places; returns the
+        active ranks left empty (to be closed by the shift)."""
+        freed: set[int] = set()
+        by_domain: dict[tuple[Any, ...], list[_Leaf]] = {}
+        for leaf in lost:
+            if leaf.domain is None:
+                freed.add(leaf.state.active_rank)  # type: ignore[arg-type]
+            else:
+                by_domain.setdefault(leaf.domain, []).append(leaf)
+        for domain, gone in by_domain.items():
+            active = (leaf for leaf in self._members[domain] if leaf.mode is Mode.ACTIVE)
+            highest = heapq.nlargest(len(gone), active, key=lambda leaf: leaf.state.active_rank)
+            for filler, hole in itertools.zip_longest(reversed(highest), gone):
+                if filler is None:
+                    freed.add(hole.state.active_rank)
+                else:
+                    freed.add(filler.state.active_rank)
+                    filler.state.active_rank = hole.state.active_rank
+        return freed
+
+    def _shift(self, freed: list[int], lost: int) -> None:
+        """Close the freed active ranks: every active rank above one moves down."""
+        for leaf in self._leaves:
+            if leaf.state.active_rank is not None:
+                leaf.state.active_rank -= bisect.bisect_left(freed, leaf.state.active_rank)
+        self._set_active_world_size(self._active_world_size - lost)
+
+    def _filter_world_size(self) -> None:
+        size = int(self.world_size_filter(self._active_world_size))  # type: ignore[misc]
+        if not 0 <= size <= self._active_world_size:
+            raise RestartError(f"Tree: world_size_filter({self._active_world_size}) returned {size}; it must return "
+                               f"0..{self._active_world_size}")
+        for leaf in self._leaves:
+            if leaf.mode is Mode.ACTIVE and leaf.state.active_rank >= size:  # type: ignore[operator]
+                self._idle(leaf)
+        self._set_active_world_size(size)
+
+    def _renumber(self) -> None:
+        """Live ranks 0..n-1 in tree order; the terminated ones after them (never handed out)."""
+        live = [leaf for leaf in self._leaves if leaf.mode is not Mode.TERMINATED]
+        ended = [leaf for leaf in self._leaves if leaf.mode is Mode.TERMINATED]
+        self.rank_map = {}
+        for index, leaf in enumerate(live + ended):
+            leaf.state.rank, leaf.state.world_size = index, len(live)
+            self.rank_map[index] = leaf
+
+    def assignment(self) -> dict[int, tuple[int, Optional[int]]]:
+        """Initial rank -> (rank, active rank or None) of every live rank."""
+        return {initial: (leaf.state.rank, leaf.state.active_rank) for initial, leaf in self.init_rank_map.items()
+                if leaf.mode is not Mode.TERMINATED}  # type: ignore[misc]
 
     def __repr__(self) -> str:
         return f"Tree({self.layers!r})"

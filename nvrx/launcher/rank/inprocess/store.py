@@ -306,3 +306,36 @@ class TCPStore(StoreMixin, dist.TCPStore):
     def describe(self) -> str:
         return f"{self.host_name}:{self.port}"
 
+
+
+class FileStore(StoreMixin, dist.FileStore):
+    """NVRx's ``inprocess.store.FileStore``: torch's ``FileStore`` (one file every rank can reach, e.g. on a
+    shared file system) with the Wrapper's records; no server, so no rank's loss takes the store with it.
+
+    ``FileStore(file_name, world_size=-1)`` takes torch's arguments. The file is never removed by the store:
+    torch removes it once ``world_size`` store objects on it have been closed, and the Wrapper's monitor
+    thread and monitor process open connections of their own, which torch would count as ranks and so
+    remove the file under ranks still using it. Give every job a fresh path (a file still holding an
+    earlier job's keys would be read as this job's) and remove it when the job is done.
+    """
+
+    def __init__(self, file_name: str | os.PathLike[str], world_size: int = -1) -> None:
+        path = os.fspath(file_name) if isinstance(file_name, (str, os.PathLike)) else None
+        if not path:
+            raise ConfigurationError(f"FileStore: file_name must be a path, not {file_name!r}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size == 0 or world_size < -1:
+            raise ConfigurationError(f"FileStore: world_size must be a positive number of ranks or -1, "
+                                     f"not {world_size!r}")
+        dist.FileStore.__init__(self, path, -1)  # -1: torch never counts connections to remove the file
+        self.path_name = path
+        self._factory_kwargs = {"file_name": path, "world_size": world_size}
+        if world_size > 0 and not _file_kept_said.is_set():
+            _file_kept_said.set()
+            log.warning("FileStore(%s, world_size=%d): the file is not removed when the ranks are done (the Wrapper's "
+                        "own connections would be counted as ranks); remove it after the job", path, world_size)
+
+    def describe(self) -> str:
+        return f"file {self.path_name}"
+
+
+_file_kept_said = threading.Event()  # FileStore says once per process that it keeps its file
