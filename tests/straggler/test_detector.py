@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -55,6 +56,20 @@ def test_one_process_report_summarises_sections_and_profiles_every_nth_entry():
     assert Detector.generate_report().local_section_summaries == {}  # a report starts the next interval
 
 
+def test_profile_cuda_that_cannot_act_is_said_once(caplog):
+    Detector.initialize(report_time_interval=3600)
+    with caplog.at_level(logging.WARNING, logger="nvrx.straggler"):
+        with Detector.detection_section("quiet", profile_cuda=False):
+            pass
+        assert caplog.records == []
+        for name in ("a", "b", "a"):
+            with Detector.detection_section(name):  # profile_cuda=True, the default
+                pass
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "profile_cuda=True has no effect" in lines[0] and "'a'" in lines[0]
+    assert "no CUDA device" in lines[0] or "does not profile CUDA kernels" in lines[0]
+
+
 def test_interval_checks_are_spread_out_not_one_collective_per_call():
     Detector.initialize(report_time_interval=0.2)
     reports, t_end = 0, time.monotonic() + 0.5
@@ -72,6 +87,7 @@ def test_two_gloo_ranks_the_slow_one_is_identified_with_its_node(launcher, tmp_p
     out.mkdir()
     res = launcher.run("--standalone", "--nproc-per-node", "2", RANKS, str(out), env={"GATHER": gather}, timeout=90)
     assert res.returncode == 0, res.stderr
+    assert res.stderr.count("profile_cuda=True has no effect") == 2, res.stderr  # once per rank, for "fwd"
     r0, r1 = (json.loads((out / f"report{r}.json").read_text()) for r in (0, 1))
     assert len(r0) == len(r1) >= 1  # the ranks agreed on when to report
     last0, last1 = r0[-1], r1[-1]

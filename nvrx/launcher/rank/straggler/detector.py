@@ -17,6 +17,8 @@ medians as JSON in uint8 tensors over the default process group (never pickled);
 covers this process alone.
 
 Not provided: CUDA kernel profiling (CUPTI) - ``profile_cuda`` is accepted and the GPU scores are empty;
+the first section entered with ``profile_cuda=True`` (the default) says so in one warning line, with the
+reason (no CUDA device, or no kernel profiling in nvrx); ``profile_cuda=False`` says nothing.
 ``wrap_callables``. Time a section that holds the rank's own work, not a collective: in lock-step training
 every rank waits for the slowest inside a collective, so such a section takes equally long everywhere.
 """
@@ -71,6 +73,7 @@ class Detector:
     _calls: int = 0              # calls of generate_report_if_interval_elapsed since its last check
     _check_every: int = 1        # calls between two checks (agreed by all ranks)
     _last_check: float = 0.0
+    _cuda_said: bool = False     # the one line about profile_cuda was logged (once per initialize)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Detector":
         raise TypeError("Detector is not instantiated: use its class methods (Detector.initialize(...))")
@@ -95,6 +98,7 @@ class Detector:
         cls.custom_sections = {}
         cls._last_report = cls._last_check = time.monotonic()
         cls._calls, cls._check_every = 0, 1
+        cls._cuda_said = False
         cls.initialized = True
 
     @classmethod
@@ -106,12 +110,18 @@ class Detector:
     @classmethod
     @contextlib.contextmanager
     def detection_section(cls, name: str | None = None, profile_cuda: bool = True) -> Iterator[None]:
-        """Time the block as section NAME (default: the caller's file:line). PROFILE_CUDA is accepted, unused."""
+        """Time the block as section NAME (default: the caller's file:line). PROFILE_CUDA cannot be honoured:
+        said once (see the module's docstring)."""
         if not cls.initialized:
             raise RuntimeError("Detector.detection_section: call Detector.initialize(...) first")
         if name is None:
             caller = sys._getframe(2)  # [0] this generator, [1] contextlib's __enter__, [2] the with statement
             name = f"{caller.f_code.co_filename}:{caller.f_lineno}"  # cheap, unlike inspect.stack()
+        if profile_cuda and not cls._cuda_said:
+            cls._cuda_said = True
+            log.warning("straggler.Detector: section %r: profile_cuda=True has no effect (%s); sections are timed on "
+                        "the CPU clock and the GPU scores stay empty; pass profile_cuda=False to say so",
+                        name, _why_no_cuda_profiling())
         section = cls.custom_sections.get(name)
         if section is None:
             section = cls.custom_sections[name] = _Section()
@@ -187,6 +197,14 @@ class Detector:
             section.best = median if section.best is None else min(section.best, median)
             out[name] = section.best / median if median > 0 else 1.0
         return out
+
+
+def _why_no_cuda_profiling() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device on this machine"
+    return "nvrx does not profile CUDA kernels"
 
 
 def _relative_scores(medians: list[dict[str, float]]) -> dict[str, dict[int, float]]:
