@@ -1,6 +1,15 @@
-"""Straggler detection from what ranks already report: section durations and heartbeat intervals.
+"""Straggler detection: the one home of the scoring method, and the sampling every rank monitor does.
 
-Two halves, both pure (no I/O), so they are tested and benchmarked without processes:
+**The method** (used by the agents' ``StragglerScorer`` and by the in-rank ``Detector`` of
+``nvrx.launcher.rank.straggler``): the statistic is the **median** duration of a metric (a section, or the
+heartbeat interval) over a report window. A rank's **relative** slowdown is its median / the median of the
+*other* ranks' medians (``slowdowns``: 1.5 = 50 % slower than its peers; the peers' median, not the fastest
+rank, so one unusually fast rank does not make everyone look slow); its **individual** slowdown is its median
+/ the median of its own earlier reports (``own_reference``, from ``BASELINE_MIN`` reports on). The agents
+judge slowdowns against ``threshold``; NVRx's ``Report`` words the same numbers as performance scores,
+``perf_score(slowdown) = min(1, 1 / slowdown)`` (1.0 = as fast as the reference, 0.5 = twice as slow).
+
+Around it, pure (no I/O), so tested and benchmarked without processes:
 
 * ``TimingSampler`` runs in each rank monitor. On every look at its rank's heartbeat slot it records the
   duration of each section closed since the last look (the slot keeps the last duration and a close
@@ -9,12 +18,10 @@ Two halves, both pure (no I/O), so they are tested and benchmarked without proce
   the median of the window's samples and how many there were. A monitor knows only its own rank, so it
   never compares; its summary goes to its event file (``rank_timing``), which its agent reads.
 * ``StragglerScorer`` runs in one agent (group rank 0), which gathers every node's summaries through the
-  rendezvous store. Per metric and rank it computes a **relative** score (the rank's median / the median of
-  the other ranks' medians: 1.5 = 50 % slower than its peers) and an **individual** score (its median / the
-  median of its own earlier reports). A rank is slow in a report when its relative score reaches
-  ``threshold`` (with enough samples on both sides; without peers, its individual score decides: a job-wide
-  slowdown is not a straggler); it is flagged once it was slow in ``sustain`` consecutive reports,
-  and cleared after one report that is not slow.
+  rendezvous store (``nvrx.launcher.agent.stragglers``). A rank is slow in a report when its relative
+  slowdown reaches ``threshold`` (with enough samples on both sides; without peers, its individual slowdown
+  decides: a job-wide slowdown is not a straggler); it is flagged once it was slow in ``sustain``
+  consecutive reports, and cleared after one report that is not slow.
 
 Robustness on a noisy machine comes from medians (of the samples in a window, of the peers, of the own
 history), a minimum sample count per window and the sustain count; a single slow step never flags a rank.
@@ -29,13 +36,41 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 HEARTBEAT = "<heartbeat>"     # the metric name of heartbeat intervals (section names cannot contain '<')
 MIN_SAMPLES = 3               # a window's median needs at least this many samples to count
 MAX_SAMPLES = 4096            # per metric and window: bounds a monitor's memory for very short sections
 HISTORY = 32                  # reports of a rank's own history kept for its individual score
 BASELINE_MIN = 2              # earlier reports needed before an individual score is given
+
+
+# ------------------------------------------------------------------ the method
+
+
+def slowdowns(medians: Mapping[int, float]) -> dict[int, tuple[float | None, float | None]]:
+    """Per rank of MEDIANS (all > 0): (reference, slowdown), the reference being the median of the other
+    ranks' medians (None without other ranks) and the slowdown median / reference. O(n log n): one sort."""
+    ordered = sorted(medians.values())
+    position: dict[float, int] = {}
+    for i, m in enumerate(ordered):
+        position.setdefault(m, i)  # equal values are interchangeable: any one of them may be left out
+    out = {}
+    for rank, median in medians.items():
+        ref = median_without(ordered, position[median])
+        out[rank] = (ref, median / ref if ref else None)
+    return out
+
+
+def own_reference(history: Sequence[float] | None) -> float | None:
+    """The reference of a rank's individual slowdown: the median of its own earlier report medians
+    (None before ``BASELINE_MIN`` of them)."""
+    return statistics.median(history) if history is not None and len(history) >= BASELINE_MIN else None
+
+
+def perf_score(slowdown: float | None) -> float:
+    """A slowdown as NVRx's performance score: reference / median, at most 1.0 (1.0: nothing to compare with)."""
+    return 1.0 if slowdown is None or slowdown <= 0 else min(1.0, 1.0 / slowdown)
 
 
 # ------------------------------------------------------------------ monitor side
@@ -151,15 +186,10 @@ class StragglerScorer:
         for metric in metrics:
             usable = {r: s[metric].median for r, (_, s) in summaries.items()
                       if metric in s and s[metric].samples >= self.min_samples and s[metric].median > 0}
-            ordered = sorted(usable.values())
-            position = {}
-            for i, m in enumerate(ordered):
-                position.setdefault(m, i)  # equal values are interchangeable: any one of them may be left out
+            relative_to_peers = slowdowns(usable)
             for rank, median in sorted(usable.items()):
-                ref = median_without(ordered, position[median])
-                relative = median / ref if ref else None
-                history = self._history.get((rank, metric))
-                own = statistics.median(history) if history is not None and len(history) >= BASELINE_MIN else None
+                ref, relative = relative_to_peers[rank]
+                own = own_reference(self._history.get((rank, metric)))
                 individual = median / own if own else None
                 # Peers decide: a job-wide slowdown (every rank slower than its own past) is not a straggler.
                 # Without peers (a one-rank job) the rank's own history is the only reference.

@@ -110,3 +110,18 @@ def test_the_median_of_the_other_ranks_is_exact():
             rest = values[:i] + values[i + 1:]
             expected = statistics.median(rest) if rest else None
             assert median_without(values, i) == expected, (values, i)
+
+
+def test_agents_and_the_in_rank_detector_score_with_the_one_method():
+    """One unusually fast rank (3) must not make its peers look slow, in either consumer of the method."""
+    from nvrx.launcher.rank.straggler.detector import _relative_scores
+    from nvrx.monitors.straggler import perf_score, slowdowns
+
+    medians = {0: 1.0, 1: 1.0, 2: 2.0, 3: 0.25}
+    method = slowdowns(medians)
+    assert {r: v[1] for r, v in method.items()} == {0: 1.0, 1: 1.0, 2: 2.0, 3: 0.25}  # vs the others' median 1.0
+    detector = _relative_scores([{"step": m} for _, m in sorted(medians.items())])["step"]
+    assert detector == {r: perf_score(method[r][1]) for r in medians} == {0: 1.0, 1: 1.0, 2: 0.5, 3: 1.0}
+    agents = StragglerScorer(threshold=1.2, sustain=1).scores(_report(medians))
+    assert {s.rank: s.relative for s in agents} == {r: v[1] for r, v in method.items()}
+    assert {s.rank for s in agents if s.slow} == {2} == {r for r, s in detector.items() if s < 0.75}

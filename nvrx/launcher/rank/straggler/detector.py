@@ -11,10 +11,12 @@ A compatible subset of ``nvidia_resiliency_ext.straggler.Detector``: class metho
     Detector.shutdown()
 
 Each section's CPU wall-clock time is measured (every ``profiling_interval``-th entry) with
-``time.perf_counter``; a report summarises each section per rank (``Statistic``) and scores its median:
-relative to the fastest rank, and individually to the rank's own best report. The ranks exchange their
-medians as JSON in uint8 tensors over the default process group (never pickled); without one, a report
-covers this process alone.
+``time.perf_counter``; a report summarises each section per rank (``Statistic``) and scores its median with
+the one straggler method the agents use too (``nvrx.monitors.straggler``): relative to the median of the
+other ranks' medians, and individually to the median of the rank's own earlier reports, worded as NVRx's
+performance scores (``perf_score``: 1.0 = as fast as the reference, 0.5 = twice as slow). The ranks
+exchange their medians as JSON in uint8 tensors over the default process group (never pickled); without
+one, a report covers this process alone.
 
 Not provided: CUDA kernel profiling (CUPTI) - ``profile_cuda`` is accepted and the GPU scores are empty;
 the first section entered with ``profile_cuda=True`` (the default) says so in one warning line, with the
@@ -30,12 +32,14 @@ import logging
 import socket
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from nvrx.launcher.rank.rerun.collective import all_gather_json, rank_and_world, reduce_max
 from nvrx.launcher.rank.straggler.reporting import Report
 from nvrx.launcher.rank.straggler.statistics import Statistic, summarize
+from nvrx.monitors.straggler import HISTORY, own_reference, perf_score, slowdowns
 
 log = logging.getLogger("nvrx.straggler")
 
@@ -48,7 +52,7 @@ class _Section:
 
     entries: int = 0
     elapsed: list[float] = field(default_factory=list)
-    best: float | None = None  # the rank's best (lowest) median of earlier reports
+    history: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))  # medians of earlier reports
 
 
 def _scores_wanted(scores_to_compute: str | Sequence[str]) -> frozenset[str]:
@@ -190,12 +194,14 @@ class Detector:
 
     @classmethod
     def _individual_scores(cls, medians: dict[str, float]) -> dict[str, float]:
-        """Each section's best median so far (this one included) / this median; updates the best."""
+        """Each section's median against the median of its own earlier reports (``own_reference``), as a
+        performance score (1.0 until there are enough earlier reports); this median joins the history."""
         out = {}
         for name, median in medians.items():
             section = cls.custom_sections[name]
-            section.best = median if section.best is None else min(section.best, median)
-            out[name] = section.best / median if median > 0 else 1.0
+            own = own_reference(section.history)
+            out[name] = perf_score(median / own if own and median > 0 else None)
+            section.history.append(median)
         return out
 
 
@@ -208,12 +214,13 @@ def _why_no_cuda_profiling() -> str:
 
 
 def _relative_scores(medians: list[dict[str, float]]) -> dict[str, dict[int, float]]:
-    """Per section: the fastest rank's median / each rank's median."""
+    """Per section: each rank's performance score against the median of the other ranks' medians."""
     out: dict[str, dict[int, float]] = {}
     for name in sorted({n for m in medians for n in m}):
-        values = {r: float(m[name]) for r, m in enumerate(medians) if isinstance(m.get(name), (int, float))}
-        best = min(values.values())
-        out[name] = {r: (best / v if v > 0 else 1.0) for r, v in values.items()}
+        values = {r: float(m[name]) for r, m in enumerate(medians)
+                  if isinstance(m.get(name), (int, float)) and not isinstance(m.get(name), bool)}
+        timed = slowdowns({r: v for r, v in values.items() if v > 0})
+        out[name] = {r: perf_score(timed[r][1] if r in timed else None) for r in values}
     return out
 
 

@@ -1,9 +1,9 @@
 """NVRx's straggler ``Report``: per-rank performance scores and how to pick the stragglers out of them.
 
 Scores follow NVRx's convention: a ratio of reference performance to the rank's, in (0, 1]; 1.0 is the
-reference itself, 0.5 twice as slow. Relative scores take the fastest rank as the reference, individual
-scores the rank's own best earlier report. (The agents' detector, ``nvrx.monitors.straggler``, words the same
-facts as slowdowns: 1 / score.)
+reference itself (or faster), 0.5 twice as slow. The method is the agents' one (``nvrx.monitors.straggler``):
+relative scores take the median of the other ranks as the reference, individual scores the median of the
+rank's own earlier reports; the agents word the same facts as slowdowns (1 / score).
 """
 
 from __future__ import annotations
