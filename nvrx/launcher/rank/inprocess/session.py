@@ -42,7 +42,7 @@ from nvrx.launcher.rank.inprocess.progress import ProgressRecorder
 from nvrx.launcher.rank.inprocess.rank_assignment import RankAssignmentCtx, RankDiscarded
 from nvrx.launcher.rank.inprocess.settings import RestartSettings
 from nvrx.launcher.rank.inprocess.state import Mode, State, as_state
-from nvrx.launcher.rank.inprocess.store import PREFIX, StoreMixin, TCPStore, first_line
+from nvrx.launcher.rank.inprocess.store import PREFIX, StoreMixin, TCPStore, first_line, unreachable_class
 from nvrx.common.errors import NvrxError
 
 log = logging.getLogger(__name__)
@@ -210,6 +210,8 @@ class RestartSession:
         if not isinstance(store, StoreMixin):
             raise ConfigurationError(f"store_factory returned {type(store).__name__}, which does not subclass "
                                      "nvrx.launcher.rank.inprocess.store.StoreMixin")
+        if unreachable_class(type(store)):
+            raise ConfigurationError(f"store_factory: {unreachable_class(type(store))}")
         if "_factory_kwargs" not in vars(store):
             store._factory_kwargs = kwargs
         store.use_session(self.session)

@@ -65,6 +65,16 @@ def decode_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
             for k, v in kwargs.items()}
 
 
+def unreachable_class(cls: type) -> str | None:
+    """Why the monitor process (its own interpreter) could not import store class CLS by name, or None."""
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        where = "the main script" if cls.__module__ == "__main__" else "a function"
+        return (f"store class {cls.__qualname__} is defined in {where}; the in-process monitor process, a "
+                "separate interpreter, opens its own store connection by importing the class: define it at the "
+                "top level of a module")
+    return None
+
+
 def store_from_spec(spec: dict[str, Any]) -> "StoreMixin":
     store = load_factory(spec["factory"])(**decode_kwargs(spec.get("kwargs", {})))
     store.use_session(spec.get("session", "0"))

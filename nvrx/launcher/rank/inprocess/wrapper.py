@@ -57,7 +57,7 @@ from nvrx.launcher.rank.inprocess.exceptions import ArgumentTypeError
 from nvrx.launcher.rank.inprocess.rank_assignment import ActivateAllRanks, ShiftRanks
 from nvrx.launcher.rank.inprocess.session import RestartSession, active_session
 from nvrx.launcher.rank.inprocess.settings import RestartSettings
-from nvrx.launcher.rank.inprocess.store import StoreMixin, TCPStore, encode_kwargs
+from nvrx.launcher.rank.inprocess.store import StoreMixin, TCPStore, encode_kwargs, unreachable_class
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,8 @@ def _store_factory(factory: Any) -> Callable[..., StoreMixin]:
     if inspect.isclass(factory) and not issubclass(factory, StoreMixin):
         raise ValueError(f"Wrapper: store_factory {factory.__name__} does not subclass "
                          "launcher.rank.inprocess.store.StoreMixin; custom stores must")
+    if inspect.isclass(factory) and unreachable_class(factory):
+        raise ValueError(f"Wrapper: store_factory: {unreachable_class(factory)}")
     return factory
 
 
