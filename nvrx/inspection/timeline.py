@@ -72,7 +72,7 @@ from nvrx.events import (
 )
 from nvrx.events import RerunAttempt, RerunStats, RerunSuspected, RerunVerdict
 from nvrx.events import HealthCheckInfo, NodeHealth
-from nvrx.events import RankTiming, StragglerEvent, WorkloadControl
+from nvrx.events import CheckpointComplete, RankTiming, StragglerEvent, WorkloadControl
 from nvrx.monitors.straggler import metric_text
 from nvrx.inspection.event_files import (Damage, EventFile, event_name, first_event_time, iso, raw_string,
                                              read_chunk)
@@ -98,6 +98,7 @@ class Filters:
     since: float | None = None
     step_section: str | None = None
     ckpt_section: str = CKPT_SECTION
+    node: str | None = None               # only this node's entries, ranks and timeouts (its name or node id)
 
 
 # ------------------------------------------------------------------ folded state
@@ -168,6 +169,39 @@ class AgentFile:
     pids: dict[int, tuple[int, RoundState | None]] = field(default_factory=dict)  # rank pid -> (global rank, round)
     global_of_local: dict[int, int] = field(default_factory=dict)  # local rank -> its latest global rank
 
+    @property
+    def name(self) -> str:
+        """The node's one name in the report: its event file's (``<host>-<agent pid>``), before and after it joined."""
+        return str(self.ef.node)
+
+
+@dataclass
+class HealthFold:
+    """The nodes of one round that passed their health checks: one timeline entry, kept up to date."""
+
+    job: int
+    round: int
+    t: float
+    nodes: int = 0
+    low: float = math.inf
+    high: float = 0.0
+    first: str = ""
+    detail: str = ""
+    entry: "Entry | None" = None
+
+    def add(self, node: str, seconds: float) -> None:
+        self.nodes += 1
+        self.low, self.high = min(self.low, seconds), max(self.high, seconds)
+        self.first = self.first or node
+        if self.entry is not None:
+            self.entry.text = self.text()
+
+    def text(self) -> str:
+        span = _ms(self.low) if self.low == self.high else f"{_ms(self.low)}-{_ms(self.high)}"
+        if self.nodes == 1:
+            return f"node {self.first} passed its health checks in {span} ({self.detail})"
+        return f"{self.nodes} nodes passed their health checks in {span} ({self.detail})"
+
 
 @dataclass
 class SectionTally:
@@ -204,8 +238,9 @@ class RankSession:
     last_hb_t: float | None = None        # the last explicit heartbeat the monitor saw
     last_auto_t: float | None = None      # the last automatic heartbeat it saw (None: no automatic beats)
     sections: dict[str, SectionTally] = field(default_factory=dict)
-    ckpt_t: float | None = None           # the last close of the checkpoint section
+    ckpt_t: float | None = None           # the state time of the last complete checkpoint (or checkpoint section close)
     totals_at_ckpt: dict[str, float] = field(default_factory=dict)  # section totals at that close
+    ckpts: list[tuple[float, float, Any, str, Any]] = field(default_factory=list)  # (t, taken, step, tier, path)
     timeouts: dict[str, Any] | None = None
     hang: dict[str, Any] | None = None    # HangDetected fields + t
 
@@ -254,10 +289,11 @@ class Entry:
     tail: list[str] = field(default_factory=list)
     form: str | None = None
     fields: dict[str, Any] | None = None
+    node: str | None = None      # the node the entry is about (--node filters on it)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"t": self.t, "time": iso(self.t), "kind": self.kind, "level": self.level, "text": self.text,
-               "job": self.job, "round": self.round, "rank": self.rank}
+               "job": self.job, "round": self.round, "rank": self.rank, "node": self.node}
         if self.tail:
             out["tail"] = self.tail
         return out
@@ -284,6 +320,9 @@ class Timeline:
         self.others: list[Entry] = []         # resume driver and other notable one-off events
         self.hangs: list[tuple[MonitorFile, dict[str, Any]]] = []
         self.live = False  # --follow: an open job extends to the present (its agents write rarely)
+        self.ckpt_reported = False  # some rank reported a complete checkpoint (checkpoint_complete events)
+        self.health: list[tuple[int, int, str, float, bool, float]] = []  # (job, round, node, t, ok, seconds)
+        self.health_ok: dict[tuple[int, int], HealthFold] = {}
         self.stragglers: dict[tuple, Entry] = {}  # (job, rank, metric, since) -> its entry, updated per report
         skip = {cls.EV: _skip for cls in NOT_SHOWN}
         self._agent_handlers: dict[str, Handler] = {
@@ -442,7 +481,7 @@ class Timeline:
         f = RdzvStandby.F
         job = self._job_for(a, e["t"])
         self._note(("standby", job.index, e.get(f.round), a.ef.node), e["t"], "standby",
-                   f"node {e.get(f.node_id) or a.ef.node} waits as a standby: round {e.get(f.round)} "
+                   f"node {node_name(e.get(f.node_id)) if e.get(f.node_id) else a.name} waits as a standby: round {e.get(f.round)} "
                    f"is running with {e.get(f.nodes)} node(s) ({e.get(f.reason)})", job=job.index)
 
     def _on_rank_start(self, a: AgentFile, e: dict[str, Any]) -> None:
@@ -504,7 +543,7 @@ class Timeline:
         job = self._job_for(a, e["t"])
         ends = e.get(f.action) == "job ends"
         self._note(("bad_record", a.ef.path, e.get(f.key), e["t"]), e["t"], "rdzv_bad_record",
-                   f"the agent of node {a.node_id or a.ef.node} found a malformed record {e.get(f.key)} in the "
+                   f"the agent of node {a.name} found a malformed record {e.get(f.key)} in the "
                    f"rendezvous store ({e.get(f.problem)}): {e.get(f.action)}; another program wrote to the store",
                    level="error" if ends else "warn", job=job.index)
 
@@ -514,20 +553,32 @@ class Timeline:
         claims = f" naming node {e.get(f.claims)}" if e.get(f.claims) else ""
         more = f" ({e.get(f.suppressed)} more not logged)" if e.get(f.suppressed) else ""
         self._note(("forged_record", a.ef.path, e.get(f.key), e["t"]), e["t"], "rdzv_forged_record",
-                   f"the agent of node {a.node_id or a.ef.node} ignored an unauthenticated record {e.get(f.key)}"
+                   f"the agent of node {a.name} ignored an unauthenticated record {e.get(f.key)}"
                    f"{claims} in the rendezvous store ({e.get(f.problem)}): {e.get(f.action)}{more}; a program "
                    "without the job secret wrote to the store", level="warn", job=job.index)
 
     def _on_node_health(self, a: AgentFile, e: dict[str, Any]) -> None:
+        """A failed check is an entry of its own; the passing nodes of a round are folded into one entry."""
         f, c = NodeHealth.F, HealthCheckInfo.F
         job = self._job_for(a, e["t"])
+        rnd = a.round.number + 1 if a.round is not None else 0  # the checks run before joining the next round
         checks = [x for x in e.get(f.checks) or [] if isinstance(x, dict)]
-        shown = [x for x in checks if x.get(c.status) != "ok"] if e.get(f.ok) is False else checks
-        parts = "; ".join(f"{x.get(c.name)} {x.get(c.status)}: {x.get(c.detail)}" for x in shown)
-        verdict = "failed its health checks" if e.get(f.ok) is False else "passed its health checks"
-        self._note(("node_health", a.ef.path, e["t"]), e["t"], "node_health",
-                   f"node {a.node_id or a.ef.node} {verdict} in {e.get(f.seconds)} s ({parts}); it {e.get(f.action)}",
-                   level="error" if e.get(f.ok) is False else "info", job=job.index)
+        seconds = e.get(f.seconds) if isinstance(e.get(f.seconds), (int, float)) else 0.0
+        self.health.append((job.index, rnd, a.name, e["t"], e.get(f.ok) is not False, float(seconds)))
+        if e.get(f.ok) is False:
+            shown = [x for x in checks if x.get(c.status) != "ok"]
+            parts = "; ".join(f"{x.get(c.name)} {x.get(c.status)}: {x.get(c.detail)}" for x in shown)
+            self._note(("node_health", a.ef.path, e["t"]), e["t"], "node_health",
+                       f"node {a.name} failed its health checks in {e.get(f.seconds)} s ({parts}); it "
+                       f"{e.get(f.action)}", level="error", job=job.index, node=a.name, round=rnd)
+            return
+        fold = self.health_ok.get((job.index, rnd))
+        if fold is None:
+            fold = self.health_ok[(job.index, rnd)] = HealthFold(job.index, rnd, e["t"])
+            self._note(("health_ok", job.index, rnd), e["t"], "node_health", "", job=job.index, round=rnd)
+            fold.entry = self.others[-1]
+            fold.detail = "; ".join(f"{x.get(c.name)} {x.get(c.status)}" for x in checks)
+        fold.add(a.name, float(seconds))
 
     def _on_straggler(self, a: AgentFile, e: dict[str, Any]) -> None:
         """One entry per straggler streak (which rank, which node, how much slower, since when), kept up to date
@@ -560,14 +611,14 @@ class Timeline:
         job = self._job_for(a, e["t"])
         if e.get(f.phase) != "running":  # while running, the interrupted stop record says it
             self._note(("signal", a.ef.path, e["t"]), e["t"], "signal",
-                       f"{e.get(f.signal)} received by the agent of node {a.node_id or a.ef.node} during "
+                       f"{e.get(f.signal)} received by the agent of node {a.name} during "
                        f"{e.get(f.phase)}", level="warn", job=job.index)
 
     def _on_monitor_died(self, a: AgentFile, e: dict[str, Any]) -> None:
         f = MonitorDied.F
         job = self._job_for(a, e["t"])
         self._note(("monitor_died", a.ef.path, e.get(f.pid)), e["t"], "monitor_died",
-                   f"the monitor of local rank {e.get(f.local_rank)} on node {a.node_id or a.ef.node} died "
+                   f"the monitor of local rank {e.get(f.local_rank)} on node {a.name} died "
                    f"(exit code {e.get(f.returncode)}); restarted", level="warn", job=job.index)
 
     def _on_monitor_gave_up(self, a: AgentFile, e: dict[str, Any]) -> None:
@@ -579,7 +630,7 @@ class Timeline:
         where = f"; its log: {e[f.log]}" if e.get(f.log) else ""
         self._note(("monitor_gave_up", a.ef.path, e.get(f.pid)), e["t"], "monitor_gave_up",
                    f"the monitor of local rank {lr}{f' (rank {rank})' if rank is not None else ''} on node "
-                   f"{a.node_id or a.ef.node} died {e.get(f.deaths)} times within {rounded(e.get(f.window), 2)} s "
+                   f"{a.name} died {e.get(f.deaths)} times within {rounded(e.get(f.window), 2)} s "
                    f"(last exit code {e.get(f.returncode)}{last}); not restarted: its rank would run unwatched, "
                    f"so the job fails{where}", level="error", job=job.index, rank=rank)
 
@@ -598,7 +649,7 @@ class Timeline:
         job = self._job_for(a, e["t"])
         a.ended = True
         job.ends.append({k: e.get(k) for k in (f.status, f.exit_code, f.seconds, f.detail)}
-                        | {"t": e["t"], "node": a.node_id or a.ef.node})
+                        | {"t": e["t"], "node": a.name})
 
     # ---- monitor events
     def _on_monitor_start(self, m: MonitorFile, e: dict[str, Any]) -> None:
@@ -693,8 +744,24 @@ class Timeline:
             sec.max_s = longest
         total = e.get(_SC_TOTAL)  # exact, if a monitor writes it; else estimated from the last duration
         sec.total_s += total if isinstance(total, (int, float)) else closes * last
-        if name == self.filters.ckpt_section:
+        if name == self.filters.ckpt_section and (s.ckpt_t is None or e["t"] >= s.ckpt_t):
             s.ckpt_t = e["t"]
+            s.totals_at_ckpt = {n: x.total_s for n, x in s.sections.items()}
+
+    def _on_checkpoint_complete(self, m: MonitorFile, e: dict[str, Any]) -> None:
+        """A checkpoint nvrx's checkpointers reported complete: the rank's progress up to its state is kept."""
+        f = CheckpointComplete.F
+        s = self._current(m, e, e.get(f.pid))
+        if isinstance(e.get(f.global_rank), int) and s.global_rank is None:
+            s.global_rank = e[f.global_rank]
+        taken = e.get(f.taken)
+        taken = min(float(taken), e["t"]) if isinstance(taken, (int, float)) else e["t"]
+        if self.filters.since is not None and e["t"] < self.filters.since:
+            return
+        s.ckpts.append((e["t"], taken, e.get(f.step), str(e.get(f.tier) or "?"), e.get(f.path)))
+        self.ckpt_reported = True
+        if s.ckpt_t is None or taken >= s.ckpt_t:
+            s.ckpt_t = taken
             s.totals_at_ckpt = {n: x.total_s for n, x in s.sections.items()}
 
     def _on_hang_detected(self, m: MonitorFile, e: dict[str, Any]) -> None:
@@ -817,8 +884,10 @@ class Timeline:
         self._note(("generic", ef.path, lineno), e["t"], f"{src}:{name}", None, form="event", fields=fields)
 
     def _note(self, key: tuple, t: float, kind: str, text: str | None, level: str = "info", job: int | None = None,
-              rank: int | None = None, form: str | None = None, fields: dict[str, Any] | None = None) -> None:
-        self.others.append(Entry(key, t, kind, text, level, job=job, rank=rank, form=form, fields=fields))
+              rank: int | None = None, form: str | None = None, fields: dict[str, Any] | None = None,
+              node: str | None = None, round: int | None = None) -> None:
+        self.others.append(Entry(key, t, kind, text, level, job=job, rank=rank, form=form, fields=fields, node=node,
+                                 round=round))
 
     # ---- jobs
     def _job_for(self, a: AgentFile, t: float) -> JobState:
@@ -898,6 +967,7 @@ MONITOR_HANDLERS: dict[type[Event], Callable[..., None]] = {
     TimeoutsLoaded: Timeline._on_timeouts_loaded,
     TimeoutsStateIgnored: Timeline._on_timeouts_state_ignored,
     WorkloadControl: Timeline._on_workload_control,
+    CheckpointComplete: Timeline._on_checkpoint_complete,
 }
 
 
@@ -1018,6 +1088,18 @@ def _times(x: Any) -> str:
 def _secs(x: Any) -> str:
     """A short duration in a sentence, 4 decimals ('?' when unknown)."""
     return f"{x:.4f} s" if isinstance(x, (int, float)) and not isinstance(x, bool) else "? s"
+
+
+def _ms(seconds: float) -> str:
+    """A health check's duration: 3 ms, 1.2 s."""
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+def node_name(node_id: Any) -> str:
+    """A rendezvous node id (``<host>-<pid>-<6 hex>``) as the report names the node: ``<host>-<pid>``."""
+    text = str(node_id)
+    head, _, tail = text.rpartition("-")
+    return head if head and len(tail) == 6 and all(ch in "0123456789abcdef" for ch in tail) else text
 
 
 def _short(v: Any, limit: int = 80) -> str:
