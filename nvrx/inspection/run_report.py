@@ -73,6 +73,7 @@ class Report:
     health: list[dict[str, Any]] = field(default_factory=list)
     series: list[dict[str, Any]] = field(default_factory=list)
     items: list[Entry] = field(default_factory=list, repr=False)
+    lanes: dict[str, list[tuple[Any, float, float | None, float | None]]] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": REPORT_SCHEMA, "paths": self.paths, "filters": self.filters, "files": self.files,
@@ -126,6 +127,7 @@ class _ReportBuilder:
             health=self._health(),
             series=self._series(rounds, faults, span),
             items=items,
+            lanes=self._lanes(sessions),
         )
 
     def _shown(self, t: float, rank: int | None, node: str | None = None) -> bool:
@@ -484,6 +486,19 @@ class _ReportBuilder:
         for c in items:
             c["time"] = iso(c["t"])
         return items
+
+    def _lanes(self, sessions: list) -> dict[str, list[tuple[Any, float, float | None, float | None]]]:
+        """Per node (as the report names it): each rank process as (global rank, start, end, hang start)."""
+        out: dict[str, list[tuple[Any, float, float | None, float | None]]] = {}
+        for s, rank, _, m in sessions:
+            if (self.f.rank is not None and rank != self.f.rank) or (
+                    self.f.node is not None and str(m.ef.node) != self._node_filter):
+                continue
+            hang = s.hang or {}
+            hung = (float(hang[HangInfo.F.t]) - float(hang.get(HangInfo.F.elapsed) or 0.0)
+                    if isinstance(hang.get(HangInfo.F.t), (int, float)) else None)
+            out.setdefault(str(m.ef.node), []).append((rank, s.t, s.end_t, hung))
+        return out
 
     def _health(self) -> list[dict[str, Any]]:
         """Per job and round: how many nodes passed their health checks (and how fast), which failed."""

@@ -337,11 +337,22 @@ def _time_lines(report: Report) -> list[str]:
     wall = _secs(a["wall_s"])
     up, good = _ratios(report)
     lines = [f"{up}: {_secs(a['uptime_s'])} with all ranks running / {wall} wall"]
+    lines += _lost_lines(report)
     if report.goodput is None:
         return lines + [good]
     redone = (f"; {_secs(a['recomputed_s'])} of progress redone after restarts" if a["recomputed_s"] is not None
               else f"; recompute {a['recompute']}")
     return lines + [f"{good}: {_secs(a['kept_s'])} of progress kept / {wall} wall{redone}"]
+
+
+def _lost_lines(report: Report) -> list[str]:
+    """Time lost to faults (each fault to all ranks running again), summed: the HTML report's figure too."""
+    lost = [f["lost_s"] for f in report.faults if f.get("lost_s") is not None]
+    if not report.faults:
+        return []
+    open_ = len(report.faults) - len(lost)
+    tail = f" ({open_} not recovered)" if open_ else ""
+    return [f"time lost to {len(report.faults)} stop(s): {_secs(sum(lost))}{tail}"]
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
