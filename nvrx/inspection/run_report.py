@@ -143,14 +143,14 @@ class _ReportBuilder:
         if self.f.node is None:
             return None
         a = self.agents_by_id.get(self.f.node)
-        return a.name if a is not None else node_name(self.f.node)
+        return a.name if a is not None else node_name(self.f.node, self.tl.names)
 
     def name_of(self, node_id: Any) -> str | None:
         """A node id (rendezvous records) as the report names that node: its agent file's name."""
         if node_id is None:
             return None
         a = self.agents_by_id.get(str(node_id))
-        return a.name if a is not None else node_name(node_id)
+        return a.name if a is not None else node_name(node_id, self.tl.names)
 
     def _tie_to_jobs(self, items: list[Entry]) -> None:
         """Give every entry its job: resume-driver and re-run entries carry none, so they get the job they concern
@@ -454,14 +454,14 @@ class _ReportBuilder:
         items = []
         for m, hang in self.tl.hangs:
             pid = hang.get(HangInfo.F.pid)
-            if (m.ef.node, pid) in explained or (None, pid) in explained:
+            if (self.tl.node_of(m), pid) in explained or (None, pid) in explained:
                 continue
             agent = self.agents_by_node.get((m.ef.run_dir, m.ef.node))
             rank = agent.pids[pid][0] if agent and pid in agent.pids else hang.get(HangInfo.F.global_rank)
             text = hang_text(hang, "hung ({reason})")
             items.append(Entry(("hang", str(m.ef.path), hang.get(HangInfo.F.t)), hang[HangInfo.F.t], "hang_detected",
                                f"rank {rank} {text}; monitor sent {hang.get(HangInfo.F.signal)}", "warn", rank=rank,
-                               node=str(m.ef.node), job=agent.job.index if agent and agent.job else None))
+                               node=self.tl.node_of(m), job=agent.job.index if agent and agent.job else None))
         return items
 
     # ---- checkpoints, health checks, goodput over time
@@ -471,7 +471,7 @@ class _ReportBuilder:
         for s, rank, rd, m in sessions:
             if not s.ckpts or (self.f.rank is not None and rank != self.f.rank):
                 continue
-            if self.f.node is not None and str(m.ef.node) != self._node_filter:
+            if self.f.node is not None and self.tl.node_of(m) != self._node_filter:
                 continue
             job = rd.job.index if rd is not None else None
             for t, taken, step, tier, path in s.ckpts:
@@ -492,12 +492,12 @@ class _ReportBuilder:
         out: dict[str, list[tuple[Any, float, float | None, float | None]]] = {}
         for s, rank, _, m in sessions:
             if (self.f.rank is not None and rank != self.f.rank) or (
-                    self.f.node is not None and str(m.ef.node) != self._node_filter):
+                    self.f.node is not None and self.tl.node_of(m) != self._node_filter):
                 continue
             hang = s.hang or {}
             hung = (float(hang[HangInfo.F.t]) - float(hang.get(HangInfo.F.elapsed) or 0.0)
                     if isinstance(hang.get(HangInfo.F.t), (int, float)) else None)
-            out.setdefault(str(m.ef.node), []).append((rank, s.t, s.end_t, hung))
+            out.setdefault(self.tl.node_of(m), []).append((rank, s.t, s.end_t, hung))
         return out
 
     def _health(self) -> list[dict[str, Any]]:
@@ -659,7 +659,7 @@ class _ReportBuilder:
                                           "auto_heartbeat": False, "hb_max_interval_s": None, "first_heartbeat_max_s": None, "hangs": 0,
                                           "hang_details": [], "sections": {}, "monitor_restarts": 0,
                                           "_mons": set()})
-            r["nodes"].add(str(m.ef.node))
+            r["nodes"].add(self.tl.node_of(m))
             r["sessions"] += 1
             r["heartbeats"] += s.hb_count
             r["auto_heartbeat"] = r["auto_heartbeat"] or s.auto  # automatic beats are seen, not counted
@@ -700,7 +700,7 @@ class _ReportBuilder:
             rank = rank_of_monitor.get(id(m))
             if self.f.rank is not None and rank != self.f.rank:
                 continue
-            key = f"{rank}" if id(m) in rank_of_monitor else f"{m.ef.node}/local {m.ef.local_rank}"
+            key = f"{rank}" if id(m) in rank_of_monitor else f"{self.tl.node_of(m)}/local {m.ef.local_rank}"
             last = next((s.timeouts for s in reversed(m.sessions) if s.timeouts), None) or m.loaded or m.configured
             if last is not None:
                 in_force[key] = last

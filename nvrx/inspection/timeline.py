@@ -169,10 +169,7 @@ class AgentFile:
     pids: dict[int, tuple[int, RoundState | None]] = field(default_factory=dict)  # rank pid -> (global rank, round)
     global_of_local: dict[int, int] = field(default_factory=dict)  # local rank -> its latest global rank
 
-    @property
-    def name(self) -> str:
-        """The node's one name in the report: its event file's (``<host>-<agent pid>``), before and after it joined."""
-        return str(self.ef.node)
+    name: str = ""  # the node's one name in the report (Timeline._name_agents)
 
 
 @dataclass
@@ -320,6 +317,8 @@ class Timeline:
         self.others: list[Entry] = []         # resume driver and other notable one-off events
         self.hangs: list[tuple[MonitorFile, dict[str, Any]]] = []
         self.live = False  # --follow: an open job extends to the present (its agents write rarely)
+        self._node_lists: dict[bytes, list[Any]] = {}  # see _decode_round
+        self.names: dict[str, str] = {}  # an agent file's <host>-<pid> -> the node's name in the report
         self.ckpt_reported = False  # some rank reported a complete checkpoint (checkpoint_complete events)
         self.health: list[tuple[int, int, str, float, bool, float]] = []  # (job, round, node, t, ok, seconds)
         self.health_ok: dict[tuple[int, int], HealthFold] = {}
@@ -347,7 +346,26 @@ class Timeline:
                 self.agents[ef.path] = AgentFile(ef)
             elif ef.kind == "monitor":
                 self.monitors[ef.path] = MonitorFile(ef)
+        if any(ef.kind == "agent" for ef in new):
+            self._name_agents()
         return new
+
+    def node_of(self, m: MonitorFile) -> str:
+        """The name of a monitor file's node (its agent's)."""
+        return self.names.get(str(m.ef.node), str(m.ef.node))
+
+    def _name_agents(self) -> None:
+        """One name per node, before and after it joined a round: its host (the agent file's ``<host>-<pid>`` less
+        the pid), or ``<host>-<pid>`` where several agents of a run dir share a host (one machine, many agents)."""
+        hosts: dict[tuple[Path, str], int] = {}
+        for a in self.agents.values():
+            key = (a.ef.run_dir, host_of(str(a.ef.node)))
+            hosts[key] = hosts.get(key, 0) + 1
+        for a in self.agents.values():
+            host = host_of(str(a.ef.node))
+            a.name = host if hosts[(a.ef.run_dir, host)] == 1 else str(a.ef.node)
+            self.names[str(a.ef.node)] = a.name
+
 
     def consume(self, ef: EventFile, final: bool = True, budget: int | None = None) -> int:
         """Fold EF's unread lines (all of them if BUDGET is None, else about BUDGET bytes); returns lines."""
@@ -355,6 +373,7 @@ class Timeline:
         table = (self._agent_handlers if isinstance(owner, AgentFile) else
                  self._monitor_handlers if isinstance(owner, MonitorFile) else {})
         lazy = isinstance(owner, MonitorFile) and final and not self.live and self.filters.since is None
+        is_agent = isinstance(owner, AgentFile)
         n = 0
         while True:
             start = ef.offset
@@ -370,7 +389,7 @@ class Timeline:
                 if lazy and _defer(owner, i, raw):
                     continue
                 try:
-                    e = decode_event(raw)
+                    e = decode_event(raw) if not is_agent or len(raw) < _BIG_LINE else self._decode_round(raw)
                 except ValueError as exc:
                     self.damage.add(ef, i, _damage_reason(raw, exc))
                     continue
@@ -401,6 +420,33 @@ class Timeline:
         if lazy:
             self._apply_deferred(owner)
         return n
+
+    def _decode_round(self, raw: bytes) -> dict[str, Any]:
+        """Decode a long agent line; a node list another agent's line already had is not decoded again.
+
+        Every agent of a round logs the same ``nodes`` list (thousands of ids at scale): most of an agent file's
+        bytes. Its bytes are looked up among the lists seen (each one checked once by a full decode); a line is
+        then decoded with an empty list in its place and given the known list. Anything else: a full decode.
+        """
+        i = raw.find(_NODES_KEY)
+        j = raw.find(b"]", i) if i >= 0 else -1
+        known = self._node_lists.get(raw[i + len(_NODES_KEY) - 1:j + 1]) if j > 0 else None
+        if known is None:
+            e = decode_event(raw)
+            nodes = e.get(RdzvRound.F.nodes)
+            if j > 0 and e.get("ev") == RdzvRound.EV and isinstance(nodes, list) and len(self._node_lists) < 64:
+                segment = raw[i + len(_NODES_KEY) - 1:j + 1]
+                try:
+                    if json.loads(segment) == nodes:
+                        self._node_lists[segment] = nodes
+                except ValueError:
+                    pass
+            return e
+        e = decode_event(raw[:i + len(_NODES_KEY)] + raw[j:])
+        if e.get("ev") != RdzvRound.EV or e.get(RdzvRound.F.nodes) != []:  # the key was not the field itself
+            return decode_event(raw)
+        e[RdzvRound.F.nodes] = known
+        return e
 
     def _apply(self, owner: Any, handler: Handler, e: dict[str, Any], lineno: int) -> bool:
         """Fold one event (True); a record whose fields have the wrong types is skipped as a corrupt line."""
@@ -462,7 +508,9 @@ class Timeline:
         f = RdzvRound.F
         rd = self._round(self._job_for(a, e["t"]), e[f.round], e["t"])
         rd.t = min(rd.t, e["t"])
-        rd.nodes = list(e.get(f.nodes) or rd.nodes)
+        nodes = e.get(f.nodes)
+        if nodes and nodes != rd.nodes:  # every agent logs the same list: one copy per round
+            rd.nodes = list(nodes)
         rd.world_size = e.get(f.world_size, rd.world_size)
         rd.restart_count = e.get(f.restart_count, rd.restart_count)
         rd.waited = e.get(f.waited, rd.waited)
@@ -780,7 +828,7 @@ class Timeline:
         failed = f" (failed: {e[f.error]})" if e.get(f.error) else ""
         who = f"rank {s.global_rank}" if s.global_rank is not None else f"local rank {m.ef.local_rank}"
         self._note(("rank_killed", m.ef.path, e.get(f.pid)), e["t"], "rank_killed",
-                   f"{who} (pid {e.get(f.pid)}) on node {m.ef.node} was still alive {rounded(e.get(f.grace), 2)} s "
+                   f"{who} (pid {e.get(f.pid)}) on node {self.node_of(m)} was still alive {rounded(e.get(f.grace), 2)} s "
                    f"after its monitor sent {e.get(f.after)} for a hang; the monitor sent {e.get(f.signal)}"
                    f"{failed}", level="warn", rank=s.global_rank)
 
@@ -800,7 +848,7 @@ class Timeline:
         previous = f" (was {e[f.previous]:g} s)" if isinstance(e.get(f.previous), (int, float)) else ""
         capped = "; not below the configured timeout, which stays" if e.get(f.capped) else ""
         self._note(("hb_auto", m.ef.path, e["t"]), e["t"], "heartbeat_timeout_auto",
-                   f"{who} on node {m.ef.node}: automatic heartbeat timeout {verb} {e.get(f.timeout)} s{previous} "
+                   f"{who} on node {self.node_of(m)}: automatic heartbeat timeout {verb} {e.get(f.timeout)} s{previous} "
                    f"({e.get(f.reason)}: {e.get(f.multiple)} x p{e.get(f.percentile)} of {e.get(f.gaps)} steady gaps, "
                    f"{e.get(f.basis)} s; p50 {e.get(f.p50)} s, p99 {e.get(f.p99)} s, longest {e.get(f.longest_gap)} s, over "
                    f"{e.get(f.observed_s)} s; floor {e.get(f.floor)} s, configured {e.get(f.configured)} s{capped})",
@@ -844,7 +892,7 @@ class Timeline:
         s = self._current(m, e, e.get(f.pid))
         rank = e.get(f.global_rank) if e.get(f.global_rank) is not None else s.global_rank
         action = str(e.get(f.action))
-        what = {"ExcludeThisNode": f"exclude its node {m.ef.node}", "ShutdownWorkload": "shut the job down"}.get(
+        what = {"ExcludeThisNode": f"exclude its node {self.node_of(m)}", "ShutdownWorkload": "shut the job down"}.get(
             action, f"{action} (no action)")
         passed = "" if e.get(f.forwarded) else " (not passed on: no agent listened)"
         self._note(("workload_control", m.ef.path, e["t"]), e["t"], "workload_control",
@@ -1033,6 +1081,8 @@ _ENVELOPE = ("v", "t", "src", "ev")  # the fields every event has; not the recor
 _SESSION_BOUNDARIES = frozenset(c.EV for c in (MonitorStart, MonitorExit, MonitorAttach, MonitorConnect,
                                                MonitorDisconnect))
 _SECTION_CLOSE = SectionClose.EV
+_BIG_LINE = 2048  # bytes: agent lines this long are rounds with long node lists (_decode_round)
+_NODES_KEY = f'"{RdzvRound.F.nodes}":['.encode()
 _HB_STATS_RAW = HeartbeatStats.EV.encode()
 _SECTION_OPEN_RAW = SectionOpen.EV.encode()
 _SECTION_KEY = f'"{SectionOpen.F.section}":"'.encode()
@@ -1095,11 +1145,18 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
 
 
-def node_name(node_id: Any) -> str:
-    """A rendezvous node id (``<host>-<pid>-<6 hex>``) as the report names the node: ``<host>-<pid>``."""
+def node_name(node_id: Any, names: dict[str, str] | None = None) -> str:
+    """A rendezvous node id (``<host>-<pid>-<6 hex>``) as the report names the node (NAMES: Timeline.names)."""
     text = str(node_id)
     head, _, tail = text.rpartition("-")
-    return head if head and len(tail) == 6 and all(ch in "0123456789abcdef" for ch in tail) else text
+    key = head if head and len(tail) == 6 and all(ch in "0123456789abcdef" for ch in tail) else text
+    return (names or {}).get(key, key)
+
+
+def host_of(file_node: str) -> str:
+    """The host of an agent file's ``<host>-<pid>``."""
+    head, _, tail = file_node.rpartition("-")
+    return head if head and tail.isdigit() else file_node
 
 
 def _short(v: Any, limit: int = 80) -> str:
