@@ -130,6 +130,9 @@ def _skipped(report: Report) -> str:
         first = "".join(f"<li><code>{_e(x)}</code></li>" for x in c["first"])
         out.append(f'<div class="skip"><b>Skipped {c["count"]} line(s) that are not valid events</b>'
                    f"<ul>{first}</ul></div>")
+    for v, n in (c.get("other_versions") or {}).items():
+        out.append(f'<div class="skip"><b>Skipped {n} event(s) of schema version {_e(v)}</b> (written by another '
+                   "nvrx; inspect them with the nvrx that wrote them)</div>")
     if report.unknown_events:
         listed = ", ".join(f"{_e(k)}: {v}" for k, v in list(report.unknown_events.items())[:20])
         out.append(f'<div class="skip"><b>Skipped {sum(report.unknown_events.values())} event(s) of kinds this '
@@ -337,6 +340,8 @@ def _entries(report: Report, word: Callable[[Entry], str]) -> str:
         except Exception:  # the CLI's wording never raises; a report is never lost to one sentence
             text = str(it.text or it.kind)
         tail = f"<pre>{_e(chr(10).join(it.tail[-10:]))}</pre>" if it.tail else ""
+        if it.repeats:
+            text += f" (and {it.repeats} more times, the same)"
         rows.append(f'<tr class="{LEVEL_CLASS.get(it.level, "info")}"><td>{_e(_clock(it.t))}</td>'
                     f"<td>{_e(it.job if it.job is not None else '-')}</td><td>{_e(text)}{tail}</td></tr>")
     cut = (f"<p>{len(report.items) - ENTRIES_SHOWN} more entries: see <code>nvrx inspect --json</code>.</p>"

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nvrx.events import AgentStart, HangInfo, JobEnd, RankErrorInfo, RdzvStop, StopDetail
+from nvrx.events import SCHEMA_VERSION, AgentStart, HangInfo, JobEnd, RankErrorInfo, RdzvStop, StopDetail
 from nvrx.inspection.event_files import NotARun, discover, iso
 from nvrx.inspection.timeline import (STEP_SECTIONS, Entry, Filters, JobState, MonitorFile, RankSession,
                                           RoundState, SectionTally, Timeline, node_name, rounded)
@@ -109,7 +109,8 @@ class _ReportBuilder:
         return Report(
             paths=sorted({str(ef.run_dir) for ef in tl.files}),
             files=self._files(),
-            corrupt={"count": tl.damage.count, "first": list(tl.damage.first)},
+            corrupt={"count": tl.damage.count, "first": list(tl.damage.first),
+                     "other_versions": dict(sorted(tl.other_versions.items()))},
             unknown_events=dict(sorted(tl.unknown.items())),
             span=span,
             uptime=acct["uptime"],
@@ -765,5 +766,9 @@ def nothing_readable(paths: list[Path], tl: Timeline) -> str:
     """Why a set of event files gave no report: every line was empty or corrupt."""
     shown = ", ".join(str(p) for p in paths)
     first = f"; first: {tl.damage.first[0]}" if tl.damage.first else ""
+    if tl.other_versions:
+        versions = ", ".join(f"{n} of version {v}" for v, n in sorted(tl.other_versions.items()))
+        return (f"{shown}: written by another nvrx: {versions} (this nvrx reads event schema version "
+                f"{SCHEMA_VERSION}); inspect them with the nvrx version that wrote them")
     return (f"{shown}: nothing readable: {len(tl.files)} event file(s), {tl.lines} line(s), none of them a usable "
             f"event ({tl.damage.count} corrupt{first})")

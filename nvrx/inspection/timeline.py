@@ -70,6 +70,7 @@ from nvrx.events import (
     ResumeSignal, ResumeStart, ResumeStateRecovered, ResumeSubmit, SectionClose, SectionOpen, StopDetail,
     TimeoutsLoaded, TimeoutsSet, TimeoutsStateIgnored, decode_event, field_problem,
 )
+from nvrx.events import SCHEMA_VERSION
 from nvrx.events import RerunAttempt, RerunStats, RerunSuspected, RerunVerdict
 from nvrx.events import HealthCheckInfo, NodeHealth
 from nvrx.events import CheckpointComplete, RankTiming, StragglerEvent, WorkloadControl
@@ -170,6 +171,7 @@ class AgentFile:
     global_of_local: dict[int, int] = field(default_factory=dict)  # local rank -> its latest global rank
 
     name: str = ""  # the node's one name in the report (Timeline._name_agents)
+    run_id: str | None = None
 
 
 @dataclass
@@ -194,7 +196,13 @@ class HealthFold:
             self.entry.text = self.text()
 
     def text(self) -> str:
-        span = _ms(self.low) if self.low == self.high else f"{_ms(self.low)}-{_ms(self.high)}"
+        low, high = _ms(self.low), _ms(self.high)
+        if low == high:
+            span = low
+        elif low.endswith(" ms") and high.endswith(" ms"):
+            span = f"{low[:-3]}-{high}"
+        else:
+            span = f"{low}-{high}"
         if self.nodes == 1:
             return f"node {self.first} passed its health checks in {span} ({self.detail})"
         return f"{self.nodes} nodes passed their health checks in {span} ({self.detail})"
@@ -287,12 +295,15 @@ class Entry:
     form: str | None = None
     fields: dict[str, Any] | None = None
     node: str | None = None      # the node the entry is about (--node filters on it)
+    repeats: int = 0             # the same event logged again this many times (folded into this entry)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"t": self.t, "time": iso(self.t), "kind": self.kind, "level": self.level, "text": self.text,
                "job": self.job, "round": self.round, "rank": self.rank, "node": self.node}
         if self.tail:
             out["tail"] = self.tail
+        if self.repeats:
+            out["repeats"] = self.repeats
         return out
 
 
@@ -318,6 +329,9 @@ class Timeline:
         self.hangs: list[tuple[MonitorFile, dict[str, Any]]] = []
         self.live = False  # --follow: an open job extends to the present (its agents write rarely)
         self._node_lists: dict[bytes, list[Any]] = {}  # see _decode_round
+        self._said: set[tuple] = set()
+        self._noted: dict[tuple, Entry] = {}
+        self.other_versions: dict[str, int] = {}  # schema version -> events skipped
         self.names: dict[str, str] = {}  # an agent file's <host>-<pid> -> the node's name in the report
         self.ckpt_reported = False  # some rank reported a complete checkpoint (checkpoint_complete events)
         self.health: list[tuple[int, int, str, float, bool, float]] = []  # (job, round, node, t, ok, seconds)
@@ -392,6 +406,11 @@ class Timeline:
                     e = decode_event(raw) if not is_agent or len(raw) < _BIG_LINE else self._decode_round(raw)
                 except ValueError as exc:
                     self.damage.add(ef, i, _damage_reason(raw, exc))
+                    continue
+                v = e.get("v", SCHEMA_VERSION)
+                if v != SCHEMA_VERSION:  # another nvrx's schema: its fields may mean other things; counted, skipped
+                    key = _short(v, 20)
+                    self.other_versions[key] = self.other_versions.get(key, 0) + 1
                     continue
                 if e["t"] > last_t:
                     last_t = e["t"]
@@ -475,6 +494,10 @@ class Timeline:
             except ValueError as exc:
                 self.damage.add(m.ef, lineno, _damage_reason(raw, exc))
                 continue
+            v = e.get("v", SCHEMA_VERSION)
+            if v != SCHEMA_VERSION:
+                self.other_versions[_short(v, 20)] = self.other_versions.get(_short(v, 20), 0) + 1
+                continue
             m.last_t = max(m.last_t, e["t"])
             handler = self._monitor_handlers.get(e["ev"])
             if handler is not None:
@@ -486,8 +509,9 @@ class Timeline:
 
     # ---- agent events
     def _on_agent_start(self, a: AgentFile, e: dict[str, Any]) -> None:
-        job = self._job_for(a, e["t"])
         f = AgentStart.F
+        a.run_id = a.run_id or e.get(f.run_id)
+        job = self._job_for(a, e["t"])
         a.info = {k: e.get(k) for k in (f.nproc, f.nnodes, f.max_restarts, f.run_id)}
         job.run_id = job.run_id or e.get(f.run_id)
 
@@ -510,6 +534,13 @@ class Timeline:
         rd.t = min(rd.t, e["t"])
         nodes = e.get(f.nodes)
         if nodes and nodes != rd.nodes:  # every agent logs the same list: one copy per round
+            if rd.nodes and a.node_id is not None and a.node_id not in rd.nodes and ("mixed", id(rd)) not in self._said:
+                self._said.add(("mixed", id(rd)))
+                self._note(("mixed", rd.job.index, rd.number), e["t"], "mixed_runs",
+                           f"round {rd.number} of job {rd.job.run_id or '?'} was logged with two different node lists "
+                           f"(node {a.name} is not in the first): two runs with the same run id in {a.ef.run_dir}? "
+                           "Their rounds are mixed in this report; give each run its own --log-dir", level="warn",
+                           job=rd.job.index)
             rd.nodes = list(nodes)
         rd.world_size = e.get(f.world_size, rd.world_size)
         rd.restart_count = e.get(f.restart_count, rd.restart_count)
@@ -934,8 +965,13 @@ class Timeline:
     def _note(self, key: tuple, t: float, kind: str, text: str | None, level: str = "info", job: int | None = None,
               rank: int | None = None, form: str | None = None, fields: dict[str, Any] | None = None,
               node: str | None = None, round: int | None = None) -> None:
-        self.others.append(Entry(key, t, kind, text, level, job=job, rank=rank, form=form, fields=fields, node=node,
-                                 round=round))
+        same = self._noted.get(key)
+        if same is not None and same.text == text and same.fields == fields:  # a line logged over and over: one entry
+            same.repeats += 1
+            return
+        entry = Entry(key, t, kind, text, level, job=job, rank=rank, form=form, fields=fields, node=node, round=round)
+        self._noted[key] = entry
+        self.others.append(entry)
 
     # ---- jobs
     def _job_for(self, a: AgentFile, t: float) -> JobState:
@@ -946,7 +982,9 @@ class Timeline:
             return a.job
         run_dir = a.ef.run_dir
         for job in reversed(self.jobs):
-            if job.run_dir == run_dir and job.start <= t and (t <= job.last_t or (self.live and job.open)):
+            other_run = a.run_id is not None and job.run_id is not None and job.run_id != a.run_id
+            if job.run_dir == run_dir and not other_run and job.start <= t and (
+                    t <= job.last_t or (self.live and job.open)):
                 a.job = job
                 break
         else:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import click
 
-from nvrx.events import FtConfigInfo, HeartbeatTimeoutAuto, TimeoutsInfo
+from nvrx.events import SCHEMA_VERSION, FtConfigInfo, HeartbeatTimeoutAuto, TimeoutsInfo
 from nvrx.inspection.event_files import NotARun, discover
 from nvrx.inspection.run_report import Report, build_report, make_report
 from nvrx.inspection.timeline import CKPT_SECTION, Filters, Timeline
@@ -317,7 +317,7 @@ def _checkpoint_lines(report: Report) -> list[str]:
 def _fold_note(report: Report) -> list[str]:
     if not _folded(report):
         return []
-    return [f"  ({len(report.ranks)} ranks: the {RANKS_SHOWN} with the most hangs and longest heartbeat gaps shown; "
+    return [f"  ({len(report.ranks)} ranks: the {RANKS_SHOWN} with hangs, faults or the longest heartbeat gaps shown; "
             "--rank N or --node NAME shows the others)"]
 
 
@@ -367,7 +367,7 @@ def _fault_rows(report: Report, with_date: bool) -> list[list[str]]:
             for f in report.faults]
 
 
-RANKS_SHOWN = 16  # without --rank / --node, at most this many rank rows (the ones with hangs first)
+RANKS_SHOWN = 8  # without --rank / --node, at most this many rank rows (the ones with hangs first)
 
 
 def _folded(report: Report) -> bool:
@@ -379,7 +379,9 @@ def _folded(report: Report) -> bool:
 def _ranks_shown(report: Report) -> list[dict[str, Any]]:
     if not _folded(report):
         return report.ranks
-    return sorted(report.ranks, key=lambda r: (-r["hangs"], -(r["hb_max_interval_s"] or 0)))[:RANKS_SHOWN]
+    faulty = {f.get("rank") for f in report.faults}
+    return sorted(report.ranks, key=lambda r: (-r["hangs"], r["rank"] not in faulty,
+                                               -(r["hb_max_interval_s"] or 0)))[:RANKS_SHOWN]
 
 
 def _rank_rows(report: Report) -> list[list[str]]:
@@ -476,7 +478,7 @@ def render_text(report: Report, tail_lines: int = 10) -> str:
     with_date = _multi_day(report)
     out = _summary(report) + ["", "Timeline"]
     for it in report.items:
-        out.append(f"  {_clock(it.t, with_date)}  {_LEVEL_MARK.get(it.level, '  ')} {entry_text(it)}")
+        out.append(f"  {_clock(it.t, with_date)}  {_LEVEL_MARK.get(it.level, '  ')} {entry_text(it)}{_repeats(it)}")
         if tail_lines:
             out += [f"  {'':14}  | {x}" for x in it.tail[-tail_lines:]]
     if not report.items:
@@ -494,6 +496,10 @@ def render_text(report: Report, tail_lines: int = 10) -> str:
     return "\n".join(out) + "\n"
 
 
+def _repeats(it: Any) -> str:
+    return f" (and {it.repeats} more times, the same)" if getattr(it, "repeats", 0) else ""
+
+
 def _definitions(report: Report) -> list[str]:
     a = report.time_accounting
     out = [f"{name}: {text}" for name, text in a["definitions"].items()]
@@ -509,6 +515,11 @@ def _problems(report: Report) -> list[str]:
         out += ["", f"Corrupt lines: {c['count']} skipped"] + [f"  {x}" for x in c["first"]]
         if c["count"] > len(c["first"]):
             out.append(f"  ... and {c['count'] - len(c['first'])} more")
+    versions = c.get("other_versions") or {}
+    if versions:
+        listed = ", ".join(f"{n} of version {v}" for v, n in versions.items())
+        out += ["", f"Events of another nvrx skipped: {listed} (this nvrx reads event schema version "
+                    f"{SCHEMA_VERSION}; inspect them with the nvrx that wrote them)"]
     if report.unknown_events:
         total = sum(report.unknown_events.values())
         out += ["", f"Unknown events: {total} counted, not interpreted"]
@@ -540,7 +551,7 @@ def _render_rich(report: Report, tail_lines: int) -> None:
     tbl.add_column("what")
     for it in report.items:
         style = _LEVEL_STYLE.get(it.level, "")
-        words = escape(entry_text(it))
+        words = escape(entry_text(it) + _repeats(it))
         text = f"[{style}]{words}[/{style}]" if style else words
         tail = it.tail[-tail_lines:] if tail_lines else []
         if tail:
