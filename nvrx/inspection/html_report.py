@@ -310,11 +310,16 @@ def _health(report: Report) -> str:
     if not report.health:
         return ""
     rows = "".join(f"<tr><td>{h['job']}</td><td>{h['round']}</td><td>{h['passed']}</td>"
-                   f"<td>{h['min_s'] * 1000:.0f}-{h['max_s'] * 1000:.0f} ms</td>"
+                   f"<td>{_ms_range(h['min_s'], h['max_s'])}</td>"
                    f"<td class=\"{'bad' if h['failed'] else ''}\">{_e(', '.join(map(str, h['failed'][:50])) or '-')}"
                    f"{' ...' if len(h['failed']) > 50 else ''}</td></tr>" for h in report.health)
     return ("<h2>Node health checks</h2><table><tr><th>job</th><th>before round</th><th>nodes passed</th>"
             f"<th>took</th><th>failed (sat out)</th></tr>{rows}</table>")
+
+
+def _ms_range(low: float, high: float) -> str:
+    a, b = f"{low * 1000:.0f}", f"{high * 1000:.0f}"
+    return f"{a} ms" if a == b else f"{a}-{b} ms"
 
 
 def _checkpoints(report: Report) -> str:
