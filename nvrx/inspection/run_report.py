@@ -654,6 +654,8 @@ class _ReportBuilder:
         for s, rank, rd, m in sessions:
             if self.f.rank is not None and rank != self.f.rank:
                 continue
+            if self.f.node is not None and self.tl.node_of(m) != self._node_filter:
+                continue
             if self.f.since is not None and (s.end_t or self.now) < self.f.since:
                 continue
             r = by_rank.setdefault(rank, {"rank": rank, "nodes": set(), "sessions": 0, "heartbeats": 0,
@@ -700,6 +702,8 @@ class _ReportBuilder:
         for m in self.tl.monitors.values():
             rank = rank_of_monitor.get(id(m))
             if self.f.rank is not None and rank != self.f.rank:
+                continue
+            if self.f.node is not None and self.tl.node_of(m) != self._node_filter:
                 continue
             key = f"{rank}" if id(m) in rank_of_monitor else f"{self.tl.node_of(m)}/local {m.ef.local_rank}"
             last = next((s.timeouts for s in reversed(m.sessions) if s.timeouts), None) or m.loaded or m.configured
