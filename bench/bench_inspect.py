@@ -1,6 +1,13 @@
 """`nvrx inspect` on a ~100 MB log dir: wall time, MB/s, and ratios against grep and jq over the same files.
 
     python bench/bench_inspect.py [--mb 100] [--runs 3] [--keep DIR] [--output bench/results/inspect.json]
+    python bench/bench_inspect.py --scale [--runs 3]     # 1,024 nodes x 2 ranks, 10 rounds: terminal, JSON, --html
+
+``--scale`` (issue 31) writes one job of ``--nodes 1024`` agents, ``--rounds 10`` rounds of 60-120 simulated s,
+with what the agents write per round at that size (health checks, rounds, rank starts, checkpoints reported
+complete by the ranks' monitors) and times ``nvrx inspect`` (text), ``--json`` and ``--html`` against jq; it also
+checks the HTML size, renders it in headless Chromium (scripts/install_chromium.sh) and counts the terminal
+view's lines.
 
 The log dir is generated with the real writer (``nvrx.events.EventLog``, with explicit times) and the
 event records the real writers emit: a resume chain of ``--jobs`` Slurm-style jobs (one run dir each, plus
@@ -38,6 +45,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from nvrx.events import CheckpointComplete, HealthCheckInfo, NodeHealth  # noqa: E402
 from nvrx.events import (  # noqa: E402
     AgentSignal, AgentStart, EventLog, FirstHeartbeat, FtConfig, FtConfigInfo, HangDetected, HangInfo, HeartbeatStats,
     JobEnd, MonitorConnect, MonitorDisconnect, MonitorExit, MonitorSpawned, MonitorStart, RankExit, RankStart,
@@ -132,8 +140,13 @@ class Chain:
         self.t += 0.5
         r, restarts, pid = 0, 0, 30000
         while True:
-            done = self.size() >= until_bytes
+            done = (r + 1 >= a.rounds) if a.rounds else self.size() >= until_bytes
             for g, ag in enumerate(agents):
+                checks = [HealthCheckInfo(name="memory", status="ok", detail="enough memory available",
+                                          seconds=0.001),
+                          HealthCheckInfo(name="disk", status="ok", detail="enough disk free", seconds=0.002)]
+                ag.emit(NodeHealth(ok=True, seconds=round(self.rng.uniform(0.003, 0.009), 4), checks=checks,
+                                   action="joins"), t=self.t - 0.05)
                 ag.emit(RdzvJoin(round=r, node_id=node_ids[g]), t=self.t)
                 ag.emit(RdzvRound(round=r, group_rank=g, nodes=node_ids, world_size=a.nodes * a.nproc,
                                   restart_count=restarts, waited=0.05), t=self.t + 0.05)
@@ -145,14 +158,15 @@ class Chain:
                     pids[g, lr] = pid
                     ag.emit(RankStart(local_rank=lr, rank=g * a.nproc + lr, pid=pid, attempt=restarts, how="fork",
                                       seconds=0.004), t=start + 0.001 * lr)
-            length = self.rng.uniform(300, 2400)
+            length = self.rng.uniform(*a.round_s)
             end = start + length
             kind = "interrupted" if done and not last else ("succeeded" if done else self.rng.choice(
                 ["failed", "failed", "hang", "node_left"]))
             bad = (self.rng.randrange(a.nodes), self.rng.randrange(a.nproc))
             for g in range(a.nodes):
                 for lr in range(a.nproc):
-                    self.session(monitors[g][lr], lr, pids[g, lr], start, end, hung=(kind == "hang" and (g, lr) == bad))
+                    self.session(monitors[g][lr], lr, pids[g, lr], start, end, hung=(kind == "hang" and (g, lr) == bad),
+                             global_rank=g * a.nproc + lr)
             stop_t = end + (15.0 if kind == "node_left" else 0.02)  # node_left: after the keepalive timeout
             if kind in ("failed", "hang"):
                 restarts += 1
@@ -197,7 +211,8 @@ class Chain:
         for ag in agents:
             ag.emit(RdzvStop(round=r, kind=kind, by_node=by, detail=detail, restart_count=restarts, give_up=False), t=t)
 
-    def session(self, mon: EventLog, lr: int, pid: int, start: float, end: float, hung: bool) -> None:
+    def session(self, mon: EventLog, lr: int, pid: int, start: float, end: float, hung: bool,
+                global_rank: int = 0) -> None:
         """What one rank monitor logs over one round, at the real monitor's rate limits."""
         mon.emit(MonitorConnect(rank=lr, pid=pid, generation=1, timeouts=TIMEOUTS), t=start + 2.0)
         mon.emit(FirstHeartbeat(rank=lr, pid=pid, delay=4.8), t=start + 7.0)
@@ -222,6 +237,9 @@ class Chain:
                 mon.emit(SectionOpen(rank=lr, section="checkpointing", open_for=2.0), t=t + 1)
                 mon.emit(SectionClose(rank=lr, section="checkpointing", closes=1, last_duration=8.0, max_duration=8.0),
                          t=t + 9)
+                step = int((t - T0) / STEP_S)  # nvrx's checkpointers: the save is complete on every rank
+                mon.emit(CheckpointComplete(rank=lr, global_rank=global_rank, pid=pid, step=step, tier="global",
+                                            taken=t, path=f"/ckpt/step_{step:09d}"), t=t + 9.2)
                 next_ckpt = t + CKPT_EVERY
                 if closes > 1000 and lr % 2 == 0:
                     learned = TimeoutsInfo(initial_heartbeat=24.0, heartbeat=5.1,
@@ -240,7 +258,7 @@ class Chain:
         agent = sorted(self.root.glob("4242/agent-*.jsonl"))[-1]
         with open(agent, "ab") as fh:
             fh.write(b'{"v":1,"t":1700000000.5,"src":"agent","ev":"rdzv_st')
-        mon = sorted(self.root.glob("4243/monitor-*.jsonl"))[0]
+        mon = sorted(self.root.glob(f"{4242 + self.args.jobs - 1}/monitor-*.jsonl"))[0]
         with open(mon, "ab") as fh:
             fh.write(b"\0" * 64 + b"\n")
         mon = sorted(self.root.glob("4242/monitor-*.jsonl"))[-1]
@@ -293,9 +311,21 @@ def main() -> int:
     p.add_argument("--nproc", type=int, default=8)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=0, help="rounds per job (0: until the size is reached)")
+    p.add_argument("--round-s", type=lambda v: tuple(float(x) for x in v.split(":")), default=(300.0, 2400.0),
+                   help="MIN:MAX simulated seconds a round runs")
+    p.add_argument("--ckpt-every", type=float, default=900.0, help="simulated seconds between checkpoints")
+    p.add_argument("--scale", action="store_true",
+                   help="issue 31's scale run: 1 job, 1024 nodes x 2 ranks, 10 rounds of 60-120 s; adds --html")
     p.add_argument("--keep", type=Path, default=None, help="generate here and keep it (default: a temp dir, removed)")
     p.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "inspect.json")
     args = p.parse_args()
+    if args.scale:
+        args.jobs, args.nodes, args.nproc, args.rounds, args.round_s, args.ckpt_every = 1, 1024, 2, 10, (60.0, 120.0), 30.0
+        if args.output == REPO / "bench" / "results" / "inspect.json":
+            args.output = REPO / "bench" / "results" / "inspect_scale.json"
+    global CKPT_EVERY
+    CKPT_EVERY = args.ckpt_every
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="nvrx-bench-inspect-"))
     if args.keep and root.exists():
@@ -316,6 +346,11 @@ def main() -> int:
         # --since before the first event turns the lazy path off: every line is parsed
         "nvrx inspect --json (parse all)": ([*nvrx_cmd, "--since", "2000-01-01T00:00:00", str(root)], env),
     }
+    html_path = root.parent / f"{root.name}-report.html"
+    if args.scale:
+        commands["nvrx inspect (text)"] = ([sys.executable, "-m", "nvrx", "inspect", str(root)], env)
+        commands["nvrx inspect --html"] = ([sys.executable, "-m", "nvrx", "inspect", "--html", str(html_path),
+                                            str(root)], env)
     rss_mb = peak_rss_mb(commands["nvrx inspect --json"][0], env)
     if shutil.which("grep"):
         commands["grep -c rdzv_stop"] = (["grep", "-c", '"ev":"rdzv_stop"', *files], None)
@@ -333,6 +368,9 @@ def main() -> int:
         r["nvrx_over_this"] = round(base / r["median_s"], 3)
         r["nvrx_over_this_cpu"] = round(base_cpu / r["cpu_median_s"], 3) if r["cpu_median_s"] > 0 else None
 
+    extra: dict[str, Any] = {}
+    if args.scale:
+        extra = scale_checks(root, html_path, env)
     summary = {"jobs": len(report["jobs"]), "rounds": sum(len(j["rounds"]) for j in report["jobs"]),
                "faults": len(report["faults"]), "corrupt_lines": report["corrupt"]["count"],
                "uptime": report["uptime"], "goodput": report["goodput"], "goodput_source": report["goodput_source"]}
@@ -341,7 +379,7 @@ def main() -> int:
                        "load_avg_at_start": list(os.getloadavg())},
            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "log_dir": {"bytes": size, "lines": lines, "files": len(files), "generate_s": round(gen_s, 2)},
-           "report_summary": summary,
+           "report_summary": summary, "scale": extra,
            "results": {k: {kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()}
                        for k, v in results.items()}}
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -355,10 +393,59 @@ def main() -> int:
               f"{r['cpu_median_s']:7.2f} {cpu_ratio}")
     print(f"nvrx inspect peak RSS: {rss_mb} MB for {size / 1e6:.0f} MB of logs")
     print(f"report: {summary}")
+    if extra:
+        print(f"terminal view: {extra['text_lines']} lines; HTML {extra['html_mb']} MB; Chromium: render "
+              f"{extra['chromium_render_s']} s (in-page script done at {extra['page_ready_ms']} ms; blank page "
+              f"{extra['chromium_blank_s']} s), script errors {extra['script_errors']}")
     print(f"saved {args.output}")
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
+        html_path.unlink(missing_ok=True)
     return 0
+
+
+def scale_checks(root: Path, html_path: Path, env: dict[str, str]) -> dict[str, Any]:
+    """The terminal view's length, the HTML's size, and its render time in headless Chromium (median of 3)."""
+    import re
+
+    from tests.integration import browser
+
+    text = subprocess.run([sys.executable, "-m", "nvrx", "inspect", "--tail", "3", str(root)], env=env,
+                          stdout=subprocess.PIPE, check=True, text=True).stdout
+    subprocess.run([sys.executable, "-m", "nvrx", "inspect", "--html", str(html_path), str(root)], env=env,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    out: dict[str, Any] = {"text_lines": text.count("\n"), "timeline_lines": _section_lines(text, "Timeline"),
+                           "html_mb": round(html_path.stat().st_size / 1e6, 2)}
+    if browser.chromium() is None:
+        return out | {"chromium_render_s": None, "page_ready_ms": None, "chromium_blank_s": None,
+                      "script_errors": "no chromium (scripts/install_chromium.sh)"}
+    blank = html_path.parent / "blank.html"
+    blank.write_text("<!DOCTYPE html><html><body>blank</body></html>")
+    walls, blanks, ready, errors = [], [], [], []
+    for _ in range(3):
+        shown = browser.render(html_path)
+        walls.append(shown.seconds)
+        errors += shown.script_errors
+        m = re.search(r'data-ready="(\d+)"', shown.dom)
+        ready.append(int(m.group(1)) if m else None)
+        blanks.append(browser.render(blank).seconds)
+    blank.unlink()
+    render = statistics.median(walls) - statistics.median(blanks)  # the page's own cost over starting Chromium
+    return out | {"chromium_render_s": round(render, 3), "chromium_wall_s": [round(w, 3) for w in walls],
+                  "chromium_blank_s": round(statistics.median(blanks), 3), "page_ready_ms": ready,
+                  "script_errors": errors}
+
+
+def _section_lines(text: str, title: str) -> int:
+    """Lines of one section of the plain-text report (up to the next blank line)."""
+    lines = text.splitlines()
+    if title not in lines:
+        return 0
+    i = lines.index(title) + 1
+    n = 0
+    while i + n < len(lines) and lines[i + n].strip():
+        n += 1
+    return n
 
 
 if __name__ == "__main__":

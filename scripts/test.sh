@@ -24,6 +24,7 @@ quiet() {  # run "$@" showing its output only when it fails
 if INSTALL_SLURM_STRICT=1 scripts/install_slurm.sh; then
     export NVRX_REQUIRE_SLURM="${NVRX_REQUIRE_SLURM:-1}"
 fi
+scripts/install_chromium.sh  # headless Chromium for the `nvrx inspect --html` browser test (skips with a reason if not)
 
 if [ "${1:-}" = "--editable" ]; then
     shift

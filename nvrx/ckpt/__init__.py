@@ -30,6 +30,7 @@ _EXPORTS = {
     "verify_checkpoint": "nvrx.ckpt.loader", "load_latest": "nvrx.ckpt.loader", "load_metadata": "nvrx.ckpt.loader",
     "CheckpointError": "nvrx.ckpt.errors", "CheckpointWriteError": "nvrx.ckpt.errors", "CheckpointCleanupError": "nvrx.ckpt.errors",
     "start_persistent_writer": "nvrx.ckpt.async_ckpt.writer_process",
+    "report_checkpoint": "nvrx.common.checkpoint_report",
 }
 
 __all__ = sorted(_EXPORTS)

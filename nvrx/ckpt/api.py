@@ -22,11 +22,15 @@ A typical training loop (every rank runs the same calls)::
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
+import time
 from pathlib import Path
 from typing import Any
 
+from nvrx.common.checkpoint_report import report_checkpoint
 from nvrx.ckpt import auto_reserve, publish
 from nvrx.ckpt.async_ckpt.core import AsyncCallsQueue
 from nvrx.ckpt.async_ckpt.dist_wrapper import DistWrapper
@@ -84,13 +88,17 @@ class AsyncCheckpointer:
             auto_reserve.disarm()
 
     def async_save(self, state_dict: dict[str, Any], path: str | os.PathLike, *, update_latest: bool = True,
-                   snapshot: Snapshot | None = None, staging_error: str | None = None) -> int:
+                   snapshot: Snapshot | None = None, staging_error: str | None = None, step: int | None = None,
+                   taken: float | None = None) -> int:
         """Save STATE_DICT as a DCP checkpoint directory PATH; returns once the values are copied (collective).
 
         SNAPSHOT: STATE_DICT was captured by ``nvrx.ckpt.snapshot.capture`` (its tensors already lie in staging memory,
         which this save takes over: nothing is copied again). STAGING_ERROR: the capture failed on this rank;
-        every rank abandons this save and raises the reason.
+        every rank abandons this save and raises the reason. STEP: the training step the state holds (default: the
+        number ending PATH's name, e.g. ``step_0000100``), TAKEN: when the state was taken (default now); once the
+        checkpoint is published both go to the rank's monitor (``report_checkpoint``), for `nvrx inspect`'s goodput.
         """
+        taken = time.time() if taken is None else taken
         auto_reserve.settle()  # (the pool now holds what this save takes: no later reservation helps)
         if snapshot is None and not default_pool().buffers:
             log.info("first save without reserved staging memory: this save faults it in while training "
@@ -117,7 +125,11 @@ class AsyncCheckpointer:
                                                  enable_cache=self.enable_cache, metadata_cache=self.cache)
         finally:
             writer.drop_staged()  # planning failed before staging took the snapshot's buffer: give it back
-        return self.queue.schedule_async_request(async_request(*planned))
+        request = async_request(*planned)
+        # after the save's own finalize, which raises unless the checkpoint was published: complete on every rank
+        request.add_finalize_fn(functools.partial(report_checkpoint, step_of(final) if step is None else step,
+                                                  "global", taken=taken, path=str(final)))
+        return self.queue.schedule_async_request(request)
 
     def async_torch_save(self, obj: Any, path: str | os.PathLike, *, update_latest: bool = False) -> int:
         """``torch.save(obj, path)`` in the background, for state of this process only (not collective)."""
@@ -182,6 +194,15 @@ class AsyncCheckpointer:
 
     def close(self) -> None:
         self.queue.close()
+
+
+_TRAILING_NUMBER = re.compile(r"(\d+)$")
+
+
+def step_of(path: Path) -> int | None:
+    """The step a checkpoint directory's name ends with (``step_0000100`` -> 100; ``final`` -> None)."""
+    m = _TRAILING_NUMBER.search(path.name)
+    return int(m.group(1)) if m else None
 
 
 def staging_bytes(obj: Any) -> int:

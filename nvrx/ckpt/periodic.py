@@ -233,8 +233,9 @@ class PeriodicCheckpointer:
         path = self.root / f"step_{done:09d}"
         self.last_saved, self._due = done, False
         self._last_save_time = time.monotonic()
+        taken = time.time()  # the state of this call: reported with the checkpoint once it is complete
         if self._finalizer is None:
-            self.checkpointer.async_save(state, path)
+            self.checkpointer.async_save(state, path, step=done, taken=taken)
             return
         snap, error = None, None
         if capturable(state):
@@ -244,16 +245,17 @@ class PeriodicCheckpointer:
                 error = f"copying the state into staging memory failed on this rank: {type(exc).__name__}: {exc}"
         if snap is None:  # (a DTensor / sharded state: planned and copied as before, on this thread)
             if error is None:
-                self.checkpointer.async_save(state, path)
+                self.checkpointer.async_save(state, path, step=done, taken=taken)
                 self._finalizer.submit(self.checkpointer.wait)
                 return
-            self._finalizer.submit(lambda: self._save_and_wait(state, path, None, error))
+            self._finalizer.submit(lambda: self._save_and_wait(state, path, None, error, done, taken))
             return
         if snap.pending:
             self._copied.clear()
-        self._finalizer.submit(lambda: self._save_and_wait(snap.state, path, snap, None))
+        self._finalizer.submit(lambda: self._save_and_wait(snap.state, path, snap, None, done, taken))
 
-    def _save_and_wait(self, state: dict[str, Any], path: Path, snap: Any, error: str | None) -> None:
+    def _save_and_wait(self, state: dict[str, Any], path: Path, snap: Any, error: str | None, done: int,
+                       taken: float) -> None:
         """On the publisher thread: finish the copy, plan and hand the captured STATE to the writer, publish it."""
         if snap is not None and snap.pending:
             try:
@@ -264,7 +266,7 @@ class PeriodicCheckpointer:
                 snap = None
             finally:
                 self._copied.set()
-        self.checkpointer.async_save(state, path, snapshot=snap, staging_error=error)
+        self.checkpointer.async_save(state, path, snapshot=snap, staging_error=error, step=done, taken=taken)
         self.checkpointer.wait()
 
     def _deferrable(self) -> Any:

@@ -736,6 +736,21 @@ class RankTiming(Event):
     timings: list[TimingInfo]
 
 
+@event("checkpoint_complete", "monitor")
+class CheckpointComplete(Event):
+    """A checkpoint of nvrx's own checkpointers became complete (published / written on every rank), as the rank
+    reported it (``nvrx.common.checkpoint_report.report_checkpoint``); `nvrx inspect` counts redone work from it.
+    The line's time is when the monitor heard of it: about the completion."""
+
+    rank: int
+    global_rank: int | None = None
+    pid: int
+    step: int | None = None               # the training step (iteration) the checkpoint holds
+    tier: str                             # global (DCP on shared storage) | local | jit | ...
+    taken: float | None = None            # unix time the state was taken: progress after it is not in it
+    path: str | None = None
+
+
 @event("workload_control", "monitor")
 class WorkloadControl(Event):
     """A rank asked, through its monitor, to exclude its node or to shut the workload down (spec 001)."""

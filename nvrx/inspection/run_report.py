@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nvrx.events import AgentStart, HangInfo, JobEnd, RankErrorInfo, RdzvStop, StopDetail
+from nvrx.events import SCHEMA_VERSION, AgentStart, HangInfo, JobEnd, RankErrorInfo, RdzvStop, StopDetail
 from nvrx.inspection.event_files import NotARun, discover, iso
 from nvrx.inspection.timeline import (STEP_SECTIONS, Entry, Filters, JobState, MonitorFile, RankSession,
-                                          RoundState, SectionTally, Timeline, rounded)
+                                          RoundState, SectionTally, Timeline, node_name, rounded)
 from nvrx.common import exit_codes
 
 REPORT_SCHEMA = 2  # 2: uptime / goodput / goodput_source replace the one "goodput" ratio that was uptime
@@ -69,14 +69,19 @@ class Report:
     ranks: list[dict[str, Any]]
     timeouts: dict[str, Any]
     filters: dict[str, Any]
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    health: list[dict[str, Any]] = field(default_factory=list)
+    series: list[dict[str, Any]] = field(default_factory=list)
     items: list[Entry] = field(default_factory=list, repr=False)
+    lanes: dict[str, list[tuple[Any, float, float | None, float | None]]] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": REPORT_SCHEMA, "paths": self.paths, "filters": self.filters, "files": self.files,
                 "corrupt": self.corrupt, "unknown_events": self.unknown_events, "span": self.span,
                 "uptime": self.uptime, "goodput": self.goodput, "goodput_source": self.goodput_source,
                 "time_accounting": self.time_accounting, "jobs": self.jobs, "faults": self.faults, "timeline": self.timeline,
-                "ranks": self.ranks, "timeouts": self.timeouts}
+                "ranks": self.ranks, "timeouts": self.timeouts, "checkpoints": self.checkpoints,
+                "health": self.health, "series": self.series}
 
 
 class _ReportBuilder:
@@ -86,6 +91,7 @@ class _ReportBuilder:
         self.now = now
         self.agents_by_node = {(a.ef.run_dir, a.ef.node): a for a in tl.agents.values()}  # a pid may recur per run
         self.agents_by_id = {a.node_id: a for a in tl.agents.values() if a.node_id}
+        self.per_round: dict[int, tuple[float, float]] = {}  # id(round) -> (progress, kept) seconds
 
     def build(self) -> Report:
         tl = self.tl
@@ -94,14 +100,17 @@ class _ReportBuilder:
         faults, items = self._faults(rounds)
         items += self._job_items() + self._round_items(rounds) + self._hang_items(faults)
         items += tl.others
-        items = [it for it in items if self._shown(it.t, it.rank)]
+        self._tie_to_jobs(items)
+        items = [it for it in items if self._shown(it.t, it.rank, it.node)]
         items.sort(key=lambda it: (it.t, it.key[0] != "job"))
         span = self._span()
         acct = self._time_accounting(rounds, sessions, span)
+        faults = [f for f in faults if self._shown(f["t"], f.get("rank"), f.get("node"))]
         return Report(
             paths=sorted({str(ef.run_dir) for ef in tl.files}),
             files=self._files(),
-            corrupt={"count": tl.damage.count, "first": list(tl.damage.first)},
+            corrupt={"count": tl.damage.count, "first": list(tl.damage.first),
+                     "other_versions": dict(sorted(tl.other_versions.items()))},
             unknown_events=dict(sorted(tl.unknown.items())),
             span=span,
             uptime=acct["uptime"],
@@ -109,19 +118,60 @@ class _ReportBuilder:
             goodput_source=acct["goodput_source"],
             time_accounting=acct,
             jobs=[self._job_dict(job) for job in tl.jobs],
-            faults=[f for f in faults if self._shown(f["t"], f.get("rank"))],
+            faults=faults,
             timeline=[it.to_dict() for it in items],
             ranks=self._ranks(sessions),
             timeouts=self._timeouts(sessions),
-            filters={"rank": self.f.rank, "since": self.f.since, "since_time": iso(self.f.since),
+            filters={"rank": self.f.rank, "node": self.f.node, "since": self.f.since, "since_time": iso(self.f.since),
                      "step_section": self.f.step_section, "ckpt_section": self.f.ckpt_section},
+            checkpoints=self._checkpoints(sessions),
+            health=self._health(),
+            series=self._series(rounds, faults, span),
             items=items,
+            lanes=self._lanes(sessions),
         )
 
-    def _shown(self, t: float, rank: int | None) -> bool:
+    def _shown(self, t: float, rank: int | None, node: str | None = None) -> bool:
         if self.f.since is not None and t < self.f.since:
             return False
+        if self.f.node is not None and node is not None and node != self._node_filter:
+            return False
         return self.f.rank is None or rank is None or rank == self.f.rank
+
+    @property
+    def _node_filter(self) -> str | None:
+        """--node as the report names nodes (a node id is accepted too)."""
+        if self.f.node is None:
+            return None
+        a = self.agents_by_id.get(self.f.node)
+        return a.name if a is not None else node_name(self.f.node, self.tl.names)
+
+    def name_of(self, node_id: Any) -> str | None:
+        """A node id (rendezvous records) as the report names that node: its agent file's name."""
+        if node_id is None:
+            return None
+        a = self.agents_by_id.get(str(node_id))
+        return a.name if a is not None else node_name(node_id, self.tl.names)
+
+    def _tie_to_jobs(self, items: list[Entry]) -> None:
+        """Give every entry its job: resume-driver and re-run entries carry none, so they get the job they concern
+        (the one running at their time; between jobs, an attempt's start the next job, anything else the last)."""
+        jobs = sorted(self.tl.jobs, key=lambda j: j.start)
+        if not jobs:
+            return
+        for it in items:
+            if it.job is not None:
+                continue
+            inside = [j for j in jobs if j.start <= it.t <= j.last_t]
+            if inside:
+                it.job = inside[-1].index
+                continue
+            before = [j for j in jobs if j.start <= it.t]
+            after = [j for j in jobs if j.start > it.t]
+            if after and (not before or it.form in ("resume_start", "resume_attempt_start")):
+                it.job = after[0].index
+            else:
+                it.job = before[-1].index
 
     # ---- files
     def _files(self) -> dict[str, Any]:
@@ -243,11 +293,18 @@ class _ReportBuilder:
         label = {"section": f"{source[1]!r} sections", "heartbeats": "heartbeats",
                  "auto": "automatic heartbeats"}[source[0]]
         ckpt = self.f.ckpt_section
+        if self.tl.ckpt_reported:
+            recompute = ("progress after the state of the last checkpoint reported complete (nvrx's checkpointers) "
+                         "in a round that did not succeed")
+        elif ckpt_known:
+            recompute = f"progress after the last {ckpt!r} section of a round that did not succeed"
+        else:
+            recompute = (f"unknown: no complete checkpoints reported and no {ckpt!r} sections, so all progress "
+                         "counts")
         out.update(goodput=rounded(kept / wall, 4) if wall > 0 else None, goodput_source=label,
                    progress_s=rounded(progress), kept_s=rounded(kept),
-                   recomputed_s=rounded(progress - kept) if ckpt_known else None,
-                   recompute=(f"progress after the last {ckpt!r} section of a round that did not succeed"
-                              if ckpt_known else f"unknown: no {ckpt!r} sections, so all progress counts"))
+                   recomputed_s=rounded(progress - kept) if ckpt_known else None, recompute=recompute,
+                   checkpoints="reported" if self.tl.ckpt_reported else "section" if ckpt_known else None)
         return out
 
     def _round_progress(self, rounds: list[RoundState], sessions: list, source: tuple[str, str | None],
@@ -271,6 +328,7 @@ class _ReportBuilder:
                 done = min(done, max(0.0, self._round_end(rd) - rd.running_at))
             progress += done
             kept += min(saved, done)
+            self.per_round[id(rd)] = (done, min(saved, done))
         return progress, kept
 
     # ---- faults and stops
@@ -292,7 +350,7 @@ class _ReportBuilder:
         kind = str(stop.get(S.kind))
         d = stop.get(S.detail) if isinstance(stop.get(S.detail), dict) else {}
         f: dict[str, Any] = {"job": rd.job.index, "run_id": rd.job.run_id, "round": rd.number, "kind": kind,
-                             "t_stop": rd.stop_t, "by_node": stop.get(S.by_node),
+                             "t_stop": rd.stop_t, "by_node": self.name_of(stop.get(S.by_node)),
                              "restart_count": stop.get(S.restart_count), "give_up": bool(stop.get(S.give_up))}
         fault_t = rd.stop_t
         if kind == "failed":
@@ -313,26 +371,26 @@ class _ReportBuilder:
             if node and len(rd.nodes) > 1:
                 cause += f" on node {node}"
         elif kind == "node_left":
-            node = d.get(D.node)
+            node = self.name_of(d.get(D.node))
             cause = f"node {node} left (group rank {d.get(D.group_rank)}; it stopped beating)"
-            gone = self.agents_by_id.get(node)
+            gone = self.agents_by_id.get(str(d.get(D.node)))
             if gone is not None and gone.last_t:
                 fault_t = min(fault_t or gone.last_t, gone.last_t)
             f.update(node=node, group_rank=d.get(D.group_rank))
         elif kind == "interrupted":
             sig = d.get(D.signal)
             cause = f"interrupted by {sig} (preemption or a stop request)" if sig else \
-                f"stopped without a stop record (node {d.get(D.node)})"
+                f"stopped without a stop record (node {self.name_of(d.get(D.node))})"
             f.update(signal=sig)
         elif kind == "scale_up":
-            cause = f"node {d.get(D.node)} is waiting to join: restarting the round to scale up"
+            cause = f"node {self.name_of(d.get(D.node))} is waiting to join: restarting the round to scale up"
         else:
             cause = kind.replace("_", " ")
         recovered = self._recovered_at(rd)
         f.update(cause=cause, t=fault_t, time=iso(fault_t), recovered_at=recovered,
                  lost_s=rounded(recovered - fault_t) if recovered is not None and fault_t is not None else None)
         if kind == "failed" and d.get(D.leaves) and not f["give_up"]:
-            what = (f"node(s) {', '.join(map(str, d[D.leaves]))} leave the job (exit {d.get(D.steer)}); the others "
+            what = (f"node(s) {', '.join(str(self.name_of(n)) for n in d[D.leaves])} leave the job (exit {d.get(D.steer)}); the others "
                     "go on in place, a standby taking the place")
         elif kind == "failed" and d.get(D.steer) in exit_codes.STEERING_CODES:
             what = f"no restart in place: the job ends with code {d[D.steer]} for the resume logic"
@@ -348,7 +406,7 @@ class _ReportBuilder:
     def _failed_cause(self, d: dict[str, Any], hang: dict[str, Any] | None, by_node: Any = None) -> str:
         D = StopDetail.F
         if d.get(D.rank) is None and not d.get(D.describe):  # not written by an agent: say whose record it is
-            return f"a failure reported by node {by_node or '(unnamed)'} that names no rank"
+            return f"a failure reported by node {self.name_of(by_node) or '(unnamed)'} that names no rank"
         who = f"rank {d.get(D.rank)}"
         sig, code = d.get(D.signal), d.get(D.exitcode)
         if hang:
@@ -374,7 +432,7 @@ class _ReportBuilder:
         return f"{who} exited with code {code}" + (f" ({meaning})" if meaning else "") + (f": {said}" if said else "")
 
     def _node_of_group_rank(self, rd: RoundState, g: Any) -> str | None:
-        return rd.nodes[g] if isinstance(g, int) and 0 <= g < len(rd.nodes) else None
+        return self.name_of(rd.nodes[g]) if isinstance(g, int) and 0 <= g < len(rd.nodes) else None
 
     def _recovered_at(self, rd: RoundState) -> float | None:
         """When all ranks ran again after RD stopped: the next round of its job, else the next job."""
@@ -392,36 +450,136 @@ class _ReportBuilder:
         """Hangs a monitor detected that no stop names as its cause (e.g. a second rank hung too)."""
         explained = set()
         for f in faults:
-            hang, node = f.get("hang") or {}, self.agents_by_id.get(f.get("node") or "")
-            explained.add((node.ef.node if node else None, hang.get(HangInfo.F.pid)))
+            hang = f.get("hang") or {}
+            explained.add((f.get("node"), hang.get(HangInfo.F.pid)))
         items = []
         for m, hang in self.tl.hangs:
             pid = hang.get(HangInfo.F.pid)
-            if (m.ef.node, pid) in explained or (None, pid) in explained:
+            if (self.tl.node_of(m), pid) in explained or (None, pid) in explained:
                 continue
             agent = self.agents_by_node.get((m.ef.run_dir, m.ef.node))
             rank = agent.pids[pid][0] if agent and pid in agent.pids else hang.get(HangInfo.F.global_rank)
             text = hang_text(hang, "hung ({reason})")
             items.append(Entry(("hang", str(m.ef.path), hang.get(HangInfo.F.t)), hang[HangInfo.F.t], "hang_detected",
-                               f"rank {rank} {text}; monitor sent {hang.get(HangInfo.F.signal)}", "warn", rank=rank))
+                               f"rank {rank} {text}; monitor sent {hang.get(HangInfo.F.signal)}", "warn", rank=rank,
+                               node=self.tl.node_of(m), job=agent.job.index if agent and agent.job else None))
         return items
+
+    # ---- checkpoints, health checks, goodput over time
+    def _checkpoints(self, sessions: list) -> list[dict[str, Any]]:
+        """Complete checkpoints reported by the ranks, one entry per job, tier and step (over all its ranks)."""
+        out: dict[tuple, dict[str, Any]] = {}
+        for s, rank, rd, m in sessions:
+            if not s.ckpts or (self.f.rank is not None and rank != self.f.rank):
+                continue
+            if self.f.node is not None and self.tl.node_of(m) != self._node_filter:
+                continue
+            job = rd.job.index if rd is not None else None
+            for t, taken, step, tier, path in s.ckpts:
+                c = out.get((job, tier, step))
+                if c is None:
+                    c = out[(job, tier, step)] = {"job": job, "round": rd.number if rd is not None else None,
+                                                  "tier": tier, "step": step, "t": t, "taken": taken, "ranks": 0,
+                                                  "path": path}
+                c["ranks"] += 1
+                c["t"], c["taken"] = max(c["t"], t), min(c["taken"], taken)  # complete when the last rank said so
+        items = sorted(out.values(), key=lambda c: c["t"])
+        for c in items:
+            c["time"] = iso(c["t"])
+        return items
+
+    def _lanes(self, sessions: list) -> dict[str, list[tuple[Any, float, float | None, float | None]]]:
+        """Per node (as the report names it): each rank process as (global rank, start, end, hang start)."""
+        out: dict[str, list[tuple[Any, float, float | None, float | None]]] = {}
+        for s, rank, _, m in sessions:
+            if (self.f.rank is not None and rank != self.f.rank) or (
+                    self.f.node is not None and self.tl.node_of(m) != self._node_filter):
+                continue
+            hang = s.hang or {}
+            hung = (float(hang[HangInfo.F.t]) - float(hang.get(HangInfo.F.elapsed) or 0.0)
+                    if isinstance(hang.get(HangInfo.F.t), (int, float)) else None)
+            out.setdefault(self.tl.node_of(m), []).append((rank, s.t, s.end_t, hung))
+        return out
+
+    def _health(self) -> list[dict[str, Any]]:
+        """Per job and round: how many nodes passed their health checks (and how fast), which failed."""
+        out: dict[tuple[int, int], dict[str, Any]] = {}
+        for job, rnd, node, t, ok, seconds in self.tl.health:
+            if self.f.node is not None and node != self._node_filter:
+                continue
+            h = out.setdefault((job, rnd), {"job": job, "round": rnd, "t": t, "passed": 0, "failed": [],
+                                            "min_s": seconds, "max_s": seconds})
+            h["t"], h["min_s"], h["max_s"] = min(h["t"], t), min(h["min_s"], seconds), max(h["max_s"], seconds)
+            if ok:
+                h["passed"] += 1
+            else:
+                h["failed"].append(node)
+        return [out[k] for k in sorted(out)]
+
+    def _series(self, rounds: list[RoundState], faults: list[dict[str, Any]],
+                span: dict[str, Any]) -> list[dict[str, Any]]:
+        """Goodput and time lost so far at the end of each round (the report's figures are the last point)."""
+        start = span.get("start")
+        if start is None:
+            return []
+        points, kept = [], 0.0
+        for rd in sorted(rounds, key=lambda r: self._round_end(r)):
+            end = self._round_end(rd)
+            kept += self.per_round.get(id(rd), (0.0, 0.0))[1]
+            lost = sum(f.get("lost_s") or 0.0 for f in faults if f.get("t") is not None and f["t"] <= end)
+            wall = end - start
+            points.append({"t": end, "job": rd.job.index, "round": rd.number, "kept_s": rounded(kept),
+                           "goodput": rounded(kept / wall, 4) if wall > 0 and self.per_round else None,
+                           "lost_s": rounded(lost)})
+        return points
 
     # ---- jobs and rounds
     def _job_status(self, job: JobState) -> tuple[str, int | None]:
-        codes = [e.get(JobEnd.F.exit_code) for e in job.ends if isinstance(e.get(JobEnd.F.exit_code), int)]
-        statuses = [str(e.get(JobEnd.F.status)) for e in job.ends]
+        """The job's outcome in words that match what happened, and its exit code.
+
+        A node that left (a steering exit code such as 16 after failing its health checks, or as the suspect of a
+        re-run) while the others finished does not make the job "stopped": the job succeeded without it. Only a
+        code that ended the job for every node is its outcome, and then the words name who asked for it.
+        """
+        E = JobEnd.F
         if job.open:
             return ("running" if self._alive(job) else "no end record (agent killed, or still running)"), None
+        codes = [e.get(E.exit_code) for e in job.ends if isinstance(e.get(E.exit_code), int)]
+        statuses = [str(e.get(E.status)) for e in job.ends]
         code = max(codes, key=lambda c: (c != 0, c)) if codes else None
         if code is not None and exit_codes.interrupted_signal(code) is not None:
             return "interrupted", code
+        done = [e for e in job.ends if e.get(E.status) in ("succeeded", "already_finished")]
+        left = [e for e in job.ends if e.get(E.exit_code) in exit_codes.STEERING_CODES and e.get(E.status) != "failed"]
+        if done and len(done) + len(left) == len(job.ends):
+            return "; ".join(["succeeded"] + [self._left_words(e) for e in left]), 0
         if code in exit_codes.STEERING_CODES:
-            return "stopped by a rank's exit code", code
+            return f"stopped: {self._steer_cause(job, code)}", code
         if "failed" in statuses:
             return "failed", code
-        if statuses and all(s in ("succeeded", "already_finished") for s in statuses):
+        if statuses and all(x in ("succeeded", "already_finished") for x in statuses):
             return "succeeded", code
         return (statuses[0] if statuses else "unknown"), code
+
+    @staticmethod
+    def _left_words(end: dict[str, Any]) -> str:
+        code = end.get(JobEnd.F.exit_code)
+        if end.get(JobEnd.F.detail) == "node health check failed":
+            return f"node {end.get('node')} sat out (failed its health checks, exit {code})"
+        return f"node {end.get('node')} left the job (exit {code}: {exit_meaning(code)})"
+
+    def _steer_cause(self, job: JobState, code: int) -> str:
+        """Who ended JOB with steering exit code CODE: a rank (its exit code or workload request) or failed checks."""
+        D = StopDetail.F
+        for rd in sorted(job.rounds.values(), key=lambda r: -r.number):
+            d = (rd.stop or {}).get(RdzvStop.F.detail)
+            if isinstance(d, dict) and d.get(D.steer) == code and d.get(D.rank) is not None:
+                how = "exit code" if d.get(D.exitcode) == code else "request through its monitor for exit code"
+                return f"rank {d.get(D.rank)}'s {how} {code} ({exit_meaning(code)})"
+        sat = [str(e.get("node")) for e in job.ends if e.get(JobEnd.F.detail) == "node health check failed"]
+        if sat:
+            return f"node(s) {', '.join(sat)} failed their health checks (exit {code}: {exit_meaning(code)})"
+        return f"exit code {code} ({exit_meaning(code)})"
 
     def _alive(self, job: JobState) -> bool:
         """An open job looks alive if its agents or their monitors (heartbeat stats every 30 s) wrote lately."""
@@ -436,14 +594,15 @@ class _ReportBuilder:
         return {"index": job.index, "run_id": job.run_id, "run_dir": str(job.run_dir), "start": job.start,
                 "start_time": iso(job.start), "end": job.last_t, "end_time": iso(job.last_t),
                 "seconds": rounded(job.last_t - job.start), "status": status, "exit_code": code,
-                "exit_meaning": exit_meaning(code), "nodes": sorted({a.node_id or str(a.ef.node) for a in job.agents}),
+                "exit_meaning": exit_meaning(code), "nodes": sorted({a.name for a in job.agents}),
                 "nproc_per_node": job.info.get(AgentStart.F.nproc), "nnodes": job.info.get(AgentStart.F.nnodes),
                 "max_restarts": job.info.get(AgentStart.F.max_restarts),
                 "rounds": [self._round_dict(rd) for rd in rounds]}
 
     def _round_dict(self, rd: RoundState) -> dict[str, Any]:
         end = self._round_end(rd)
-        return {"round": rd.number, "t": rd.t, "time": iso(rd.t), "nodes": rd.nodes, "world_size": rd.world_size,
+        return {"round": rd.number, "t": rd.t, "time": iso(rd.t), "nodes": [self.name_of(n) for n in rd.nodes],
+                "node_ids": rd.nodes, "world_size": rd.world_size,
                 "restart_count": rd.restart_count, "rendezvous_s": rd.waited,
                 "ranks_running_at": rd.running_at,
                 "start_latency_s": rounded(rd.running_at - rd.t) if rd.running_at is not None else None,
@@ -495,13 +654,15 @@ class _ReportBuilder:
         for s, rank, rd, m in sessions:
             if self.f.rank is not None and rank != self.f.rank:
                 continue
+            if self.f.node is not None and self.tl.node_of(m) != self._node_filter:
+                continue
             if self.f.since is not None and (s.end_t or self.now) < self.f.since:
                 continue
             r = by_rank.setdefault(rank, {"rank": rank, "nodes": set(), "sessions": 0, "heartbeats": 0,
                                           "auto_heartbeat": False, "hb_max_interval_s": None, "first_heartbeat_max_s": None, "hangs": 0,
                                           "hang_details": [], "sections": {}, "monitor_restarts": 0,
                                           "_mons": set()})
-            r["nodes"].add(str(m.ef.node))
+            r["nodes"].add(self.tl.node_of(m))
             r["sessions"] += 1
             r["heartbeats"] += s.hb_count
             r["auto_heartbeat"] = r["auto_heartbeat"] or s.auto  # automatic beats are seen, not counted
@@ -542,7 +703,9 @@ class _ReportBuilder:
             rank = rank_of_monitor.get(id(m))
             if self.f.rank is not None and rank != self.f.rank:
                 continue
-            key = f"{rank}" if id(m) in rank_of_monitor else f"{m.ef.node}/local {m.ef.local_rank}"
+            if self.f.node is not None and self.tl.node_of(m) != self._node_filter:
+                continue
+            key = f"{rank}" if id(m) in rank_of_monitor else f"{self.tl.node_of(m)}/local {m.ef.local_rank}"
             last = next((s.timeouts for s in reversed(m.sessions) if s.timeouts), None) or m.loaded or m.configured
             if last is not None:
                 in_force[key] = last
@@ -607,5 +770,9 @@ def nothing_readable(paths: list[Path], tl: Timeline) -> str:
     """Why a set of event files gave no report: every line was empty or corrupt."""
     shown = ", ".join(str(p) for p in paths)
     first = f"; first: {tl.damage.first[0]}" if tl.damage.first else ""
+    if tl.other_versions:
+        versions = ", ".join(f"{n} of version {v}" for v, n in sorted(tl.other_versions.items()))
+        return (f"{shown}: written by another nvrx: {versions} (this nvrx reads event schema version "
+                f"{SCHEMA_VERSION}); inspect them with the nvrx version that wrote them")
     return (f"{shown}: nothing readable: {len(tl.files)} event file(s), {tl.lines} line(s), none of them a usable "
             f"event ({tl.damage.count} corrupt{first})")

@@ -70,9 +70,10 @@ from nvrx.events import (
     ResumeSignal, ResumeStart, ResumeStateRecovered, ResumeSubmit, SectionClose, SectionOpen, StopDetail,
     TimeoutsLoaded, TimeoutsSet, TimeoutsStateIgnored, decode_event, field_problem,
 )
+from nvrx.events import SCHEMA_VERSION
 from nvrx.events import RerunAttempt, RerunStats, RerunSuspected, RerunVerdict
 from nvrx.events import HealthCheckInfo, NodeHealth
-from nvrx.events import RankTiming, StragglerEvent, WorkloadControl
+from nvrx.events import CheckpointComplete, RankTiming, StragglerEvent, WorkloadControl
 from nvrx.monitors.straggler import metric_text
 from nvrx.inspection.event_files import (Damage, EventFile, event_name, first_event_time, iso, raw_string,
                                              read_chunk)
@@ -98,6 +99,7 @@ class Filters:
     since: float | None = None
     step_section: str | None = None
     ckpt_section: str = CKPT_SECTION
+    node: str | None = None               # only this node's entries, ranks and timeouts (its name or node id)
 
 
 # ------------------------------------------------------------------ folded state
@@ -168,6 +170,43 @@ class AgentFile:
     pids: dict[int, tuple[int, RoundState | None]] = field(default_factory=dict)  # rank pid -> (global rank, round)
     global_of_local: dict[int, int] = field(default_factory=dict)  # local rank -> its latest global rank
 
+    name: str = ""  # the node's one name in the report (Timeline._name_agents)
+    run_id: str | None = None
+
+
+@dataclass
+class HealthFold:
+    """The nodes of one round that passed their health checks: one timeline entry, kept up to date."""
+
+    job: int
+    round: int
+    t: float
+    nodes: int = 0
+    low: float = math.inf
+    high: float = 0.0
+    first: str = ""
+    detail: str = ""
+    entry: "Entry | None" = None
+
+    def add(self, node: str, seconds: float) -> None:
+        self.nodes += 1
+        self.low, self.high = min(self.low, seconds), max(self.high, seconds)
+        self.first = self.first or node
+        if self.entry is not None:
+            self.entry.text = self.text()
+
+    def text(self) -> str:
+        low, high = _ms(self.low), _ms(self.high)
+        if low == high:
+            span = low
+        elif low.endswith(" ms") and high.endswith(" ms"):
+            span = f"{low[:-3]}-{high}"
+        else:
+            span = f"{low}-{high}"
+        if self.nodes == 1:
+            return f"node {self.first} passed its health checks in {span} ({self.detail})"
+        return f"{self.nodes} nodes passed their health checks in {span} ({self.detail})"
+
 
 @dataclass
 class SectionTally:
@@ -204,8 +243,9 @@ class RankSession:
     last_hb_t: float | None = None        # the last explicit heartbeat the monitor saw
     last_auto_t: float | None = None      # the last automatic heartbeat it saw (None: no automatic beats)
     sections: dict[str, SectionTally] = field(default_factory=dict)
-    ckpt_t: float | None = None           # the last close of the checkpoint section
+    ckpt_t: float | None = None           # the state time of the last complete checkpoint (or checkpoint section close)
     totals_at_ckpt: dict[str, float] = field(default_factory=dict)  # section totals at that close
+    ckpts: list[tuple[float, float, Any, str, Any]] = field(default_factory=list)  # (t, taken, step, tier, path)
     timeouts: dict[str, Any] | None = None
     hang: dict[str, Any] | None = None    # HangDetected fields + t
 
@@ -254,12 +294,16 @@ class Entry:
     tail: list[str] = field(default_factory=list)
     form: str | None = None
     fields: dict[str, Any] | None = None
+    node: str | None = None      # the node the entry is about (--node filters on it)
+    repeats: int = 0             # the same event logged again this many times (folded into this entry)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"t": self.t, "time": iso(self.t), "kind": self.kind, "level": self.level, "text": self.text,
-               "job": self.job, "round": self.round, "rank": self.rank}
+               "job": self.job, "round": self.round, "rank": self.rank, "node": self.node}
         if self.tail:
             out["tail"] = self.tail
+        if self.repeats:
+            out["repeats"] = self.repeats
         return out
 
 
@@ -284,6 +328,14 @@ class Timeline:
         self.others: list[Entry] = []         # resume driver and other notable one-off events
         self.hangs: list[tuple[MonitorFile, dict[str, Any]]] = []
         self.live = False  # --follow: an open job extends to the present (its agents write rarely)
+        self._node_lists: dict[bytes, list[Any]] = {}  # see _decode_round
+        self._said: set[tuple] = set()
+        self._noted: dict[tuple, Entry] = {}
+        self.other_versions: dict[str, int] = {}  # schema version -> events skipped
+        self.names: dict[str, str] = {}  # an agent file's <host>-<pid> -> the node's name in the report
+        self.ckpt_reported = False  # some rank reported a complete checkpoint (checkpoint_complete events)
+        self.health: list[tuple[int, int, str, float, bool, float]] = []  # (job, round, node, t, ok, seconds)
+        self.health_ok: dict[tuple[int, int], HealthFold] = {}
         self.stragglers: dict[tuple, Entry] = {}  # (job, rank, metric, since) -> its entry, updated per report
         skip = {cls.EV: _skip for cls in NOT_SHOWN}
         self._agent_handlers: dict[str, Handler] = {
@@ -308,7 +360,26 @@ class Timeline:
                 self.agents[ef.path] = AgentFile(ef)
             elif ef.kind == "monitor":
                 self.monitors[ef.path] = MonitorFile(ef)
+        if any(ef.kind == "agent" for ef in new):
+            self._name_agents()
         return new
+
+    def node_of(self, m: MonitorFile) -> str:
+        """The name of a monitor file's node (its agent's)."""
+        return self.names.get(str(m.ef.node), str(m.ef.node))
+
+    def _name_agents(self) -> None:
+        """One name per node, before and after it joined a round: its host (the agent file's ``<host>-<pid>`` less
+        the pid), or ``<host>-<pid>`` where several agents of a run dir share a host (one machine, many agents)."""
+        hosts: dict[tuple[Path, str], int] = {}
+        for a in self.agents.values():
+            key = (a.ef.run_dir, host_of(str(a.ef.node)))
+            hosts[key] = hosts.get(key, 0) + 1
+        for a in self.agents.values():
+            host = host_of(str(a.ef.node))
+            a.name = host if hosts[(a.ef.run_dir, host)] == 1 else str(a.ef.node)
+            self.names[str(a.ef.node)] = a.name
+
 
     def consume(self, ef: EventFile, final: bool = True, budget: int | None = None) -> int:
         """Fold EF's unread lines (all of them if BUDGET is None, else about BUDGET bytes); returns lines."""
@@ -316,6 +387,7 @@ class Timeline:
         table = (self._agent_handlers if isinstance(owner, AgentFile) else
                  self._monitor_handlers if isinstance(owner, MonitorFile) else {})
         lazy = isinstance(owner, MonitorFile) and final and not self.live and self.filters.since is None
+        is_agent = isinstance(owner, AgentFile)
         n = 0
         while True:
             start = ef.offset
@@ -331,9 +403,14 @@ class Timeline:
                 if lazy and _defer(owner, i, raw):
                     continue
                 try:
-                    e = decode_event(raw)
+                    e = decode_event(raw) if not is_agent or len(raw) < _BIG_LINE else self._decode_round(raw)
                 except ValueError as exc:
                     self.damage.add(ef, i, _damage_reason(raw, exc))
+                    continue
+                v = e.get("v", SCHEMA_VERSION)
+                if v != SCHEMA_VERSION:  # another nvrx's schema: its fields may mean other things; counted, skipped
+                    key = _short(v, 20)
+                    self.other_versions[key] = self.other_versions.get(key, 0) + 1
                     continue
                 if e["t"] > last_t:
                     last_t = e["t"]
@@ -363,6 +440,33 @@ class Timeline:
             self._apply_deferred(owner)
         return n
 
+    def _decode_round(self, raw: bytes) -> dict[str, Any]:
+        """Decode a long agent line; a node list another agent's line already had is not decoded again.
+
+        Every agent of a round logs the same ``nodes`` list (thousands of ids at scale): most of an agent file's
+        bytes. Its bytes are looked up among the lists seen (each one checked once by a full decode); a line is
+        then decoded with an empty list in its place and given the known list. Anything else: a full decode.
+        """
+        i = raw.find(_NODES_KEY)
+        j = raw.find(b"]", i) if i >= 0 else -1
+        known = self._node_lists.get(raw[i + len(_NODES_KEY) - 1:j + 1]) if j > 0 else None
+        if known is None:
+            e = decode_event(raw)
+            nodes = e.get(RdzvRound.F.nodes)
+            if j > 0 and e.get("ev") == RdzvRound.EV and isinstance(nodes, list) and len(self._node_lists) < 64:
+                segment = raw[i + len(_NODES_KEY) - 1:j + 1]
+                try:
+                    if json.loads(segment) == nodes:
+                        self._node_lists[segment] = nodes
+                except ValueError:
+                    pass
+            return e
+        e = decode_event(raw[:i + len(_NODES_KEY)] + raw[j:])
+        if e.get("ev") != RdzvRound.EV or e.get(RdzvRound.F.nodes) != []:  # the key was not the field itself
+            return decode_event(raw)
+        e[RdzvRound.F.nodes] = known
+        return e
+
     def _apply(self, owner: Any, handler: Handler, e: dict[str, Any], lineno: int) -> bool:
         """Fold one event (True); a record whose fields have the wrong types is skipped as a corrupt line."""
         problem = field_problem(e)
@@ -390,6 +494,10 @@ class Timeline:
             except ValueError as exc:
                 self.damage.add(m.ef, lineno, _damage_reason(raw, exc))
                 continue
+            v = e.get("v", SCHEMA_VERSION)
+            if v != SCHEMA_VERSION:
+                self.other_versions[_short(v, 20)] = self.other_versions.get(_short(v, 20), 0) + 1
+                continue
             m.last_t = max(m.last_t, e["t"])
             handler = self._monitor_handlers.get(e["ev"])
             if handler is not None:
@@ -401,8 +509,9 @@ class Timeline:
 
     # ---- agent events
     def _on_agent_start(self, a: AgentFile, e: dict[str, Any]) -> None:
-        job = self._job_for(a, e["t"])
         f = AgentStart.F
+        a.run_id = a.run_id or e.get(f.run_id)
+        job = self._job_for(a, e["t"])
         a.info = {k: e.get(k) for k in (f.nproc, f.nnodes, f.max_restarts, f.run_id)}
         job.run_id = job.run_id or e.get(f.run_id)
 
@@ -423,7 +532,16 @@ class Timeline:
         f = RdzvRound.F
         rd = self._round(self._job_for(a, e["t"]), e[f.round], e["t"])
         rd.t = min(rd.t, e["t"])
-        rd.nodes = list(e.get(f.nodes) or rd.nodes)
+        nodes = e.get(f.nodes)
+        if nodes and nodes != rd.nodes:  # every agent logs the same list: one copy per round
+            if rd.nodes and a.node_id is not None and a.node_id not in rd.nodes and ("mixed", id(rd)) not in self._said:
+                self._said.add(("mixed", id(rd)))
+                self._note(("mixed", rd.job.index, rd.number), e["t"], "mixed_runs",
+                           f"round {rd.number} of job {rd.job.run_id or '?'} was logged with two different node lists "
+                           f"(node {a.name} is not in the first): two runs with the same run id in {a.ef.run_dir}? "
+                           "Their rounds are mixed in this report; give each run its own --log-dir", level="warn",
+                           job=rd.job.index)
+            rd.nodes = list(nodes)
         rd.world_size = e.get(f.world_size, rd.world_size)
         rd.restart_count = e.get(f.restart_count, rd.restart_count)
         rd.waited = e.get(f.waited, rd.waited)
@@ -442,7 +560,7 @@ class Timeline:
         f = RdzvStandby.F
         job = self._job_for(a, e["t"])
         self._note(("standby", job.index, e.get(f.round), a.ef.node), e["t"], "standby",
-                   f"node {e.get(f.node_id) or a.ef.node} waits as a standby: round {e.get(f.round)} "
+                   f"node {node_name(e.get(f.node_id)) if e.get(f.node_id) else a.name} waits as a standby: round {e.get(f.round)} "
                    f"is running with {e.get(f.nodes)} node(s) ({e.get(f.reason)})", job=job.index)
 
     def _on_rank_start(self, a: AgentFile, e: dict[str, Any]) -> None:
@@ -504,7 +622,7 @@ class Timeline:
         job = self._job_for(a, e["t"])
         ends = e.get(f.action) == "job ends"
         self._note(("bad_record", a.ef.path, e.get(f.key), e["t"]), e["t"], "rdzv_bad_record",
-                   f"the agent of node {a.node_id or a.ef.node} found a malformed record {e.get(f.key)} in the "
+                   f"the agent of node {a.name} found a malformed record {e.get(f.key)} in the "
                    f"rendezvous store ({e.get(f.problem)}): {e.get(f.action)}; another program wrote to the store",
                    level="error" if ends else "warn", job=job.index)
 
@@ -514,20 +632,32 @@ class Timeline:
         claims = f" naming node {e.get(f.claims)}" if e.get(f.claims) else ""
         more = f" ({e.get(f.suppressed)} more not logged)" if e.get(f.suppressed) else ""
         self._note(("forged_record", a.ef.path, e.get(f.key), e["t"]), e["t"], "rdzv_forged_record",
-                   f"the agent of node {a.node_id or a.ef.node} ignored an unauthenticated record {e.get(f.key)}"
+                   f"the agent of node {a.name} ignored an unauthenticated record {e.get(f.key)}"
                    f"{claims} in the rendezvous store ({e.get(f.problem)}): {e.get(f.action)}{more}; a program "
                    "without the job secret wrote to the store", level="warn", job=job.index)
 
     def _on_node_health(self, a: AgentFile, e: dict[str, Any]) -> None:
+        """A failed check is an entry of its own; the passing nodes of a round are folded into one entry."""
         f, c = NodeHealth.F, HealthCheckInfo.F
         job = self._job_for(a, e["t"])
+        rnd = a.round.number + 1 if a.round is not None else 0  # the checks run before joining the next round
         checks = [x for x in e.get(f.checks) or [] if isinstance(x, dict)]
-        shown = [x for x in checks if x.get(c.status) != "ok"] if e.get(f.ok) is False else checks
-        parts = "; ".join(f"{x.get(c.name)} {x.get(c.status)}: {x.get(c.detail)}" for x in shown)
-        verdict = "failed its health checks" if e.get(f.ok) is False else "passed its health checks"
-        self._note(("node_health", a.ef.path, e["t"]), e["t"], "node_health",
-                   f"node {a.node_id or a.ef.node} {verdict} in {e.get(f.seconds)} s ({parts}); it {e.get(f.action)}",
-                   level="error" if e.get(f.ok) is False else "info", job=job.index)
+        seconds = e.get(f.seconds) if isinstance(e.get(f.seconds), (int, float)) else 0.0
+        self.health.append((job.index, rnd, a.name, e["t"], e.get(f.ok) is not False, float(seconds)))
+        if e.get(f.ok) is False:
+            shown = [x for x in checks if x.get(c.status) != "ok"]
+            parts = "; ".join(f"{x.get(c.name)} {x.get(c.status)}: {x.get(c.detail)}" for x in shown)
+            self._note(("node_health", a.ef.path, e["t"]), e["t"], "node_health",
+                       f"node {a.name} failed its health checks in {e.get(f.seconds)} s ({parts}); it "
+                       f"{e.get(f.action)}", level="error", job=job.index, node=a.name, round=rnd)
+            return
+        fold = self.health_ok.get((job.index, rnd))
+        if fold is None:
+            fold = self.health_ok[(job.index, rnd)] = HealthFold(job.index, rnd, e["t"])
+            self._note(("health_ok", job.index, rnd), e["t"], "node_health", "", job=job.index, round=rnd)
+            fold.entry = self.others[-1]
+            fold.detail = "; ".join(f"{x.get(c.name)} {x.get(c.status)}" for x in checks)
+        fold.add(a.name, float(seconds))
 
     def _on_straggler(self, a: AgentFile, e: dict[str, Any]) -> None:
         """One entry per straggler streak (which rank, which node, how much slower, since when), kept up to date
@@ -560,14 +690,14 @@ class Timeline:
         job = self._job_for(a, e["t"])
         if e.get(f.phase) != "running":  # while running, the interrupted stop record says it
             self._note(("signal", a.ef.path, e["t"]), e["t"], "signal",
-                       f"{e.get(f.signal)} received by the agent of node {a.node_id or a.ef.node} during "
+                       f"{e.get(f.signal)} received by the agent of node {a.name} during "
                        f"{e.get(f.phase)}", level="warn", job=job.index)
 
     def _on_monitor_died(self, a: AgentFile, e: dict[str, Any]) -> None:
         f = MonitorDied.F
         job = self._job_for(a, e["t"])
         self._note(("monitor_died", a.ef.path, e.get(f.pid)), e["t"], "monitor_died",
-                   f"the monitor of local rank {e.get(f.local_rank)} on node {a.node_id or a.ef.node} died "
+                   f"the monitor of local rank {e.get(f.local_rank)} on node {a.name} died "
                    f"(exit code {e.get(f.returncode)}); restarted", level="warn", job=job.index)
 
     def _on_monitor_gave_up(self, a: AgentFile, e: dict[str, Any]) -> None:
@@ -579,7 +709,7 @@ class Timeline:
         where = f"; its log: {e[f.log]}" if e.get(f.log) else ""
         self._note(("monitor_gave_up", a.ef.path, e.get(f.pid)), e["t"], "monitor_gave_up",
                    f"the monitor of local rank {lr}{f' (rank {rank})' if rank is not None else ''} on node "
-                   f"{a.node_id or a.ef.node} died {e.get(f.deaths)} times within {rounded(e.get(f.window), 2)} s "
+                   f"{a.name} died {e.get(f.deaths)} times within {rounded(e.get(f.window), 2)} s "
                    f"(last exit code {e.get(f.returncode)}{last}); not restarted: its rank would run unwatched, "
                    f"so the job fails{where}", level="error", job=job.index, rank=rank)
 
@@ -598,7 +728,7 @@ class Timeline:
         job = self._job_for(a, e["t"])
         a.ended = True
         job.ends.append({k: e.get(k) for k in (f.status, f.exit_code, f.seconds, f.detail)}
-                        | {"t": e["t"], "node": a.node_id or a.ef.node})
+                        | {"t": e["t"], "node": a.name})
 
     # ---- monitor events
     def _on_monitor_start(self, m: MonitorFile, e: dict[str, Any]) -> None:
@@ -693,8 +823,24 @@ class Timeline:
             sec.max_s = longest
         total = e.get(_SC_TOTAL)  # exact, if a monitor writes it; else estimated from the last duration
         sec.total_s += total if isinstance(total, (int, float)) else closes * last
-        if name == self.filters.ckpt_section:
+        if name == self.filters.ckpt_section and (s.ckpt_t is None or e["t"] >= s.ckpt_t):
             s.ckpt_t = e["t"]
+            s.totals_at_ckpt = {n: x.total_s for n, x in s.sections.items()}
+
+    def _on_checkpoint_complete(self, m: MonitorFile, e: dict[str, Any]) -> None:
+        """A checkpoint nvrx's checkpointers reported complete: the rank's progress up to its state is kept."""
+        f = CheckpointComplete.F
+        s = self._current(m, e, e.get(f.pid))
+        if isinstance(e.get(f.global_rank), int) and s.global_rank is None:
+            s.global_rank = e[f.global_rank]
+        taken = e.get(f.taken)
+        taken = min(float(taken), e["t"]) if isinstance(taken, (int, float)) else e["t"]
+        if self.filters.since is not None and e["t"] < self.filters.since:
+            return
+        s.ckpts.append((e["t"], taken, e.get(f.step), str(e.get(f.tier) or "?"), e.get(f.path)))
+        self.ckpt_reported = True
+        if s.ckpt_t is None or taken >= s.ckpt_t:
+            s.ckpt_t = taken
             s.totals_at_ckpt = {n: x.total_s for n, x in s.sections.items()}
 
     def _on_hang_detected(self, m: MonitorFile, e: dict[str, Any]) -> None:
@@ -713,7 +859,7 @@ class Timeline:
         failed = f" (failed: {e[f.error]})" if e.get(f.error) else ""
         who = f"rank {s.global_rank}" if s.global_rank is not None else f"local rank {m.ef.local_rank}"
         self._note(("rank_killed", m.ef.path, e.get(f.pid)), e["t"], "rank_killed",
-                   f"{who} (pid {e.get(f.pid)}) on node {m.ef.node} was still alive {rounded(e.get(f.grace), 2)} s "
+                   f"{who} (pid {e.get(f.pid)}) on node {self.node_of(m)} was still alive {rounded(e.get(f.grace), 2)} s "
                    f"after its monitor sent {e.get(f.after)} for a hang; the monitor sent {e.get(f.signal)}"
                    f"{failed}", level="warn", rank=s.global_rank)
 
@@ -733,7 +879,7 @@ class Timeline:
         previous = f" (was {e[f.previous]:g} s)" if isinstance(e.get(f.previous), (int, float)) else ""
         capped = "; not below the configured timeout, which stays" if e.get(f.capped) else ""
         self._note(("hb_auto", m.ef.path, e["t"]), e["t"], "heartbeat_timeout_auto",
-                   f"{who} on node {m.ef.node}: automatic heartbeat timeout {verb} {e.get(f.timeout)} s{previous} "
+                   f"{who} on node {self.node_of(m)}: automatic heartbeat timeout {verb} {e.get(f.timeout)} s{previous} "
                    f"({e.get(f.reason)}: {e.get(f.multiple)} x p{e.get(f.percentile)} of {e.get(f.gaps)} steady gaps, "
                    f"{e.get(f.basis)} s; p50 {e.get(f.p50)} s, p99 {e.get(f.p99)} s, longest {e.get(f.longest_gap)} s, over "
                    f"{e.get(f.observed_s)} s; floor {e.get(f.floor)} s, configured {e.get(f.configured)} s{capped})",
@@ -777,7 +923,7 @@ class Timeline:
         s = self._current(m, e, e.get(f.pid))
         rank = e.get(f.global_rank) if e.get(f.global_rank) is not None else s.global_rank
         action = str(e.get(f.action))
-        what = {"ExcludeThisNode": f"exclude its node {m.ef.node}", "ShutdownWorkload": "shut the job down"}.get(
+        what = {"ExcludeThisNode": f"exclude its node {self.node_of(m)}", "ShutdownWorkload": "shut the job down"}.get(
             action, f"{action} (no action)")
         passed = "" if e.get(f.forwarded) else " (not passed on: no agent listened)"
         self._note(("workload_control", m.ef.path, e["t"]), e["t"], "workload_control",
@@ -817,8 +963,15 @@ class Timeline:
         self._note(("generic", ef.path, lineno), e["t"], f"{src}:{name}", None, form="event", fields=fields)
 
     def _note(self, key: tuple, t: float, kind: str, text: str | None, level: str = "info", job: int | None = None,
-              rank: int | None = None, form: str | None = None, fields: dict[str, Any] | None = None) -> None:
-        self.others.append(Entry(key, t, kind, text, level, job=job, rank=rank, form=form, fields=fields))
+              rank: int | None = None, form: str | None = None, fields: dict[str, Any] | None = None,
+              node: str | None = None, round: int | None = None) -> None:
+        same = self._noted.get(key)
+        if same is not None and same.text == text and same.fields == fields:  # a line logged over and over: one entry
+            same.repeats += 1
+            return
+        entry = Entry(key, t, kind, text, level, job=job, rank=rank, form=form, fields=fields, node=node, round=round)
+        self._noted[key] = entry
+        self.others.append(entry)
 
     # ---- jobs
     def _job_for(self, a: AgentFile, t: float) -> JobState:
@@ -829,7 +982,9 @@ class Timeline:
             return a.job
         run_dir = a.ef.run_dir
         for job in reversed(self.jobs):
-            if job.run_dir == run_dir and job.start <= t and (t <= job.last_t or (self.live and job.open)):
+            other_run = a.run_id is not None and job.run_id is not None and job.run_id != a.run_id
+            if job.run_dir == run_dir and not other_run and job.start <= t and (
+                    t <= job.last_t or (self.live and job.open)):
                 a.job = job
                 break
         else:
@@ -898,6 +1053,7 @@ MONITOR_HANDLERS: dict[type[Event], Callable[..., None]] = {
     TimeoutsLoaded: Timeline._on_timeouts_loaded,
     TimeoutsStateIgnored: Timeline._on_timeouts_state_ignored,
     WorkloadControl: Timeline._on_workload_control,
+    CheckpointComplete: Timeline._on_checkpoint_complete,
 }
 
 
@@ -963,6 +1119,8 @@ _ENVELOPE = ("v", "t", "src", "ev")  # the fields every event has; not the recor
 _SESSION_BOUNDARIES = frozenset(c.EV for c in (MonitorStart, MonitorExit, MonitorAttach, MonitorConnect,
                                                MonitorDisconnect))
 _SECTION_CLOSE = SectionClose.EV
+_BIG_LINE = 2048  # bytes: agent lines this long are rounds with long node lists (_decode_round)
+_NODES_KEY = f'"{RdzvRound.F.nodes}":['.encode()
 _HB_STATS_RAW = HeartbeatStats.EV.encode()
 _SECTION_OPEN_RAW = SectionOpen.EV.encode()
 _SECTION_KEY = f'"{SectionOpen.F.section}":"'.encode()
@@ -1018,6 +1176,25 @@ def _times(x: Any) -> str:
 def _secs(x: Any) -> str:
     """A short duration in a sentence, 4 decimals ('?' when unknown)."""
     return f"{x:.4f} s" if isinstance(x, (int, float)) and not isinstance(x, bool) else "? s"
+
+
+def _ms(seconds: float) -> str:
+    """A health check's duration: 3 ms, 1.2 s."""
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+def node_name(node_id: Any, names: dict[str, str] | None = None) -> str:
+    """A rendezvous node id (``<host>-<pid>-<6 hex>``) as the report names the node (NAMES: Timeline.names)."""
+    text = str(node_id)
+    head, _, tail = text.rpartition("-")
+    key = head if head and len(tail) == 6 and all(ch in "0123456789abcdef" for ch in tail) else text
+    return (names or {}).get(key, key)
+
+
+def host_of(file_node: str) -> str:
+    """The host of an agent file's ``<host>-<pid>``."""
+    head, _, tail = file_node.rpartition("-")
+    return head if head and tail.isdigit() else file_node
 
 
 def _short(v: Any, limit: int = 80) -> str:

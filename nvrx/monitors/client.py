@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping
 
+from nvrx.common import checkpoint_report
 from nvrx.monitors.control import Channel, MonitorError
 from nvrx.monitors.data import (FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR, HeartbeatTimeouts, RankMonitorClientError, SectionTimeouts, SectionUsageError,
                            WorkloadControlRequest, hb_timeouts_of, section_timeouts_of)
@@ -296,6 +297,24 @@ def _env_of_server(env: Mapping[str, str]) -> dict[str, str]:
 
 _shared: MonitorLink | None = None
 _attach_done: threading.Event | None = None  # None: the bootstrap started no attach in this process
+_own_link: MonitorLink | None = None  # a link a RankMonitorClient made itself (no bootstrap)
+REPORT_WAIT = 10.0  # s: a checkpoint report made while the bootstrap still attaches waits this long for it
+
+
+def _report_to_monitor(report: checkpoint_report.CheckpointReport) -> bool:
+    """The checkpoint-report sink (nvrx.common.checkpoint_report): one ``checkpoint`` request to the rank's monitor.
+
+    No retry and no re-attach: a monitor being restarted costs this one report, never the checkpoint's time.
+    """
+    link = shared_link(REPORT_WAIT) or _own_link
+    if link is None:
+        return False
+    try:
+        link.request_once("checkpoint", step=report.step, tier=report.tier, taken=report.taken, path=report.path)
+    except (OSError, MonitorError, RuntimeError) as exc:
+        log.debug("checkpoint report not delivered: %s", exc)
+        return False
+    return True
 
 
 def attach_in_background(env: Mapping[str, str], started: float,
@@ -303,6 +322,7 @@ def attach_in_background(env: Mapping[str, str], started: float,
     """Bootstrap side: attach this rank to its monitor without delaying user code."""
     global _attach_done
     done = _attach_done = threading.Event()
+    checkpoint_report.set_sink(_report_to_monitor)
     monitor_env = take_monitor_env(env)  # now, before user code could start a process inheriting the token
 
     def run() -> None:
@@ -451,6 +471,10 @@ class RankMonitorClient:
             raise RankMonitorClientError(str(exc)) from None
         link.owner = self
         self._link, self._writer = link, link.writer
+        if link is not _shared:
+            global _own_link
+            _own_link = link
+            checkpoint_report.set_sink(_report_to_monitor)
         self.rank = reply.get("rank")
         self._adopt(reply)
         self.cfg = _config_of(reply.get("config"))

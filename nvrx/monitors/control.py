@@ -14,6 +14,7 @@ op's fields or ``error``. Ops (rank -> monitor):
   ``load_state_dict`` {state}                  -> {timeouts}
   ``shutdown``                                 -> {}                   the rank's run ends (monitor stays)
   ``workload_control`` {action, description}  -> {forwarded}          passed to the agent (spec 001)
+  ``checkpoint``      {step, tier, taken, path} -> {}                  a complete checkpoint: event checkpoint_complete
   ``stop_monitor``    {token}                  -> {}                   the monitor exits (agent use)
 
 Only ``init``/``stop_monitor`` are accepted before a successful ``init``; a wrong token gets an error

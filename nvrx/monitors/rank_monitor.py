@@ -55,7 +55,7 @@ from nvrx.events import (EventLog, FirstHeartbeat, HangDetected, MonitorAttach, 
                              MonitorConnect, MonitorDisconnect, MonitorExit, MonitorStart, MonitorTakeoverRefused,
                              RankKilled, RankTerminated, SectionClose, SectionOpen, TimeoutsInfo, TimeoutsLoaded,
                              TimeoutsSet, TimeoutsStateIgnored)
-from nvrx.events import RankTiming, TimingInfo, WorkloadControl
+from nvrx.events import CheckpointComplete, RankTiming, TimingInfo, WorkloadControl
 from nvrx.events import HeartbeatTimeoutAuto, HeartbeatTimeoutAutoDeferred
 from nvrx.monitors.auto_timeout import AutoTimeout, AutoTimeoutChange
 from nvrx.monitors.rank_activity import ActivityWatch, busy_peer
@@ -813,6 +813,26 @@ class RankMonitor:
         log.warning("rank %s asks the agent to %s: %s%s", global_rank if global_rank is not None else self.rank,
                     action, description, "" if forwarded else " (no agent channel: not forwarded)")
         return {"forwarded": forwarded}
+
+    def _op_checkpoint(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint of the rank is complete (``nvrx.common.checkpoint_report``): one ``checkpoint_complete`` event.
+
+        `nvrx inspect` counts the progress after the last complete checkpoint of a failed round as redone.
+        """
+        step, tier, taken, path = msg.get("step"), msg.get("tier"), msg.get("taken"), msg.get("path")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise ValueError(f"step must be a non-negative integer or null, not {step!r}")
+        if not isinstance(tier, str) or not tier or len(tier) > 40:
+            raise ValueError(f"tier must be a short name (global, local, jit), not {tier!r}")
+        if taken is not None and (isinstance(taken, bool) or not isinstance(taken, (int, float))
+                                  or not 0 < taken < 253402300800.0):
+            raise ValueError(f"taken must be a unix time or null, not {taken!r}")
+        sess = self.session
+        pid = sess.proc.pid if sess is not None else int(msg.get("pid") or 0)
+        self.events.emit(CheckpointComplete(rank=self.rank, global_rank=sess.global_rank if sess is not None else None,
+                                            pid=pid, step=step, tier=tier, taken=taken,
+                                            path=str(path)[:500] if path is not None else None))
+        return {}
 
     def _forward_to_agent(self, request: dict[str, Any]) -> bool:
         """One JSON line into the agent's pipe (atomic: far below PIPE_BUF); False if there is none or it is full."""

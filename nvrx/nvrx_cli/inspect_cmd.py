@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import click
 
-from nvrx.events import FtConfigInfo, HeartbeatTimeoutAuto, TimeoutsInfo
+from nvrx.events import SCHEMA_VERSION, FtConfigInfo, HeartbeatTimeoutAuto, TimeoutsInfo
 from nvrx.inspection.event_files import NotARun, discover
 from nvrx.inspection.run_report import Report, build_report, make_report
 from nvrx.inspection.timeline import CKPT_SECTION, Filters, Timeline
@@ -59,6 +59,10 @@ def parse_since(value: str | None, now: float | None = None) -> float | None:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (with --follow: one JSON line per new entry).")
 @click.option("-f", "--follow", is_flag=True, help="Keep watching a live run: print new entries until Ctrl-C.")
 @click.option("--rank", type=click.IntRange(min=0), default=None, help="Only this global rank's faults and statistics.")
+@click.option("--node", default=None, help="Only this node's entries, faults, ranks and timeouts (its name, e.g. gpu001-4242).")
+@click.option("--html", "html_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Also write the report as one self-contained HTML file (a timeline per node; no network needed). "
+                   "With --follow it is rewritten at every poll.")
 @click.option("--since", default=None, help="Only from this time: ISO time, HH:MM[:SS] today, or 10m / 2h / 1d ago.")
 @click.option("--step-section", default=None,
               help="The section whose time counts as training progress for goodput [default: step, else iteration].")
@@ -68,24 +72,30 @@ def parse_since(value: str | None, now: float | None = None) -> float | None:
               help="Last output lines of a failing rank to show.")
 @click.option("--interval", type=click.FloatRange(min=0.05, max=60), default=1.0, show_default=True,
               help="Seconds between polls with --follow.")
-def inspect(log_dir: tuple[Path, ...], as_json: bool, follow: bool, rank: int | None, since: str | None,
-            step_section: str | None, ckpt_section: str, tail_lines: int, interval: float) -> int:
+def inspect(log_dir: tuple[Path, ...], as_json: bool, follow: bool, rank: int | None, node: str | None,
+            html_path: Path | None, since: str | None, step_section: str | None, ckpt_section: str, tail_lines: int,
+            interval: float) -> int:
     """Tell what happened in a run: jobs, rounds, restarts and their causes, time lost, uptime,
     goodput, heartbeats, sections and timeouts.
 
     LOG_DIR is a run's dir (<log-dir>/<run-id>), a --log-dir holding several runs (a resume chain),
     or event files; several may be given (e.g. also the resume state dir).
     """
-    filters = Filters(rank=rank, since=parse_since(since), step_section=step_section, ckpt_section=ckpt_section)
+    filters = Filters(rank=rank, since=parse_since(since), step_section=step_section, ckpt_section=ckpt_section,
+                      node=node)
     paths = list(log_dir)
+    if html_path is not None:
+        check_html_target(html_path)
     try:
         if follow:
-            return _follow(paths, filters, as_json, tail_lines, interval)
+            return _follow(paths, filters, as_json, tail_lines, interval, html_path)
         try:
             report = build_report(paths, filters)
         except NotARun as err:
             raise click.UsageError(str(err)) from None
         try:
+            if html_path is not None:
+                _write_html(report, html_path)
             if as_json:
                 click.echo(json.dumps(report_dict(report), indent=2, default=str))
             elif sys.stdout.isatty():
@@ -107,7 +117,35 @@ def inspect(log_dir: tuple[Path, ...], as_json: bool, follow: bool, rank: int | 
 # ------------------------------------------------------------------ follow
 
 
-def _follow(paths: list[Path], filters: Filters, as_json: bool, tail_lines: int, interval: float) -> int:
+def check_html_target(path: Path) -> None:
+    """A --html target that cannot be written is a usage error, said before any work is done."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise click.UsageError(f"--html {path}: is a directory; give a file name, e.g. {path / 'report.html'}")
+    if not parent.is_dir():
+        raise click.UsageError(f"--html {path}: directory {parent} does not exist; create it or pick another path")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise click.UsageError(f"--html {path}: not writable (permission denied); pick a path you can write")
+
+
+def _write_html(report: Report, path: Path) -> None:
+    """Write the HTML report atomically (a reader, or a browser reloading it under --follow, never sees half)."""
+    from nvrx.inspection.html_report import render_html
+
+    data = render_html(report, entry_text).encode()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise click.ClickException(f"--html {path}: cannot write it: {exc.strerror or exc}") from None
+    click.echo(f"nvrx inspect: HTML report written to {path} ({len(data) / 1e6:.2f} MB)", err=True)
+
+
+def _follow(paths: list[Path], filters: Filters, as_json: bool, tail_lines: int, interval: float,
+            html_path: Path | None = None) -> int:
     """Print entries as they appear; Ctrl-C (or SIGTERM) ends it with exit code 0."""
     for p in paths:
         if not p.exists():
@@ -133,6 +171,8 @@ def _follow(paths: list[Path], filters: Filters, as_json: bool, tail_lines: int,
             caught_up = caught_up or bool(tl.files)
             if tl.files:
                 report = make_report(tl)
+                if html_path is not None:
+                    _write_html_quiet(report, html_path)
                 for it in report.items:
                     if it.key not in shown and it.kind != "job_open":
                         shown.add(it.key)
@@ -147,6 +187,19 @@ def _follow(paths: list[Path], filters: Filters, as_json: bool, tail_lines: int,
     if tl.files and not as_json:
         click.echo(f"stopped following; so far: {'; '.join(_ratios(make_report(tl)))}", err=True)
     return 0
+
+
+def _write_html_quiet(report: Report, path: Path) -> None:
+    """--follow: rewrite the HTML report at every poll; a failure is said once per kind, following goes on."""
+    from nvrx.inspection.html_report import render_html
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(render_html(report, entry_text))
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        click.echo(f"nvrx inspect: cannot write --html {path}: {exc.strerror or exc}", err=True)
 
 
 def _sleep(seconds: float, stop: dict[str, bool]) -> None:
@@ -235,11 +288,37 @@ def _summary(report: Report) -> list[str]:
         lines.append(f"wall time {_secs(span['wall_s'])}: {_clock(span['start'])} -> "
                      f"{_clock(span['end'])}{state}")
         lines += _time_lines(report)
+    lines += _checkpoint_lines(report)
     f = report.filters
-    if f.get("rank") is not None or f.get("since") is not None:
+    if f.get("rank") is not None or f.get("since") is not None or f.get("node") is not None:
         lines.append("filters:" + (f" rank {f['rank']}" if f.get("rank") is not None else "")
+                     + (f" node {f['node']}" if f.get("node") is not None else "")
                      + (f" since {_clock(f['since'])}" if f.get("since") is not None else ""))
     return lines
+
+
+def _checkpoint_lines(report: Report) -> list[str]:
+    """One line: how many checkpoints were reported complete, per tier, with their steps."""
+    if not report.checkpoints:
+        return []
+    tiers: dict[str, list[Any]] = {}
+    for c in report.checkpoints:
+        tiers.setdefault(str(c["tier"]), []).append(c["step"])
+    parts = []
+    for tier, steps in tiers.items():
+        known = [x for x in steps if isinstance(x, int)]
+        where = f" (steps {min(known)}-{max(known)})" if known else ""
+        parts.append(f"{len(steps)} {tier}{where}")
+    last = report.checkpoints[-1]
+    return [f"checkpoints complete: {', '.join(parts)}; the last: step {last['step']} ({last['tier']}) at "
+            f"{_clock(last['t'])}"]
+
+
+def _fold_note(report: Report) -> list[str]:
+    if not _folded(report):
+        return []
+    return [f"  ({len(report.ranks)} ranks: the {RANKS_SHOWN} with hangs, faults or the longest heartbeat gaps shown; "
+            "--rank N or --node NAME shows the others)"]
 
 
 def _ratios(report: Report) -> list[str]:
@@ -258,11 +337,22 @@ def _time_lines(report: Report) -> list[str]:
     wall = _secs(a["wall_s"])
     up, good = _ratios(report)
     lines = [f"{up}: {_secs(a['uptime_s'])} with all ranks running / {wall} wall"]
+    lines += _lost_lines(report)
     if report.goodput is None:
         return lines + [good]
     redone = (f"; {_secs(a['recomputed_s'])} of progress redone after restarts" if a["recomputed_s"] is not None
               else f"; recompute {a['recompute']}")
     return lines + [f"{good}: {_secs(a['kept_s'])} of progress kept / {wall} wall{redone}"]
+
+
+def _lost_lines(report: Report) -> list[str]:
+    """Time lost to faults (each fault to all ranks running again), summed: the HTML report's figure too."""
+    lost = [f["lost_s"] for f in report.faults if f.get("lost_s") is not None]
+    if not report.faults:
+        return []
+    open_ = len(report.faults) - len(lost)
+    tail = f" ({open_} not recovered)" if open_ else ""
+    return [f"time lost to {len(report.faults)} stop(s): {_secs(sum(lost))}{tail}"]
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -277,9 +367,26 @@ def _fault_rows(report: Report, with_date: bool) -> list[list[str]]:
             for f in report.faults]
 
 
+RANKS_SHOWN = 8  # without --rank / --node, at most this many rank rows (the ones with hangs first)
+
+
+def _folded(report: Report) -> bool:
+    """Whether the per-rank tables are cut to a few rows (many ranks, no --rank / --node filter)."""
+    f = report.filters
+    return len(report.ranks) > RANKS_SHOWN and f.get("rank") is None and f.get("node") is None
+
+
+def _ranks_shown(report: Report) -> list[dict[str, Any]]:
+    if not _folded(report):
+        return report.ranks
+    faulty = {f.get("rank") for f in report.faults}
+    return sorted(report.ranks, key=lambda r: (-r["hangs"], r["rank"] not in faulty,
+                                               -(r["hb_max_interval_s"] or 0)))[:RANKS_SHOWN]
+
+
 def _rank_rows(report: Report) -> list[list[str]]:
     rows = []
-    for r in report.ranks:
+    for r in _ranks_shown(report):
         secs = "; ".join(f"{n}: {s['closes']} x, max {_secs(s['max_s'])}, ~{_secs(s['total_s_est'])}"
                          for n, s in r["sections"].items()) or "-"
         beats = str(r["heartbeats"])
@@ -333,14 +440,32 @@ def _fmt_auto(a: dict[str, Any] | None) -> str:
 
 
 def _timeout_rows(report: Report) -> list[list[str]]:
+    """One row per rank; ranks with the same timeouts share a row (``0-1023``), so 8,000 ranks fit a screen."""
     to = report.timeouts
     auto = to.get("auto") or {}
     keys = sorted(set(to["in_force"]) | set(to["computed"]) | set(auto),
                   key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else k))
-    return [[k, _fmt_timeouts(to["in_force"].get(k)),
-             _fmt_timeouts((to["computed"].get(k) or {}).get("timeouts")) if k in to["computed"] else "-",
-             _fmt_auto(auto.get(k))]
-            for k in keys]
+    rows: dict[tuple[str, str, str], list[str]] = {}
+    for k in keys:
+        cells = (_fmt_timeouts(to["in_force"].get(k)),
+                 _fmt_timeouts((to["computed"].get(k) or {}).get("timeouts")) if k in to["computed"] else "-",
+                 _fmt_auto(auto.get(k)))
+        rows.setdefault(cells, []).append(k)
+    return [[_rank_ranges(ks), *cells] for cells, ks in rows.items()]
+
+
+def _rank_ranges(keys: list[str]) -> str:
+    """Rank keys as ranges: 0-3,7 (other keys listed as they are)."""
+    nums = [int(k) for k in keys if k.isdigit()]
+    out, i = [], 0
+    while i < len(nums):
+        j = i
+        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
+            j += 1
+        out.append(str(nums[i]) if i == j else f"{nums[i]}-{nums[j]}")
+        i = j + 1
+    shown = out[:8] + ([f"... ({len(out) - 8} more ranges)"] if len(out) > 8 else [])
+    return ",".join(shown + [k for k in keys if not k.isdigit()][:4])
 
 
 FAULT_HEAD = ["job", "round", "at", "kind", "rank", "cause", "time lost"]
@@ -353,7 +478,7 @@ def render_text(report: Report, tail_lines: int = 10) -> str:
     with_date = _multi_day(report)
     out = _summary(report) + ["", "Timeline"]
     for it in report.items:
-        out.append(f"  {_clock(it.t, with_date)}  {_LEVEL_MARK.get(it.level, '  ')} {entry_text(it)}")
+        out.append(f"  {_clock(it.t, with_date)}  {_LEVEL_MARK.get(it.level, '  ')} {entry_text(it)}{_repeats(it)}")
         if tail_lines:
             out += [f"  {'':14}  | {x}" for x in it.tail[-tail_lines:]]
     if not report.items:
@@ -361,7 +486,7 @@ def render_text(report: Report, tail_lines: int = 10) -> str:
     if report.faults:
         out += ["", "Faults and stops"] + _table(FAULT_HEAD, _fault_rows(report, with_date))
     if report.ranks:
-        out += ["", "Ranks"] + _table(RANK_HEAD, _rank_rows(report))
+        out += ["", "Ranks"] + _table(RANK_HEAD, _rank_rows(report)) + _fold_note(report)
     out += ["", "Timeouts", f"  configured: {_configured(report.timeouts['configured'])}"]
     rows = _timeout_rows(report)
     if rows:
@@ -369,6 +494,10 @@ def render_text(report: Report, tail_lines: int = 10) -> str:
     out += _problems(report)
     out += _definitions(report)
     return "\n".join(out) + "\n"
+
+
+def _repeats(it: Any) -> str:
+    return f" (and {it.repeats} more times, the same)" if getattr(it, "repeats", 0) else ""
 
 
 def _definitions(report: Report) -> list[str]:
@@ -386,6 +515,11 @@ def _problems(report: Report) -> list[str]:
         out += ["", f"Corrupt lines: {c['count']} skipped"] + [f"  {x}" for x in c["first"]]
         if c["count"] > len(c["first"]):
             out.append(f"  ... and {c['count'] - len(c['first'])} more")
+    versions = c.get("other_versions") or {}
+    if versions:
+        listed = ", ".join(f"{n} of version {v}" for v, n in versions.items())
+        out += ["", f"Events of another nvrx skipped: {listed} (this nvrx reads event schema version "
+                    f"{SCHEMA_VERSION}; inspect them with the nvrx that wrote them)"]
     if report.unknown_events:
         total = sum(report.unknown_events.values())
         out += ["", f"Unknown events: {total} counted, not interpreted"]
@@ -417,7 +551,7 @@ def _render_rich(report: Report, tail_lines: int) -> None:
     tbl.add_column("what")
     for it in report.items:
         style = _LEVEL_STYLE.get(it.level, "")
-        words = escape(entry_text(it))
+        words = escape(entry_text(it) + _repeats(it))
         text = f"[{style}]{words}[/{style}]" if style else words
         tail = it.tail[-tail_lines:] if tail_lines else []
         if tail:
@@ -435,6 +569,9 @@ def _render_rich(report: Report, tail_lines: int) -> None:
         for r in rows:
             t.add_row(*(escape(c) for c in r))
         console.print(t)
+        if title == "Ranks":
+            for line in _fold_note(report):
+                console.print(escape(line))
     console.print(f"configured timeouts: {escape(_configured(report.timeouts['configured']))}")
     for line in _problems(report):
         console.print(f"[yellow]{escape(line)}[/yellow]" if line else "")

@@ -161,5 +161,5 @@ def test_the_backend_keeps_data_and_every_renderer_words_it(tmp_path):
     plain = render_text(rep)
     assert all(w in plain for w in words)
     shape = report_dict(rep)["timeline"][0]
-    assert list(shape) == ["t", "time", "kind", "level", "text", "job", "round", "rank"]  # the JSON shape of before
+    assert list(shape) == ["t", "time", "kind", "level", "text", "job", "round", "rank", "node"]  # before + node
     assert json.loads(json.dumps(report_dict(rep), default=str))["timeline"][0]["kind"] == "resume:resume_start"

@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import stat
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -35,6 +36,7 @@ from nvrx.ckpt.local.codec import Packed, check_file, fill, layout, pack, read_f
 from nvrx.ckpt.local.errors import LocalCheckpointCorruptError, LocalCheckpointError, NoReplicasAvailableError
 from nvrx.ckpt.local.naming import SUFFIX, ckpt_id, parse_id
 from nvrx.ckpt.local.replication.strategies import CliqueReplicationStrategy, ReplicationStrategy
+from nvrx.common.checkpoint_report import report_checkpoint
 from nvrx.common.files import private_dir
 
 if TYPE_CHECKING:
@@ -136,6 +138,7 @@ class LocalCheckpointManager:
         self._spare: torch.Tensor | None = None
         self.last_load_source: str | None = None
         self.other_world_sizes: set[int] = set()  # world sizes of files found by the last scan that are not ours
+        self._taken: dict[int, float] = {}  # iteration -> when its state was taken (reported once it is complete)
 
     # --- save ------------------------------------------------------------------------------------------------
 
@@ -176,6 +179,7 @@ class LocalCheckpointManager:
                                        "a BasicTensorAwareStateDict")
         strategy = self._strategy()  # a lazy strategy makes its groups here, on the training thread (collective)
         self._found = None
+        self._taken = {iteration: time.time()}
         if is_async:
             return self._save_async(state_dict, iteration, strategy)
         spare, self._spare = self._spare, None
@@ -251,7 +255,7 @@ class LocalCheckpointManager:
             raise LocalCheckpointError(f"local checkpoint of iteration {save.iteration} failed ({'; '.join(errors)}); "
                                        "the previous local checkpoint is kept")
         self._keep_only(set(save.files))
-        log.debug("local checkpoint %d complete on all ranks", save.iteration)
+        self._complete(save.iteration)
 
     def _discard_async(self, save: AsyncLocalSave, remove_files: bool) -> None:
         """A queue dropped the save (its write failed on some rank): free the staging, remove its files."""
@@ -317,7 +321,12 @@ class LocalCheckpointManager:
             raise LocalCheckpointError(f"local checkpoint of iteration {request.iteration} failed ({'; '.join(errors)}); "
                                        "the previous local checkpoint is kept")
         self._keep_only({path.name for path in request.files})
-        log.debug("local checkpoint %d complete on all ranks", request.iteration)
+        self._complete(request.iteration)
+
+    def _complete(self, iteration: int) -> None:
+        """ITERATION is written everywhere: report it to the rank's monitor (for `nvrx inspect`'s goodput)."""
+        log.debug("local checkpoint %d complete on all ranks", iteration)
+        report_checkpoint(iteration, "local", taken=self._taken.pop(iteration, None), path=str(self.local_dir))
 
     # --- find / load -----------------------------------------------------------------------------------------
 
