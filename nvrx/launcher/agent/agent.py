@@ -22,7 +22,7 @@ from nvrx.common.errors import NvrxError
 from nvrx.launcher.agent.config import LaunchConfig, visible_device
 from nvrx.launcher.agent.error_file import ErrorFiles, read_error_file
 from nvrx.launcher.agent.node_health import NodeHealthChecks
-from nvrx.launcher.agent.local_ckpt_dir import LOCAL_CKPT_DIR_ENV, remove_job_session
+from nvrx.launcher.agent.local_ckpt_dir import LOCAL_CKPT_DIR_ENV, claim_job_session, remove_job_session
 from nvrx.launcher.agent.rank_monitors import RankMonitorGroup
 from nvrx.launcher.agent.rdzv_errors import RendezvousError
 from nvrx.launcher.agent.rdzv_records import FAULT_KINDS, RoundResult, StopKind, StopRecord
@@ -165,6 +165,7 @@ class Agent:
         self._stragglers: StragglerAggregator | None = None  # straggler detection (with rank monitors only)
         self._rerun_notes: dict[int, str] = {}  # local rank -> where it notes the suspected nodes when exiting 16
         self._hold: tuple[float, RankExit] | None = None  # exited 16 for another node's re-run: (deadline, exit)
+        self._owns_local_session = False  # --local-ckpt-dir: nvrx made ROOT/RUN_ID (its marker): removed on success
         self._end_detail: str | None = None  # why the job ended for this node, when a round says more than a code
         # this node as its ranks name it in a re-run note (nvrx.launcher.rank.rerun: SLURMD_NODENAME, else the host)
         self._node = cfg.workers.base_env.get("SLURMD_NODENAME") or cfg.node_name
@@ -210,6 +211,7 @@ class Agent:
             self._stragglers = StragglerAggregator(self.cfg.ft, self.monitors, self.events, self._rs,
                                                    self.cfg.rdzv.run_id, self.cfg.node_name, self._rdzv.node_id)
         health = NodeHealthChecks(self.cfg.ft or FaultToleranceConfig(), self.cfg.run_log_dir)
+        self._claim_local_session()
         while True:
             if not self._healthy(health):  # before every round: a bad node sits out instead of failing it
                 code = exit_codes.RESUME_ELSEWHERE
@@ -229,6 +231,15 @@ class Agent:
                                         seconds=round(time.monotonic() - t0, 3),
                                         failures=[JobFailure.of(f) for f in self.failures]))
                 return code
+
+    def _claim_local_session(self) -> None:
+        """--local-ckpt-dir: make the job's session (with nvrx's marker) before any rank does, so that success
+        removes only a directory nvrx made; a user's existing ROOT/RUN_ID is used but never removed."""
+        root = self.cfg.workers.base_env.get(LOCAL_CKPT_DIR_ENV)
+        try:
+            self._owns_local_session = claim_job_session(root, self.cfg.rdzv.run_id)
+        except OSError as exc:  # the ranks will say it too, when they cannot save there
+            log.warning("--local-ckpt-dir %s: cannot create the job's session there (%s)", root, exc.strerror or exc)
 
     def _healthy(self, health: NodeHealthChecks) -> bool:
         """Run the node health checks; a failure is logged and recorded, and this node leaves the job.
@@ -542,7 +553,8 @@ class Agent:
         if record.kind is StopKind.SUCCEEDED:
             self.workers.stop()  # nothing should be left; bounded anyway
             # the job's own local checkpoints (--local-ckpt-dir) will not be restored any more; kept on failure
-            remove_job_session(self.cfg.workers.base_env.get(LOCAL_CKPT_DIR_ENV), self.cfg.rdzv.run_id)
+            if self._owns_local_session:  # only a session nvrx made (its marker), never a user's own directory
+                remove_job_session(self.cfg.workers.base_env.get(LOCAL_CKPT_DIR_ENV), self.cfg.rdzv.run_id)
             return exit_codes.OK
         if record.kind is StopKind.INTERRUPTED:
             signum = int(record.detail.get("signum") or signal.SIGTERM)
