@@ -6,8 +6,10 @@ they are created 0600 in 0700 directories whatever the umask (``private_dir``, `
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping
@@ -49,18 +51,59 @@ def private_dir(path: str | Path) -> Path:
     return path
 
 
-def open_private(path: str | Path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_APPEND) -> int:
-    """Open (creating) PATH as a 0600 file whatever the umask; its directory is made with ``private_dir``."""
+def open_private(path: str | Path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_APPEND, fresh: bool = False) -> int:
+    """Open (creating) PATH as a 0600 file whatever the umask; its directory is made with ``private_dir``.
+
+    A symbolic link at PATH is never followed (ELOOP), and the file opened must be a regular file of ours
+    (PermissionError otherwise): a link or a file planted in a run directory must not receive a job's output
+    or have its mode changed. FRESH: whatever is at PATH (a file of an earlier launch, a link) is unlinked
+    first and a new file is created exclusively (torchrun truncates its output files; this cannot be
+    redirected to another file)."""
     path = Path(path)
     private_dir(path.parent)
-    fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE)
+    flags |= os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+    if fresh:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        flags = (flags | os.O_EXCL) & ~os.O_TRUNC
+    fd = os.open(path, flags, PRIVATE_FILE)
     try:
-        if os.fstat(fd).st_mode & 0o777 != PRIVATE_FILE:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise PermissionError(errno.EPERM, f"not a regular file of user {os.getuid()} (owner uid {st.st_uid}); "
+                                  "refusing to write into it", str(path))
+        if st.st_mode & 0o777 != PRIVATE_FILE:
             os.fchmod(fd, PRIVATE_FILE)
     except OSError:
         os.close(fd)
         raise
     return fd
+
+
+class UnsafeDirectoryError(PermissionError):
+    """A directory nvrx would write a run's files into, but that another user could have prepared."""
+
+
+def owned_private_dir(path: str | Path) -> Path:
+    """``private_dir(PATH)``, then refuse (UnsafeDirectoryError, one line) a PATH that is a symbolic link, is
+    not a directory of this user, or that the group or others can write: nvrx made none of these (it makes
+    0700 directories), and in such a directory another user can plant links where the run's files go."""
+    path = Path(path)
+    private_dir(path)
+    st = os.lstat(path)
+    problem = None
+    if stat.S_ISLNK(st.st_mode):
+        problem = "is a symbolic link"
+    elif st.st_uid != os.getuid():
+        problem = f"belongs to uid {st.st_uid}, not to you (uid {os.getuid()})"
+    elif st.st_mode & 0o022:
+        problem = f"can be written by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    if problem:
+        raise UnsafeDirectoryError(errno.EPERM, f"{path} {problem}: nvrx did not make it for this run and another "
+                                   "user could plant files there", str(path))
+    return path
 
 
 def save_json_atomic(path: Path, data: Mapping[str, Any], mode: int = 0o600) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -16,8 +18,10 @@ Listener = Callable[[dict[str, Any]], None]
 
 def _open_private(path: Path) -> int:
     """Open PATH for appending as a 0600 file in 0700 directories (those this creates), whatever the umask:
-    events name hosts, paths and failures other users must not read. (This module imports nothing of
-    ours, so it does not use nvrx.common.files.private_dir, which does the same for the other run files.)"""
+    events name hosts, paths and failures other users must not read. A symbolic link at PATH is not followed
+    (ELOOP) and a file that is not a regular file of ours is refused: a link planted in a run directory must
+    not receive events or have its mode changed. (This module imports nothing of ours, so it does not use
+    nvrx.common.files.open_private, which does the same for the other run files.)"""
     missing = [d for d in (path.parent, *path.parent.parents) if not os.path.lexists(d)]
     for d in reversed(missing):
         try:
@@ -25,9 +29,17 @@ def _open_private(path: Path) -> int:
         except FileExistsError:
             continue
         os.chmod(d, 0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-    if os.fstat(fd).st_mode & 0o777 != 0o600:
-        os.fchmod(fd, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise PermissionError(errno.EPERM, f"not a regular file of user {os.getuid()}; refusing to write events "
+                                  "into it", str(path))
+        if st.st_mode & 0o777 != 0o600:
+            os.fchmod(fd, 0o600)
+    except OSError:
+        os.close(fd)
+        raise
     return fd
 
 

@@ -5,6 +5,7 @@ Every case runs the real `nvrx launch` (agent, ranks) as a subprocess."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,7 @@ def test_removal_of_the_jobs_own_session_keeps_what_nvrx_did_not_write(launcher,
     (elsewhere / "keep" / "iter_000000001_0_local.nvrxl").write_text("not a checkpoint of this job")
     script = write_script(tmp_path / "train.py", LOCAL_SAVE + f"""
 import os
+import os
 from pathlib import Path
 session = Path(default_root()) / os.environ["TORCHELASTIC_RUN_ID"]
 (session / "rank1").symlink_to({str(elsewhere / "keep")!r}, target_is_directory=True)
@@ -79,3 +81,64 @@ session = Path(default_root()) / os.environ["TORCHELASTIC_RUN_ID"]
     assert sorted(p.name for p in (root / "own" / "rank0").iterdir()) == ["user.txt"]  # the checkpoint is gone
     assert (root / "own" / "rank1").is_symlink()
     assert launcher.leftovers() == []
+
+
+def test_a_planted_output_link_is_not_followed(launcher, tmp_path: Path) -> None:
+    """A stdout.log symbolic link left in the run directory: the rank's output goes to a new file of the job; the
+    link's target keeps its contents and its mode."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    victim.chmod(0o644)
+    rank_dir = tmp_path / "logs" / "planted" / "attempt_0" / "0"
+    rank_dir.mkdir(parents=True)
+    for d in (rank_dir, rank_dir.parent, rank_dir.parent.parent):
+        d.chmod(0o700)
+    (rank_dir / "stdout.log").symlink_to(victim)
+    script = write_script(tmp_path / "train.py", "print('rank output')\n")
+    done = launcher.run("--standalone", "--rdzv-id", "planted", "--log-dir", str(tmp_path / "logs"),
+                        "--redirects", "3", str(script))
+    assert done.returncode == 0, done.stderr
+    assert victim.read_text() == "precious\n" and victim.stat().st_mode & 0o777 == 0o644
+    out = rank_dir / "stdout.log"
+    assert not out.is_symlink() and out.read_text() == "rank output\n" and out.stat().st_mode & 0o777 == 0o600
+    assert launcher.leftovers() == []
+
+
+@pytest.mark.parametrize("owner,mode,needle", [
+    (12345, 0o700, "belongs to uid 12345"),
+    (None, 0o777, "can be written by others (mode 0777)"),
+])
+def test_a_run_directory_nvrx_did_not_make_is_refused(launcher, tmp_path: Path, owner, mode, needle) -> None:
+    """<log-dir>/<run id> prepared by another user (or open to everyone), holding a planted stdout.log link: one
+    line, exit 2, nothing written through the link."""
+    if owner is not None and os.geteuid() != 0:
+        pytest.skip("making a directory of another user needs root")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    run_dir = tmp_path / "logs" / "12345"
+    (run_dir / "attempt_0" / "0").mkdir(parents=True)
+    (run_dir / "attempt_0" / "0" / "stdout.log").symlink_to(victim)
+    run_dir.chmod(mode)
+    if owner is not None:
+        for d in (run_dir, run_dir / "attempt_0", run_dir / "attempt_0" / "0"):
+            os.chown(d, owner, owner)
+    script = write_script(tmp_path / "train.py", "print('rank output')\n")
+    res = launcher.run("--standalone", "--rdzv-id", "12345", "--log-dir", str(tmp_path / "logs"), "--redirects", "3",
+                       str(script), timeout=60)
+    one_line_error(res, "--log-dir", str(run_dir), needle)
+    assert victim.read_text() == "precious\n"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["attempt_0"]  # no event file, no monitor log
+    assert launcher.leftovers(wait=0.5) == []
+
+
+def test_event_files_do_not_follow_a_planted_link(tmp_path: Path) -> None:
+    """The event writer (agent and monitors alike) refuses a link at its path: nothing written through it."""
+    from nvrx.events import EventLog
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    victim.chmod(0o644)
+    (tmp_path / "agent-n-1.jsonl").symlink_to(victim)
+    with pytest.raises(OSError):
+        EventLog(tmp_path / "agent-n-1.jsonl", source="agent")
+    assert victim.read_text() == "precious\n" and victim.stat().st_mode & 0o777 == 0o644
