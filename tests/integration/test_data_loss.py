@@ -6,11 +6,13 @@ Every case runs the real `nvrx launch` (agent, ranks) as a subprocess."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import one_line_error, write_script
+from tests.ckpt.conftest import tmpfs  # noqa: F401  (a fixture: small real file systems)
+from tests.conftest import one_line_error, run_events, wait_for, write_script
 
 
 @pytest.fixture
@@ -70,6 +72,7 @@ def test_removal_of_the_jobs_own_session_keeps_what_nvrx_did_not_write(launcher,
     script = write_script(tmp_path / "train.py", LOCAL_SAVE + f"""
 import os
 import os
+import re
 from pathlib import Path
 session = Path(default_root()) / os.environ["TORCHELASTIC_RUN_ID"]
 (session / "rank1").symlink_to({str(elsewhere / "keep")!r}, target_is_directory=True)
@@ -142,3 +145,56 @@ def test_event_files_do_not_follow_a_planted_link(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         EventLog(tmp_path / "agent-n-1.jsonl", source="agent")
     assert victim.read_text() == "precious\n" and victim.stat().st_mode & 0o777 == 0o644
+
+
+WAIT_FOR_SPACE = """
+import os, sys, time
+from pathlib import Path
+work = Path(sys.argv[1])
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    sys.exit(1)  # the first attempt fails: the restart is where a full log file system used to end the job
+(work / "started").write_text("")
+deadline = time.monotonic() + 120
+while not (work / "go").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+sys.exit(0 if (work / "go").exists() else 3)
+"""
+
+
+def _fill(mount: Path) -> Path:
+    """Fill MOUNT until it has no space left; the filler file (remove it to give the space back)."""
+    filler = mount / "filler"
+    with open(filler, "wb") as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 65536)
+                fh.flush()
+        except OSError:
+            pass
+    return filler
+
+
+def test_a_full_log_file_system_does_not_end_the_job(launcher, tmp_path: Path, tmpfs) -> None:
+    """Events cannot be written (ENOSPC) from before the first round: the health checks pass, the failed first
+    attempt is restarted, one line says events are dropped; once space returns, events are written again (with
+    the count of those dropped) and the job ends 0."""
+    logs = tmpfs("1m", name="logs")
+    (logs / "full").mkdir(mode=0o700)
+    filler = _fill(logs)
+    script = write_script(tmp_path / "train.py", WAIT_FOR_SPACE)
+    proc = launcher.start("--standalone", "--rdzv-id", "full", "--log-dir", str(logs / "full"), "--max-restarts",
+                          "1", str(script), str(tmp_path))
+    assert wait_for(lambda: (tmp_path / "started").exists() or proc.poll() is not None, 120), "no second attempt"
+    assert proc.poll() is None, proc.communicate()
+    filler.unlink()  # space returns while the job runs
+    (tmp_path / "go").write_text("")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    dropping = [ln for ln in err.splitlines() if "dropping events" in ln]
+    assert len(dropping) == 1, err
+    again = [ln for ln in err.splitlines() if "events are written to" in ln and "event(s) were dropped" in ln]
+    assert len(again) == 1 and re.search(r"again; [1-9]\d* event\(s\) were dropped", again[0]), err
+    events = run_events(logs / "full" / "full", "agent-")
+    assert events[-1]["ev"] == "job_end" and events[-1]["status"] == "succeeded"
+    assert launcher.leftovers() == []

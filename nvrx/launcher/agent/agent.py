@@ -257,6 +257,8 @@ class Agent:
         action = "joins" if report.ok else "sits out"
         self.events.emit(NodeHealth(ok=report.ok, seconds=report.seconds, action=action, checks=[
             HealthCheckInfo(name=r.name, status=r.status, detail=r.detail, seconds=r.seconds) for r in report.results]))
+        for r in report.warnings():
+            log.warning("node health check %s: %s", r.name, r.detail)
         if not report.ok:
             log.error("node %s failed its health checks (%s): it leaves the job (exit %d); the other nodes go on "
                       "if --nnodes allows", self.cfg.node_name, report.summary(), exit_codes.RESUME_ELSEWHERE)
