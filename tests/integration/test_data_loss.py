@@ -5,6 +5,7 @@ Every case runs the real `nvrx launch` (agent, ranks) as a subprocess."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -70,7 +71,9 @@ def test_removal_of_the_jobs_own_session_keeps_what_nvrx_did_not_write(launcher,
     (elsewhere / "keep").mkdir(parents=True)
     (elsewhere / "keep" / "iter_000000001_0_local.nvrxl").write_text("not a checkpoint of this job")
     script = write_script(tmp_path / "train.py", LOCAL_SAVE + f"""
+import json
 import os
+import json
 import os
 import re
 from pathlib import Path
@@ -197,4 +200,42 @@ def test_a_full_log_file_system_does_not_end_the_job(launcher, tmp_path: Path, t
     assert len(again) == 1 and re.search(r"again; [1-9]\d* event\(s\) were dropped", again[0]), err
     events = run_events(logs / "full" / "full", "agent-")
     assert events[-1]["ev"] == "job_end" and events[-1]["status"] == "succeeded"
+    assert launcher.leftovers() == []
+
+
+def test_a_full_shared_file_system_is_not_a_bad_node(launcher, tmp_path: Path, tmpfs) -> None:
+    """The shared-storage health check fails (ENOSPC): the agent says so in one line naming the path and exits 18,
+    and `nvrx resume` on that exit relaunches without excluding the node (it excluded it on exit 16 before)."""
+    import socket
+
+    from tests.integration.test_resume import fake_slurm_tools
+
+    shared = tmpfs("1m", name="shared")
+    _fill(shared)
+    script = write_script(tmp_path / "train.py", "raise SystemExit('must not run')\n")
+    logs = tmp_path / "logs"
+    res = launcher.run("--standalone", "--rdzv-id", "55", "--log-dir", str(logs),
+                       "--ft-param-enable_dist_storage_healthcheck", "true",
+                       "--ft-param-storage_healthcheck_path", str(shared), str(script), timeout=120)
+    assert res.returncode == 18, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if str(shared) in ln]
+    assert len(lines) == 1 and "shared storage" in lines[0] and "exit 18" in lines[0], res.stderr
+    assert "Traceback" not in res.stderr
+    health = [e for e in run_events(logs / "55", "agent-") if e["ev"] == "node_health"]
+    assert health and health[-1]["ok"] is True and "shared storage" in health[-1]["action"]
+
+    state = tmp_path / "state"
+    state.mkdir()
+    args_file = tmp_path / "sbatch.args"
+    path = fake_slurm_tools(tmp_path / "bin", sbatch=f'echo "$@" > {args_file}; echo 778',
+                            scontrol="echo JobId=55; echo '   Command=/bin/true'")
+    env = {"PATH": path, "SLURM_JOB_ID": "55", "SLURMD_NODENAME": socket.gethostname(), "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_JOB_NODELIST": f"{socket.gethostname()},other"}
+    launcher.subcommand = "resume"
+    decided = launcher.run("--state-dir", str(state), "--submit", "--launch-log-dir", str(logs),
+                           "--exit-code", str(res.returncode), env=env, timeout=60)
+    assert decided.returncode == 3, decided.stderr  # continue
+    assert "--exclude" not in args_file.read_text(), args_file.read_text()
+    st = json.loads((state / "state.json").read_text())
+    assert st["excluded_nodes"] == [] and st["last_cause"] == "storage_failed"
     assert launcher.leftovers() == []

@@ -213,9 +213,11 @@ class Agent:
         health = NodeHealthChecks(self.cfg.ft or FaultToleranceConfig(), self.cfg.run_log_dir)
         self._claim_local_session()
         while True:
-            if not self._healthy(health):  # before every round: a bad node sits out instead of failing it
-                code = exit_codes.RESUME_ELSEWHERE
-                self.events.emit(JobEnd(status=_end_status(code), exit_code=code, detail="node health check failed",
+            code = self._health_verdict(health)  # before every round: a bad node sits out instead of failing it
+            if code is not None:
+                detail = ("shared storage failed its check" if code == exit_codes.STORAGE_FAILED
+                          else "node health check failed")
+                self.events.emit(JobEnd(status=_end_status(code), exit_code=code, detail=detail,
                                         seconds=round(time.monotonic() - t0, 3),
                                         failures=[JobFailure.of(f) for f in self.failures]))
                 return code
@@ -241,28 +243,38 @@ class Agent:
         except OSError as exc:  # the ranks will say it too, when they cannot save there
             log.warning("--local-ckpt-dir %s: cannot create the job's session there (%s)", root, exc.strerror or exc)
 
-    def _healthy(self, health: NodeHealthChecks) -> bool:
-        """Run the node health checks; a failure is logged and recorded, and this node leaves the job.
+    def _health_verdict(self, health: NodeHealthChecks) -> int | None:
+        """Run the node health checks; None: this node joins the round, else the exit code it leaves with.
 
-        It leaves with exit 16 (resume elsewhere): the other agents go on within --nnodes MIN:MAX (a
-        standby takes its place) and `nvrx resume` excludes this node from the next Slurm job.
+        A failed check of the node leaves with exit 16 (resume elsewhere): the other agents go on within
+        --nnodes MIN:MAX (a standby takes its place) and `nvrx resume` excludes this node from the next Slurm
+        job. A failed check of shared storage only (full, read-only, too slow) is not the node's fault: one line
+        naming the path, exit 18, and the event says the node is ok, so no node is ever excluded for it.
         """
         excluded = self._stragglers.excluded() if self._stragglers is not None else None
         if excluded:  # the straggler exclusion policy: a failed check like any other (exit 16, resume avoids it)
             self.events.emit(NodeHealth(ok=False, seconds=0.0, action="sits out", checks=[
                 HealthCheckInfo(name="straggler", status="failed", detail=excluded, seconds=0.0)]))
             log.error("node %s leaves the job (exit %d): %s", self.cfg.node_name, exit_codes.RESUME_ELSEWHERE, excluded)
-            return False
+            return exit_codes.RESUME_ELSEWHERE
         report = health.run()
-        action = "joins" if report.ok else "sits out"
-        self.events.emit(NodeHealth(ok=report.ok, seconds=report.seconds, action=action, checks=[
+        storage = report.storage_failures() if report.node_ok else []
+        action = "joins" if report.ok else "stops: shared storage failed" if storage else "sits out"
+        self.events.emit(NodeHealth(ok=report.node_ok, seconds=report.seconds, action=action, checks=[
             HealthCheckInfo(name=r.name, status=r.status, detail=r.detail, seconds=r.seconds) for r in report.results]))
         for r in report.warnings():
             log.warning("node health check %s: %s", r.name, r.detail)
+        if storage:
+            path = self.cfg.ft.storage_healthcheck_path if self.cfg.ft is not None else None
+            log.error("shared storage %s failed its check (%s): the job stops with exit %d; this is not node %s's "
+                      "fault and no node is excluded for it", path, storage[0].detail, exit_codes.STORAGE_FAILED,
+                      self.cfg.node_name)
+            return exit_codes.STORAGE_FAILED
         if not report.ok:
             log.error("node %s failed its health checks (%s): it leaves the job (exit %d); the other nodes go on "
                       "if --nnodes allows", self.cfg.node_name, report.summary(), exit_codes.RESUME_ELSEWHERE)
-        return report.ok
+            return exit_codes.RESUME_ELSEWHERE
+        return None
 
     # ------------------------------------------------------------ one round
 

@@ -39,6 +39,9 @@ log = logging.getLogger("nvrx.node_health")
 OK, FAILED, SKIPPED = "ok", "failed", "skipped"
 WARNING = "warning"  # said, but not a failure: the node joins (e.g. little space left for the run's logs)
 DEFAULT_IB_STATES = "/sys/class/infiniband/*/ports/*/state"
+# Checks of storage every node shares (storage_healthcheck_path): failing them says the storage is full or broken,
+# usually for every node at once, so the verdict is exit 18 (nvrx.common.exit_codes), never a node exclusion.
+STORAGE_CHECKS = frozenset({"storage"})
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,14 @@ class HealthReport:
     @property
     def ok(self) -> bool:
         return all(r.status != FAILED for r in self.results)
+
+    @property
+    def node_ok(self) -> bool:
+        """No check of the node itself failed (a failed shared-storage check is the storage's fault, not its)."""
+        return all(r.status != FAILED for r in self.results if r.name not in STORAGE_CHECKS)
+
+    def storage_failures(self) -> list[CheckResult]:
+        return [r for r in self.failures() if r.name in STORAGE_CHECKS]
 
     def failures(self) -> list[CheckResult]:
         return [r for r in self.results if r.status == FAILED]
