@@ -45,3 +45,46 @@ def test_a_job_resumes_from_its_own_checkpoints_under_any_usual_umask(launcher, 
     assert starts.read_text().split() == ["0", "4"]
     assert root.stat().st_mode & 0o777 == 0o700
     assert launcher.leftovers() == []
+
+
+RESUME_OR_SAY = """
+import sys
+import torch, torch.distributed as dist
+from nvrx import ckpt
+from nvrx.ckpt.errors import CheckpointError
+dist.init_process_group("gloo")
+saver = ckpt.PeriodicCheckpointer(sys.argv[1], state={"w": torch.zeros(4)}, every_steps=1)
+try:
+    start = saver.resume()
+except CheckpointError as exc:
+    open(sys.argv[2], "w").write(str(exc))
+    sys.exit(3)
+open(sys.argv[2], "w").write(f"resumed at {start}")
+saver.close()
+dist.destroy_process_group()
+"""
+
+
+def test_a_checkpoint_owned_by_another_user_is_refused_unless_allowed(launcher, tmp_path: Path) -> None:
+    """A checkpoint directory of another user (not group/world-writable): its owner could rewrite the .metadata
+    that loading unpickles, so loading is refused in one line naming the owner; allowed when the user opts in."""
+    if os.geteuid() != 0:
+        pytest.skip("giving files to another user needs root")
+    script = write_script(tmp_path / "train.py", PERIODIC)
+    root = tmp_path / "ckpts"
+    first = launcher.run("--standalone", "--nproc-per-node", "1", str(script), str(root), str(tmp_path / "s.txt"))
+    assert first.returncode == 0, first.stderr
+    newest = max(p for p in root.iterdir() if p.name.startswith("step_"))
+    for p in (newest, *newest.rglob("*")):
+        os.chown(p, 12345, 12345, follow_symlinks=False)  # the root stays ours: the checkpoint is theirs
+    probe = write_script(tmp_path / "probe.py", RESUME_OR_SAY)
+    said = tmp_path / "said.txt"
+    refused = launcher.run("--standalone", "--nproc-per-node", "1", str(probe), str(root), str(said))
+    assert refused.returncode == 1 and "exited with code 3" in refused.stderr, refused.stderr
+    message = said.read_text()
+    assert "\\n" not in message and "belongs to another user (uid 12345)" in message and str(newest) in message
+    allowed = launcher.run("--standalone", "--nproc-per-node", "1", str(probe), str(root), str(said),
+                           env={"NVRX_CKPT_ALLOW_SHARED_WRITABLE": "1"})
+    assert allowed.returncode == 0, allowed.stderr
+    assert said.read_text() == "resumed at 4"
+    assert launcher.leftovers() == []
