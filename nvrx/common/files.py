@@ -1,4 +1,5 @@
-"""Small file helpers: durable JSON (a reader sees a file whole-old or whole-new), and private run files.
+"""Small file helpers: atomic, durable writes (a reader sees a file whole-old or whole-new; the one home of
+them), durable JSON, and private run files.
 
 A run's files (events, rank output, monitor logs) may hold data and paths other users must not read, so
 they are created 0600 in 0700 directories whatever the umask (``private_dir``, ``open_private``).
@@ -9,10 +10,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import secrets
+import socket
 import stat
-import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, BinaryIO, Callable, Mapping
 
 
 def fsync_path(path: str | Path) -> None:
@@ -106,21 +108,37 @@ def owned_private_dir(path: str | Path) -> Path:
     return path
 
 
-def save_json_atomic(path: Path, data: Mapping[str, Any], mode: int = 0o600) -> None:
-    """Write DATA as JSON to PATH atomically: temp file in the same dir, fsync, rename, fsync dir.
+def _temp_name(path: Path) -> str:
+    """A temporary name beside PATH no other writer picks: host, pid and a random part (two nodes of a job may
+    share a file system and a pid; the same process may write twice at once from two threads)."""
+    host = socket.gethostname().replace("/", "_") or "host"
+    return f".{path.name}.tmp-{host}-{os.getpid()}-{secrets.token_hex(4)}"
 
-    The file is created with MODE (private by default: these files steer our processes).
+
+def atomic_write(path: str | Path, data: bytes | Callable[[BinaryIO], Any], mode: int = PRIVATE_FILE,
+                 durable: bool = True) -> None:
+    """Replace PATH with DATA so that a reader sees the old file or the whole new one, never a mix: the one home
+    of atomic writes (checkpoint pointers and files, state files, flags).
+
+    A temporary file beside PATH (same directory: the rename stays atomic; name unique per host, process and
+    call) is created exclusively, never through a link, with MODE whatever the umask; DATA is written (bytes, or
+    a function writing to the open binary file); DURABLE: the file is fsynced before the rename and the
+    directory after it, so a crash right after this returns cannot lose it. On any failure the temporary is
+    removed and PATH is untouched. The directory must exist.
     """
     path = Path(path)
-    private_dir(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = path.parent / _temp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1, sort_keys=True)
-            fh.write("\n")
+        with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), mode)  # the umask filtered os.open's mode
+            if callable(data):
+                data(fh)
+            else:
+                fh.write(data)
             fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -128,7 +146,18 @@ def save_json_atomic(path: Path, data: Mapping[str, Any], mode: int = 0o600) -> 
         except FileNotFoundError:
             pass
         raise
-    fsync_path(path.parent)
+    if durable:
+        fsync_path(path.parent)
+
+
+def save_json_atomic(path: Path, data: Mapping[str, Any], mode: int = 0o600) -> None:
+    """Write DATA as JSON to PATH atomically and durably (``atomic_write``), in a directory made private if missing.
+
+    The file is created with MODE (private by default: these files steer our processes).
+    """
+    path = Path(path)
+    private_dir(path.parent)
+    atomic_write(path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), mode=mode)
 
 
 def load_json(path: Path) -> dict[str, Any] | None:
