@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,6 +78,8 @@ import os
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 session = Path(default_root()) / os.environ["TORCHELASTIC_RUN_ID"]
 (session / "rank1").symlink_to({str(elsewhere / "keep")!r}, target_is_directory=True)
@@ -238,4 +242,39 @@ def test_a_full_shared_file_system_is_not_a_bad_node(launcher, tmp_path: Path, t
     assert "--exclude" not in args_file.read_text(), args_file.read_text()
     st = json.loads((state / "state.json").read_text())
     assert st["excluded_nodes"] == [] and st["last_cause"] == "storage_failed"
+    assert launcher.leftovers() == []
+
+
+MARK_FINISHED = """
+import sys
+from nvrx.launcher.rank.job_control import mark_finished
+for _ in range(int(sys.argv[1])):
+    mark_finished()
+"""
+
+
+def test_mark_finished_from_every_rank_of_two_nodes_with_the_same_pids(launcher, tmp_path: Path) -> None:
+    """Two nodes (each launch in its own pid namespace: their ranks get the same pids) share the flag's file
+    system and every rank calls mark_finished, many times: every call succeeds, the flag is there, no temporary
+    is left. (Named by pid alone, the temporaries collided and a rename failed with FileNotFoundError.)"""
+    import shutil
+
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        pytest.skip("two nodes with the same pids need unshare -p as root")
+    flag = tmp_path / "shared" / "finished.flag"
+    script = write_script(tmp_path / "train.py", MARK_FINISHED)
+    env = {"FAULT_TOL_FINISHED_FLAG_FILE": str(flag)}
+    nodes = []
+    for node in ("a", "b"):
+        cmd = [unshare, "-pf", "--mount-proc", sys.executable, "-m", "nvrx", "launch", "--standalone",
+               "--nproc-per-node", "2", "--rdzv-id", f"node-{node}", str(script), "300"]
+        nodes.append(subprocess.Popen(cmd, cwd=tmp_path, env=launcher.env(env), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+        launcher.procs.append(nodes[-1])
+    for proc in nodes:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+    assert flag.read_text().startswith("finished host=")
+    assert sorted(p.name for p in flag.parent.iterdir()) == ["finished.flag"]
     assert launcher.leftovers() == []
