@@ -63,6 +63,7 @@ class EventLog:
         self._fd: int | None = None
         self.dropped = 0  # events not written since the last one that was (0: writing works)
         self._torn = False  # a write stopped inside a line: the next line written starts on a fresh one
+        self._closed = False
         if path is not None:
             try:
                 self._fd = _open_private(path)
@@ -84,7 +85,7 @@ class EventLog:
         line_fields.update(record.to_fields())
         line = (json.dumps(line_fields, default=str, separators=(",", ":")) + "\n").encode()
         with self._lock:
-            if self.path is not None:
+            if self.path is not None and not self._closed:
                 self._write(line)
             for listener in self._listeners:
                 try:
@@ -119,6 +120,7 @@ class EventLog:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self.dropped:
                 log.warning("%d event(s) could not be written to %s and were dropped", self.dropped, self.path)
                 self.dropped = 0

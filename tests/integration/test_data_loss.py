@@ -278,3 +278,16 @@ def test_mark_finished_from_every_rank_of_two_nodes_with_the_same_pids(launcher,
     assert flag.read_text().startswith("finished host=")
     assert sorted(p.name for p in flag.parent.iterdir()) == ["finished.flag"]
     assert launcher.leftovers() == []
+
+
+def test_a_closed_event_log_writes_nothing_more(tmp_path: Path) -> None:
+    """After close, an event goes to the listeners only: the file (perhaps on a file system being unmounted) is
+    not opened again."""
+    from nvrx.events import EventLog, JobEnd
+
+    path = tmp_path / "run" / "agent-n-1.jsonl"
+    events = EventLog(path, source="agent")
+    events.close()
+    path.unlink()
+    events.emit(JobEnd(status="succeeded", exit_code=0))
+    assert not path.exists()
