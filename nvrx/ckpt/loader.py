@@ -6,7 +6,7 @@ the next older one is used, so a resume never starts from half-written data.
 
 Loading a DCP checkpoint unpickles its ``.metadata`` (torch's format): whoever can write the checkpoint
 directory can run code in every rank that loads it. So the loader refuses a checkpoint root, checkpoint
-directory or ``.metadata`` that is group- or world-writable, unless the caller opts in
+directory or ``.metadata`` that is group- or world-writable or owned by another user, unless the caller opts in
 (``allow_shared_writable=True`` or ``NVRX_CKPT_ALLOW_SHARED_WRITABLE=1``); nvrx creates checkpoint roots 0700.
 """
 
@@ -39,17 +39,25 @@ def shared_writable_allowed(allow: bool | None) -> bool:
 
 def check_private(path: str | Path, allow: bool | None = None) -> None:
     """Raise CheckpointError if PATH, or any entry a load of it unpickles from (``.metadata``), can be
-    written by other users (group- or world-writable), unless ALLOW (or the environment) says so."""
+    written by other users (group- or world-writable, or owned by another user: its owner can rewrite it),
+    unless ALLOW (or the environment) says so. Owned by root is fine: root can rewrite anything anyway."""
     if shared_writable_allowed(allow):
         return
     path = Path(path)
+    me = os.getuid()
     for p in (path.parent, path, path / DCP_METADATA):
         try:
-            mode = p.stat().st_mode
+            st = p.stat()
         except FileNotFoundError:
             continue
         except OSError as exc:
             raise CheckpointError(f"cannot check checkpoint {path}: {p} ({exc.strerror})") from None
+        mode = st.st_mode
+        if st.st_uid not in (me, 0):
+            raise CheckpointError(
+                f"refusing to load checkpoint {path}: {p} belongs to another user (uid {st.st_uid}), who could "
+                f"rewrite the metadata that loading unpickles; copy the checkpoint into a directory of yours, or set "
+                f"{ALLOW_SHARED_WRITABLE_ENV}=1 (allow_shared_writable=True) if you trust that user")
         if mode & (stat.S_IWGRP | stat.S_IWOTH):
             who = "everyone" if mode & stat.S_IWOTH else "its group"
             raise CheckpointError(

@@ -44,6 +44,7 @@ from nvrx.ckpt.api import AsyncCheckpointer
 from nvrx.ckpt.errors import CheckpointError
 from nvrx.ckpt.loader import find_latest_checkpoint, max_over_ranks
 from nvrx.ckpt.snapshot import capturable, capture
+from nvrx.common.files import private_dir
 
 log = logging.getLogger("nvrx.ckpt.periodic")
 
@@ -117,7 +118,9 @@ class PeriodicCheckpointer:
 
         Collective. Unfinished checkpoints of crashed saves are removed (see ``AsyncCheckpointer.sweep``).
         """
-        self.root.mkdir(parents=True, exist_ok=True)
+        # 0700 whatever the umask (only the directories made here): a root the group can write is refused when
+        # loading (nvrx.ckpt.loader.check_private), so under umask 002 a job could not resume from its own saves
+        private_dir(self.root)
         newest = find_latest_checkpoint(self.root, verify=None)
         if newest is None:
             # Building the optimizer's state dict would initialise its state (a zero step): not on a fresh start.

@@ -19,6 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
+from nvrx.common import files
 from nvrx.common.files import fsync_path
 from nvrx.ckpt.errors import CheckpointCleanupError, CheckpointError
 
@@ -53,15 +54,9 @@ def write_durable(path: Path, data: bytes) -> None:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Replace PATH with DATA so readers see the old or the new content, never a mix; durable on return."""
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        write_durable(tmp, data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    """Replace PATH with DATA so readers see the old or the new content, never a mix; durable on return
+    (``nvrx.common.files.atomic_write``: file and directory fsynced)."""
+    files.atomic_write(path, data, mode=0o644)
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -4,6 +4,8 @@ Agent (``nvrx launch``):
   0            every rank exited 0 (the run may still be unfinished: see the finished flag file)
   1            the job failed: a rank failed with no restarts left, or the rendezvous was lost
   2            usage error (bad flag, bad config, port in use...)
+  18           shared storage failed its check (full, read-only, too slow, unusable): not this node's fault, so
+               `nvrx resume` excludes no node for it
   128+signum   stopped gracefully on a signal (143 = SIGTERM, 138 = SIGUSR1, 140 = SIGUSR2): resume me
 
 Codes a rank may exit with to steer the resume logic; the agent does not restart in place on these
@@ -26,6 +28,7 @@ OK = 0
 FAILED = 1
 USAGE = 2
 SIGNAL_BASE = 128
+STORAGE_FAILED = 18  # the agent's own verdict on shared storage (node health check "storage"), never a rank's
 
 RESUME_ELSEWHERE = 16
 VALIDATION_FAILED = 17

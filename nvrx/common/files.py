@@ -1,4 +1,5 @@
-"""Small file helpers: durable JSON (a reader sees a file whole-old or whole-new), and private run files.
+"""Small file helpers: atomic, durable writes (a reader sees a file whole-old or whole-new; the one home of
+them), durable JSON, and private run files.
 
 A run's files (events, rank output, monitor logs) may hold data and paths other users must not read, so
 they are created 0600 in 0700 directories whatever the umask (``private_dir``, ``open_private``).
@@ -6,11 +7,14 @@ they are created 0600 in 0700 directories whatever the umask (``private_dir``, `
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-import tempfile
+import secrets
+import socket
+import stat
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, BinaryIO, Callable, Mapping
 
 
 def fsync_path(path: str | Path) -> None:
@@ -49,13 +53,30 @@ def private_dir(path: str | Path) -> Path:
     return path
 
 
-def open_private(path: str | Path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_APPEND) -> int:
-    """Open (creating) PATH as a 0600 file whatever the umask; its directory is made with ``private_dir``."""
+def open_private(path: str | Path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_APPEND, fresh: bool = False) -> int:
+    """Open (creating) PATH as a 0600 file whatever the umask; its directory is made with ``private_dir``.
+
+    A symbolic link at PATH is never followed (ELOOP), and the file opened must be a regular file of ours
+    (PermissionError otherwise): a link or a file planted in a run directory must not receive a job's output
+    or have its mode changed. FRESH: whatever is at PATH (a file of an earlier launch, a link) is unlinked
+    first and a new file is created exclusively (torchrun truncates its output files; this cannot be
+    redirected to another file)."""
     path = Path(path)
     private_dir(path.parent)
-    fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE)
+    flags |= os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+    if fresh:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        flags = (flags | os.O_EXCL) & ~os.O_TRUNC
+    fd = os.open(path, flags, PRIVATE_FILE)
     try:
-        if os.fstat(fd).st_mode & 0o777 != PRIVATE_FILE:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise PermissionError(errno.EPERM, f"not a regular file of user {os.getuid()} (owner uid {st.st_uid}); "
+                                  "refusing to write into it", str(path))
+        if st.st_mode & 0o777 != PRIVATE_FILE:
             os.fchmod(fd, PRIVATE_FILE)
     except OSError:
         os.close(fd)
@@ -63,21 +84,61 @@ def open_private(path: str | Path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_
     return fd
 
 
-def save_json_atomic(path: Path, data: Mapping[str, Any], mode: int = 0o600) -> None:
-    """Write DATA as JSON to PATH atomically: temp file in the same dir, fsync, rename, fsync dir.
+class UnsafeDirectoryError(PermissionError):
+    """A directory nvrx would write a run's files into, but that another user could have prepared."""
 
-    The file is created with MODE (private by default: these files steer our processes).
+
+def owned_private_dir(path: str | Path) -> Path:
+    """``private_dir(PATH)``, then refuse (UnsafeDirectoryError, one line) a PATH that is a symbolic link, is
+    not a directory of this user, or that the group or others can write: nvrx made none of these (it makes
+    0700 directories), and in such a directory another user can plant links where the run's files go."""
+    path = Path(path)
+    private_dir(path)
+    st = os.lstat(path)
+    problem = None
+    if stat.S_ISLNK(st.st_mode):
+        problem = "is a symbolic link"
+    elif st.st_uid != os.getuid():
+        problem = f"belongs to uid {st.st_uid}, not to you (uid {os.getuid()})"
+    elif st.st_mode & 0o022:
+        problem = f"can be written by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    if problem:
+        raise UnsafeDirectoryError(errno.EPERM, f"{path} {problem}: nvrx did not make it for this run and another "
+                                   "user could plant files there", str(path))
+    return path
+
+
+def _temp_name(path: Path) -> str:
+    """A temporary name beside PATH no other writer picks: host, pid and a random part (two nodes of a job may
+    share a file system and a pid; the same process may write twice at once from two threads)."""
+    host = socket.gethostname().replace("/", "_") or "host"
+    return f".{path.name}.tmp-{host}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def atomic_write(path: str | Path, data: bytes | Callable[[BinaryIO], Any], mode: int = PRIVATE_FILE,
+                 durable: bool = True) -> None:
+    """Replace PATH with DATA so that a reader sees the old file or the whole new one, never a mix: the one home
+    of atomic writes (checkpoint pointers and files, state files, flags).
+
+    A temporary file beside PATH (same directory: the rename stays atomic; name unique per host, process and
+    call) is created exclusively, never through a link, with MODE whatever the umask; DATA is written (bytes, or
+    a function writing to the open binary file); DURABLE: the file is fsynced before the rename and the
+    directory after it, so a crash right after this returns cannot lose it. On any failure the temporary is
+    removed and PATH is untouched. The directory must exist.
     """
     path = Path(path)
-    private_dir(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = path.parent / _temp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1, sort_keys=True)
-            fh.write("\n")
+        with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), mode)  # the umask filtered os.open's mode
+            if callable(data):
+                data(fh)
+            else:
+                fh.write(data)
             fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -85,7 +146,18 @@ def save_json_atomic(path: Path, data: Mapping[str, Any], mode: int = 0o600) -> 
         except FileNotFoundError:
             pass
         raise
-    fsync_path(path.parent)
+    if durable:
+        fsync_path(path.parent)
+
+
+def save_json_atomic(path: Path, data: Mapping[str, Any], mode: int = 0o600) -> None:
+    """Write DATA as JSON to PATH atomically and durably (``atomic_write``), in a directory made private if missing.
+
+    The file is created with MODE (private by default: these files steer our processes).
+    """
+    path = Path(path)
+    private_dir(path.parent)
+    atomic_write(path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), mode=mode)
 
 
 def load_json(path: Path) -> dict[str, Any] | None:

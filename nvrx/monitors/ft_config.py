@@ -455,7 +455,8 @@ class FaultToleranceConfig:
         "before each rendezvous round; a failing node sits the round out.", False)
     enable_dist_storage_healthcheck: bool = _setting(
         BOOL, "Check before each rendezvous round that storage_healthcheck_path takes a write + fsync + read "
-        "within node_health_check_timeout; a failing node sits the round out.", False)
+        "within node_health_check_timeout; a failure stops the job with exit 18 (shared storage, not a node's "
+        "fault: no node is excluded).", False)
     storage_healthcheck_path: str | None = _setting(
         OPTIONAL_TEXT, "The directory the storage health check writes its probe file to.", None)
     pci_topo_file: str | None = _setting(
@@ -518,7 +519,8 @@ class FaultToleranceConfig:
     node_health_min_free_memory_mb: float = _setting(
         MEBIBYTES, "nvrx: node health check: at least this much memory available (MiB).", 64.0)
     node_health_min_free_disk_mb: float = _setting(
-        MEBIBYTES, "nvrx: node health check: at least this much free disk (MiB) where the run's logs go.", 64.0)
+        MEBIBYTES, "nvrx: node health check: warn (one line, never a failure) below this much free disk (MiB) where the "
+        "run's logs go.", 64.0)
     auto_heartbeat: bool = _setting(
         BOOL, "nvrx: heartbeat automatically while the rank's main thread keeps executing Python bytecode, so an "
         "unmodified script gets hang detection (a call that blocks the interpreter stops the beats).", False)

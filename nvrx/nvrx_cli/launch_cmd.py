@@ -13,7 +13,7 @@ import click
 from nvrx.launcher.agent.config import build_launch_config
 from nvrx.nvrx_cli.ft_args import extract_ft_args
 from nvrx.common.errors import ConfigError
-from nvrx.common.files import private_dir
+from nvrx.common.files import UnsafeDirectoryError, owned_private_dir, private_dir
 from nvrx.common.signals import DEFAULT_SIGNALS
 
 # (option names, click kwargs). Underscore spellings are accepted as torchrun accepts them.
@@ -128,7 +128,10 @@ def _make_run_dirs(cfg: Any, raw: dict[str, Any]) -> None:
         dirs.append(("--state-dir", cfg.state_dir))
     for flag, path in dirs:
         try:
-            private_dir(path)
+            # the run's own directory: refused if nvrx did not make it for this user (planted links)
+            (owned_private_dir if path == cfg.run_log_dir else private_dir)(path)
+        except UnsafeDirectoryError as exc:
+            raise click.UsageError(f"{flag}: {exc.strerror}; remove it or pass another {flag} or --rdzv-id") from None
         except OSError as exc:
             given = raw.get(flag[2:].replace("-", "_"))
             what = f"{flag} {given}" if given else f"the default {flag[2:].replace('-', ' ')} ({path.parent})"

@@ -181,3 +181,13 @@ def test_report_lines_follow_torchrun_fields():
     assert lines[5:] == ["  Traceback (most recent call last):", "  E: x"]
     killed = report_lines({"rank": 0, "local_rank": 0, "pid": 5, "signal": "SIGKILL", "error": {"message": "m"}})
     assert "exitcode  : -9 (SIGKILL) (pid: 5)" in killed and killed[-2:] == ["traceback :", "  m"]
+
+
+def test_a_linked_error_file_is_not_read_through(tmp_path):
+    """A link at the rank's error file path: not followed (its target's text never reaches the report)."""
+    from nvrx.launcher.agent.error_file import read_error_file
+
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"message": "Secret: do not show"}')
+    (tmp_path / "error.json").symlink_to(secret)
+    assert read_error_file(tmp_path / "error.json") is None

@@ -24,7 +24,7 @@ import torch
 from nvrx.ckpt.local._buffers import as_bytes, byte_view
 from nvrx.ckpt.local.basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder
 from nvrx.ckpt.local.errors import LocalCheckpointCorruptError, LocalCheckpointError
-from nvrx.common.files import fsync_path
+from nvrx.common.files import atomic_write
 
 FORMAT = "nvrx-local-1"
 MAGIC = b"NVRXLCK1"
@@ -199,22 +199,15 @@ def write_file(path: Path, packed: Packed) -> None:
 
 
 def write_raw(path: Path, head: bytes, payload: memoryview) -> None:
-    """Write header bytes HEAD and PAYLOAD to PATH atomically and durably: a 0600 temporary file in the same
-    directory, fsync, rename, fsync the directory. A crash leaves either the old state or the complete new file
-    (plus a temporary the next scan removes). Also run by the checkpoint writer process (``writer_job``)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + struct.pack("<Q", len(head)) + head + struct.pack("<I", zlib.crc32(head)))
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_path(path.parent)
+    """Write header bytes HEAD and PAYLOAD to PATH atomically and durably (``nvrx.common.files.atomic_write``: a 0600
+    temporary file in the same directory, fsync, rename, fsync the directory). A crash leaves either the old state
+    or the complete new file (plus a temporary ``.<name>.tmp-...`` the next scan removes). Also run by the
+    checkpoint writer process (``writer_job``)."""
+    def write(f: BinaryIO) -> None:
+        f.write(MAGIC + struct.pack("<Q", len(head)) + head + struct.pack("<I", zlib.crc32(head)))
+        f.write(payload)
+
+    atomic_write(path, write, mode=0o600)
 
 
 def _read_header(f: BinaryIO, path: Path) -> dict[str, Any]:

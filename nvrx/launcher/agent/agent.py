@@ -22,7 +22,7 @@ from nvrx.common.errors import NvrxError
 from nvrx.launcher.agent.config import LaunchConfig, visible_device
 from nvrx.launcher.agent.error_file import ErrorFiles, read_error_file
 from nvrx.launcher.agent.node_health import NodeHealthChecks
-from nvrx.launcher.agent.local_ckpt_dir import LOCAL_CKPT_DIR_ENV, remove_job_session
+from nvrx.launcher.agent.local_ckpt_dir import LOCAL_CKPT_DIR_ENV, claim_job_session, remove_job_session
 from nvrx.launcher.agent.rank_monitors import RankMonitorGroup
 from nvrx.launcher.agent.rdzv_errors import RendezvousError
 from nvrx.launcher.agent.rdzv_records import FAULT_KINDS, RoundResult, StopKind, StopRecord
@@ -165,6 +165,7 @@ class Agent:
         self._stragglers: StragglerAggregator | None = None  # straggler detection (with rank monitors only)
         self._rerun_notes: dict[int, str] = {}  # local rank -> where it notes the suspected nodes when exiting 16
         self._hold: tuple[float, RankExit] | None = None  # exited 16 for another node's re-run: (deadline, exit)
+        self._owns_local_session = False  # --local-ckpt-dir: nvrx made ROOT/RUN_ID (its marker): removed on success
         self._end_detail: str | None = None  # why the job ended for this node, when a round says more than a code
         # this node as its ranks name it in a re-run note (nvrx.launcher.rank.rerun: SLURMD_NODENAME, else the host)
         self._node = cfg.workers.base_env.get("SLURMD_NODENAME") or cfg.node_name
@@ -210,10 +211,13 @@ class Agent:
             self._stragglers = StragglerAggregator(self.cfg.ft, self.monitors, self.events, self._rs,
                                                    self.cfg.rdzv.run_id, self.cfg.node_name, self._rdzv.node_id)
         health = NodeHealthChecks(self.cfg.ft or FaultToleranceConfig(), self.cfg.run_log_dir)
+        self._claim_local_session()
         while True:
-            if not self._healthy(health):  # before every round: a bad node sits out instead of failing it
-                code = exit_codes.RESUME_ELSEWHERE
-                self.events.emit(JobEnd(status=_end_status(code), exit_code=code, detail="node health check failed",
+            code = self._health_verdict(health)  # before every round: a bad node sits out instead of failing it
+            if code is not None:
+                detail = ("shared storage failed its check" if code == exit_codes.STORAGE_FAILED
+                          else "node health check failed")
+                self.events.emit(JobEnd(status=_end_status(code), exit_code=code, detail=detail,
                                         seconds=round(time.monotonic() - t0, 3),
                                         failures=[JobFailure.of(f) for f in self.failures]))
                 return code
@@ -230,26 +234,47 @@ class Agent:
                                         failures=[JobFailure.of(f) for f in self.failures]))
                 return code
 
-    def _healthy(self, health: NodeHealthChecks) -> bool:
-        """Run the node health checks; a failure is logged and recorded, and this node leaves the job.
+    def _claim_local_session(self) -> None:
+        """--local-ckpt-dir: make the job's session (with nvrx's marker) before any rank does, so that success
+        removes only a directory nvrx made; a user's existing ROOT/RUN_ID is used but never removed."""
+        root = self.cfg.workers.base_env.get(LOCAL_CKPT_DIR_ENV)
+        try:
+            self._owns_local_session = claim_job_session(root, self.cfg.rdzv.run_id)
+        except OSError as exc:  # the ranks will say it too, when they cannot save there
+            log.warning("--local-ckpt-dir %s: cannot create the job's session there (%s)", root, exc.strerror or exc)
 
-        It leaves with exit 16 (resume elsewhere): the other agents go on within --nnodes MIN:MAX (a
-        standby takes its place) and `nvrx resume` excludes this node from the next Slurm job.
+    def _health_verdict(self, health: NodeHealthChecks) -> int | None:
+        """Run the node health checks; None: this node joins the round, else the exit code it leaves with.
+
+        A failed check of the node leaves with exit 16 (resume elsewhere): the other agents go on within
+        --nnodes MIN:MAX (a standby takes its place) and `nvrx resume` excludes this node from the next Slurm
+        job. A failed check of shared storage only (full, read-only, too slow) is not the node's fault: one line
+        naming the path, exit 18, and the event says the node is ok, so no node is ever excluded for it.
         """
         excluded = self._stragglers.excluded() if self._stragglers is not None else None
         if excluded:  # the straggler exclusion policy: a failed check like any other (exit 16, resume avoids it)
             self.events.emit(NodeHealth(ok=False, seconds=0.0, action="sits out", checks=[
                 HealthCheckInfo(name="straggler", status="failed", detail=excluded, seconds=0.0)]))
             log.error("node %s leaves the job (exit %d): %s", self.cfg.node_name, exit_codes.RESUME_ELSEWHERE, excluded)
-            return False
+            return exit_codes.RESUME_ELSEWHERE
         report = health.run()
-        action = "joins" if report.ok else "sits out"
-        self.events.emit(NodeHealth(ok=report.ok, seconds=report.seconds, action=action, checks=[
+        storage = report.storage_failures() if report.node_ok else []
+        action = "joins" if report.ok else "stops: shared storage failed" if storage else "sits out"
+        self.events.emit(NodeHealth(ok=report.node_ok, seconds=report.seconds, action=action, checks=[
             HealthCheckInfo(name=r.name, status=r.status, detail=r.detail, seconds=r.seconds) for r in report.results]))
+        for r in report.warnings():
+            log.warning("node health check %s: %s", r.name, r.detail)
+        if storage:
+            path = self.cfg.ft.storage_healthcheck_path if self.cfg.ft is not None else None
+            log.error("shared storage %s failed its check (%s): the job stops with exit %d; this is not node %s's "
+                      "fault and no node is excluded for it", path, storage[0].detail, exit_codes.STORAGE_FAILED,
+                      self.cfg.node_name)
+            return exit_codes.STORAGE_FAILED
         if not report.ok:
             log.error("node %s failed its health checks (%s): it leaves the job (exit %d); the other nodes go on "
                       "if --nnodes allows", self.cfg.node_name, report.summary(), exit_codes.RESUME_ELSEWHERE)
-        return report.ok
+            return exit_codes.RESUME_ELSEWHERE
+        return None
 
     # ------------------------------------------------------------ one round
 
@@ -542,7 +567,8 @@ class Agent:
         if record.kind is StopKind.SUCCEEDED:
             self.workers.stop()  # nothing should be left; bounded anyway
             # the job's own local checkpoints (--local-ckpt-dir) will not be restored any more; kept on failure
-            remove_job_session(self.cfg.workers.base_env.get(LOCAL_CKPT_DIR_ENV), self.cfg.rdzv.run_id)
+            if self._owns_local_session:  # only a session nvrx made (its marker), never a user's own directory
+                remove_job_session(self.cfg.workers.base_env.get(LOCAL_CKPT_DIR_ENV), self.cfg.rdzv.run_id)
             return exit_codes.OK
         if record.kind is StopKind.INTERRUPTED:
             signum = int(record.detail.get("signum") or signal.SIGTERM)

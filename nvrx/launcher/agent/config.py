@@ -132,6 +132,30 @@ def local_ckpt_dir(value: str) -> str:
     return str(path)
 
 
+MAX_NAME_CHARS = 128  # a run id names a directory and store keys; a role is shown and exported to ranks
+
+
+def check_name(value: str, flag: str, allowed: str = r"[A-Za-z0-9_.\-]+") -> str:
+    """VALUE of FLAG (--rdzv-id, --role) as a safe single path component: not empty, not '.' or '..', no path
+    separator or control character, at most MAX_NAME_CHARS, and made only of ALLOWED characters.
+
+    The run id names ``<log dir>/<run id>`` and ``<local ckpt dir>/<run id>``: '..' would write the job's
+    files into the parent directory, a separator anywhere else."""
+    text = str(value)
+    if text in ("", ".", ".."):
+        shown = "empty" if not text else repr(text)
+        raise ConfigError(f"{flag} {shown} is not a usable name (it would name a directory of the job or "
+                          "its parent); use letters, digits, '.', '_' or '-', e.g. the Slurm job id")
+    if len(text) > MAX_NAME_CHARS:
+        raise ConfigError(f"{flag} is {len(text)} characters long; use at most {MAX_NAME_CHARS}")
+    if "/" in text or "\\" in text or any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise ConfigError(f"{flag} {text!r} contains a path separator or a control character; use letters, "
+                          "digits, '.', '_' or '-'")
+    if not re.fullmatch(allowed, text):
+        raise ConfigError(f"{flag} {text!r}: use letters, digits, '.', '_' or '-' only")
+    return text
+
+
 def parse_nnodes(value: str) -> tuple[int, int]:
     """'N' or 'MIN:MAX' -> (min, max)."""
     text = str(value).strip()
@@ -365,6 +389,9 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str],
 
     Raises ConfigError with a one-line message for anything the user must fix.
     """
+    for key, flag in (("rdzv_id", "--rdzv-id"), ("role", "--role")):
+        if raw.get(key) is not None:  # given (even empty): checked before Slurm or a default could replace it
+            check_name(raw[key], flag, allowed=r"[A-Za-z0-9_.\-]+" if key == "rdzv_id" else r"[^\s/\\]+")
     raw, slurm = apply_slurm_env(raw, env)
     entry = raw.get("training_script")
     if not entry:
@@ -415,8 +442,7 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str],
     else:
         raise ConfigError("several nodes need --rdzv-endpoint HOST:PORT (the host of one of the nodes)")
 
-    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", str(run_id)):
-        raise ConfigError(f"--rdzv-id {run_id!r}: use letters, digits, '.', '_' or '-' only")
+    check_name(str(run_id), "--rdzv-id")
 
     rdzv = RdzvSettings(
         host=host,

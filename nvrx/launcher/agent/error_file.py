@@ -103,7 +103,8 @@ def read_error_file(path: str | os.PathLike[str] | None) -> RankError | None:
     if not path:
         return None
     try:
-        with open(path, "rb") as fh:
+        # never through a link: the file is the rank's, and what it holds goes into the job's events
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as fh:
             raw = fh.read(MAX_ERROR_FILE_BYTES + 1)
     except FileNotFoundError:
         return None

@@ -37,7 +37,11 @@ from nvrx.monitors.ft_config import FaultToleranceConfig
 log = logging.getLogger("nvrx.node_health")
 
 OK, FAILED, SKIPPED = "ok", "failed", "skipped"
+WARNING = "warning"  # said, but not a failure: the node joins (e.g. little space left for the run's logs)
 DEFAULT_IB_STATES = "/sys/class/infiniband/*/ports/*/state"
+# Checks of storage every node shares (storage_healthcheck_path): failing them says the storage is full or broken,
+# usually for every node at once, so the verdict is exit 18 (nvrx.common.exit_codes), never a node exclusion.
+STORAGE_CHECKS = frozenset({"storage"})
 
 
 @dataclass(frozen=True)
@@ -61,8 +65,19 @@ class HealthReport:
     def ok(self) -> bool:
         return all(r.status != FAILED for r in self.results)
 
+    @property
+    def node_ok(self) -> bool:
+        """No check of the node itself failed (a failed shared-storage check is the storage's fault, not its)."""
+        return all(r.status != FAILED for r in self.results if r.name not in STORAGE_CHECKS)
+
+    def storage_failures(self) -> list[CheckResult]:
+        return [r for r in self.failures() if r.name in STORAGE_CHECKS]
+
     def failures(self) -> list[CheckResult]:
         return [r for r in self.results if r.status == FAILED]
+
+    def warnings(self) -> list[CheckResult]:
+        return [r for r in self.results if r.status == WARNING]
 
     def summary(self) -> str:
         return "; ".join(f"{r.name}: {r.detail}" for r in self.failures()) or "all checks passed"
@@ -138,12 +153,15 @@ def check_free_memory(min_mb: float) -> tuple[str, str]:
 
 
 def check_free_disk(path: Path, min_mb: float) -> tuple[str, str]:
+    """Free space where the run's logs go. Little space is a warning, never a failure: events and logs are
+    diagnostics (the event writer drops what it cannot write and says so), and that file system is usually
+    shared, so its being full says nothing about this node."""
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     free = shutil.disk_usage(probe).free / 2**20
     if free < min_mb:
-        return FAILED, f"{free:.0f} MiB free at {probe}, below {min_mb:g} MiB"
+        return WARNING, f"{free:.0f} MiB free at {probe}, below {min_mb:g} MiB: events and logs may be dropped"
     return OK, f"{free:.0f} MiB free at {probe}"
 
 

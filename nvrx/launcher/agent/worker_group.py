@@ -597,8 +597,9 @@ class WorkerGroup:
         if redirect or tee:
             path = self._run_log_dir / f"attempt_{attempt}" / str(lr) / ("stdout.log" if which == Std.OUT else "stderr.log")
             try:
-                # private (0600 in 0700 directories) whatever the umask: other users must not read a job's output
-                file = open(open_private(path, os.O_WRONLY | os.O_TRUNC), "wb", buffering=0)
+                # private (0600 in 0700 directories) whatever the umask: other users must not read a job's output;
+                # a new file, never a link or a file planted there (open_private)
+                file = open(open_private(path, os.O_WRONLY, fresh=True), "wb", buffering=0)
             except OSError as exc:
                 log.warning("cannot open %s (%s); that output goes only to the failure report", path, exc)
         console = self._console[which] if shown and (tee or not redirect) else None

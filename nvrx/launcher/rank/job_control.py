@@ -29,9 +29,12 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 from typing import Any, Mapping
+
+from nvrx.common.files import atomic_write
 
 log = logging.getLogger("nvrx.job_control")
 
@@ -52,14 +55,18 @@ def finished_flag_file() -> Path | None:
 
 
 def mark_finished() -> Path:
-    """Record that training is complete, so no further attempt or job is started."""
+    """Record that training is complete, so no further attempt or job is started.
+
+    Safe for every rank of every node to call, at once and more than once (the flag ends up the same): each call
+    writes its own temporary file, named by host, pid and a random part (two nodes of a job on a shared file
+    system may have the same pid), and renames it over the flag. The file and its directory are fsynced before
+    this returns: a crash right after cannot lose the flag that ends the resume chain.
+    """
     path = finished_flag_file()
     if path is None:
         raise RuntimeError(f"{FINISHED_FLAG_ENV} is not set: run under `nvrx resume` or export it in the sbatch script")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(f"finished pid={os.getpid()}\n")
-    os.replace(tmp, path)
+    atomic_write(path, f"finished host={socket.gethostname()} pid={os.getpid()}\n".encode(), mode=0o644)
     return path
 
 

@@ -51,8 +51,9 @@ RESUME_ELSEWHERE = "resume_elsewhere"
 VALIDATION_FAILED = "validation_failed"
 DO_NOT_REQUEUE = "do_not_requeue"
 USAGE_ERROR = "usage_error"
+STORAGE_FAILED = "storage_failed"  # shared storage failed the agents' check: relaunch here, exclude no node
 LOST = "lost"  # the driver died while the attempt ran; its exit code is unknown
-_FAILURE_CAUSES = frozenset({FAILED, RESUME_ELSEWHERE, VALIDATION_FAILED, USAGE_ERROR})
+_FAILURE_CAUSES = frozenset({FAILED, RESUME_ELSEWHERE, VALIDATION_FAILED, USAGE_ERROR, STORAGE_FAILED})
 _STOP_CAUSES = {
     VALIDATION_FAILED: f"a rank reported that the result failed validation (exit {exit_codes.VALIDATION_FAILED})",
     DO_NOT_REQUEUE: f"a rank asked not to be requeued (exit {exit_codes.DO_NOT_REQUEUE})",
@@ -109,6 +110,8 @@ def classify(exit_code: int) -> str:
         return VALIDATION_FAILED
     if exit_code == exit_codes.DO_NOT_REQUEUE:
         return DO_NOT_REQUEUE
+    if exit_code == exit_codes.STORAGE_FAILED:
+        return STORAGE_FAILED
     if exit_codes.interrupted_signal(exit_code) in STOP_SIGNALS:
         return INTERRUPTED
     return FAILED
@@ -188,6 +191,8 @@ def _describe(cause: str, code: int) -> str:
         INTERRUPTED: f"interrupted by {sig.name if sig else code}",
         FAILED: f"failed (exit {code}" + (f", {sig.name}" if sig else "") + ")",
         RESUME_ELSEWHERE: f"a rank asked to resume on different hardware (exit {exit_codes.RESUME_ELSEWHERE})",
+        STORAGE_FAILED: f"shared storage failed its check (exit {exit_codes.STORAGE_FAILED}; not a node's fault, "
+                        "no node excluded)",
     }.get(cause, f"ended with exit {code}")
 
 

@@ -53,15 +53,21 @@ def test_an_unwritable_local_checkpoint_dir_is_one_line(launcher, tmp_path: Path
 
 
 def test_only_the_job_session_itself_is_ever_removed(tmp_path: Path) -> None:
-    from nvrx.launcher.agent.local_ckpt_dir import remove_job_session
+    from nvrx.launcher.agent.local_ckpt_dir import claim_job_session, remove_job_session
 
     root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
     (elsewhere / "keep").mkdir(parents=True)
     root.mkdir()
     (root / "linked").symlink_to(elsewhere, target_is_directory=True)
+    assert claim_job_session(root, "linked") is False
     assert remove_job_session(root, "linked") is None and (elsewhere / "keep").is_dir()  # a link is not followed
     for bad in ("..", ".", "a/b", ""):
-        assert remove_job_session(root, bad) is None
+        assert claim_job_session(root, bad) is False and remove_job_session(root, bad) is None
     assert root.is_dir() and remove_job_session(None, "x") is None and remove_job_session(root, "absent") is None
-    (root / "job" / "rank0").mkdir(parents=True)
+    (root / "theirs" / "rank0").mkdir(parents=True)  # made by someone else: no marker, never removed
+    assert claim_job_session(root, "theirs") is False and remove_job_session(root, "theirs") is None
+    assert (root / "theirs" / "rank0").is_dir()
+    assert claim_job_session(root, "job") is True and claim_job_session(root, "job") is True  # a later launch
+    (root / "job" / "rank0").mkdir()
+    (root / "job" / "rank0" / "iter_000000001_0_local.nvrxl").write_bytes(b"x")
     assert remove_job_session(root, "job") == root / "job" and not (root / "job").exists() and root.is_dir()

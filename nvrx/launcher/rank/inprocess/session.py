@@ -44,6 +44,7 @@ from nvrx.launcher.rank.inprocess.settings import RestartSettings
 from nvrx.launcher.rank.inprocess.state import Mode, State, as_state
 from nvrx.launcher.rank.inprocess.store import PREFIX, StoreMixin, TCPStore, first_line, unreachable_class
 from nvrx.common.errors import NvrxError
+from nvrx.common.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -300,9 +301,8 @@ class RestartSession:
         path = self._pidfile()
         if path is None or self.monitor_process is None:
             return
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(f"{self.monitor_process.pid}\n")
-        os.replace(tmp, path)  # a reader never sees a half-written pid
+        # a reader never sees a half-written pid; not fsynced (it names a live process: no use after a crash)
+        atomic_write(path, f"{self.monitor_process.pid}\n".encode(), mode=0o644, durable=False)
 
     def _remove_pidfile(self) -> None:
         path = self._pidfile()
