@@ -16,6 +16,8 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Mapping
 
+from nvrx.common.errors import NvrxError
+
 
 def fsync_path(path: str | Path) -> None:
     """fsync a file or directory by name (a directory: makes renames and new entries in it durable)."""
@@ -84,7 +86,7 @@ def open_private(path: str | Path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_
     return fd
 
 
-class UnsafeDirectoryError(PermissionError):
+class UnsafeDirectoryError(NvrxError, PermissionError):
     """A directory nvrx would write a run's files into, but that another user could have prepared."""
 
 
