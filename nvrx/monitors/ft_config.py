@@ -794,7 +794,7 @@ def inactive_settings_warning(cfg: FaultToleranceConfig) -> str | None:
     if not changed:
         return None
     return (f"{len(changed)} fault tolerance setting(s) accepted but not acted on by nvrx: {', '.join(changed)} "
-            "(NVRx features nvrx does not have; README: Fault tolerance settings)")
+            "(NVRx features nvrx does not have; README: Fault-tolerance settings)")
 
 
 # ---------------------------------------------------------------- layers
