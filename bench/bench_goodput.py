@@ -31,6 +31,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -59,6 +60,14 @@ KINDS = ("crash", "hang")
 LAUNCHERS = ("nvrx", "torchrun-noshare", "torchrun", "ft_launcher")
 POLL_S = 0.01
 WORLD = 2
+# A reference run whose machine load (1-minute average per core) differs from the measured run's by more than
+# this does not measure the same machine: the figures derived from it are "invalid: rerun".
+LOAD_MARGIN_PER_CORE = 0.5
+# The range each derived figure can have; a value outside it is a measurement artefact (a slow reference, a
+# load swing), never a result: goodput 1.70 or a checkpoint cost of -1.3 % were once reported as targets met.
+FIGURE_RANGES: dict[str, tuple[float, float]] = {
+    "goodput": (0.0, 1.0), "goodput_from_lost": (0.0, 1.0), "ckpt_cost_of_wall": (0.0, math.inf),
+    "ckpt_blocked_of_wall": (0.0, 1.0), "goodput_vs_peer": (0.0, math.inf)}
 
 
 @dataclass(frozen=True)
@@ -135,22 +144,35 @@ def make_schedule(seed: int, count: int, mean: float, jitter: float) -> list[Fau
 
 
 def plan(settings: Settings) -> list[RunSpec]:
-    """Runs in an order that interleaves launchers (machine load drifts hit all of them alike)."""
+    """Runs in an order that interleaves launchers, and fault-free reference runs with faulty ones: a fresh
+    reference right before each fault kind's runs, so each faulty run is compared with one made under the same
+    machine load (load drifts over a long benchmark; one reference at the start measured another machine)."""
     runs: list[RunSpec] = []
     for variant in settings.variants:
-        for kind in ("none", *settings.kinds):
-            for name in settings.launchers:
+        for i, kind in enumerate(settings.kinds or ("none",)):
+            for name in settings.launchers:  # the references of this kind's runs
+                ckpt = _ckpt_of(variant, name)
                 if variant == "save200":
-                    runs.append(RunSpec(name, variant, kind, "torch_save", settings.save_every))
+                    runs.append(RunSpec(name, variant, "none", ckpt, settings.save_every))
                     continue
-                if variant == "inprocess":  # nvrx: model in memory, snapshots in memory; torchrun: torch.save
-                    ckpt = "memory" if name == "nvrx" else "torch_save"
-                else:
-                    ckpt = "nvrx" if name == "nvrx" else "torch_save"
-                if kind == "none":  # the reference without checkpoints, then the checkpoint cost alone
-                    runs.append(RunSpec(name, variant, kind, "none", 10))
-                runs.append(RunSpec(name, variant, kind, ckpt, 10))
+                runs.append(RunSpec(name, variant, "none", "none", 10))  # the reference without checkpoints
+                if i == 0:
+                    runs.append(RunSpec(name, variant, "none", ckpt, 10))  # the checkpoint cost alone, once
+            if kind == "none":
+                continue
+            for name in settings.launchers:
+                every = settings.save_every if variant == "save200" else 10
+                runs.append(RunSpec(name, variant, kind, _ckpt_of(variant, name), every))
     return runs
+
+
+def _ckpt_of(variant: str, launcher: str) -> str:
+    """The checkpointing of VARIANT's runs under LAUNCHER."""
+    if variant == "save200":
+        return "torch_save"
+    if variant == "inprocess":  # nvrx: model in memory, snapshots in memory; torchrun: torch.save
+        return "memory" if launcher == "nvrx" else "torch_save"
+    return "nvrx" if launcher == "nvrx" else "torch_save"
 
 
 def command(spec: RunSpec, settings: Settings, dirs: bl.RunDirs, run_id: str, launcher: bl.Launcher) -> list[str]:
@@ -485,21 +507,42 @@ def collect(result: RunResult, out: Path, t0: float, fired: list[dict[str, Any]]
 COMPONENTS = ("detect", "stop", "respawn", "init", "recompute", "lost")
 
 
-def reference(results: list[RunResult], spec: RunSpec) -> RunResult | None:
-    """The fault-free run SPEC's goodput is measured against (every10: the one without checkpoints)."""
+def reference(results: list[RunResult], run: RunResult) -> RunResult | None:
+    """The fault-free run RUN's goodput is measured against (every10: the one without checkpoints): of the
+    matching references, the one started closest in time (plan() runs one right before each fault kind)."""
+    spec = run.spec
     ckpt = "none" if spec.variant in ("every10", "inprocess") else spec.ckpt
-    return next((r for r in results if r.ok and r.spec.launcher == spec.launcher and r.spec.variant == spec.variant
-                 and r.spec.kind == "none" and r.spec.ckpt == ckpt), None)
+    refs = [r for r in results if r.ok and r.spec.launcher == spec.launcher and r.spec.variant == spec.variant
+            and r.spec.kind == "none" and r.spec.ckpt == ckpt and r is not run]
+    if not refs:
+        return run if run.ok and spec.kind == "none" and spec.ckpt == ckpt else None
+    return min(refs, key=lambda r: abs(r.t0 - run.t0))
+
+
+def validity(run: RunResult, ref: RunResult | None, row: dict[str, Any], cores: int) -> str | None:
+    """Why ROW's figures cannot be trusted ("invalid: rerun"), or None: a figure outside its possible range,
+    or a reference measured under a machine load that differs from RUN's by more than the margin."""
+    for key, (low, high) in FIGURE_RANGES.items():
+        value = row.get(key)
+        if value is not None and not low <= value <= high:
+            return f"{key} {value:.3f} is outside [{low:g}, {high:g}]"
+    if ref is not None and ref is not run and run.load is not None and ref.load is not None:
+        diff = abs(run.load - ref.load) / max(1, cores)
+        if diff > LOAD_MARGIN_PER_CORE:
+            return (f"reference load {ref.load:.1f} vs {run.load:.1f} on {cores} cores: "
+                    f"{diff:.2f} per core > {LOAD_MARGIN_PER_CORE:g}")
+    return None
 
 
 def med(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize(results: list[RunResult]) -> list[dict[str, Any]]:
+def summarize(results: list[RunResult], cores: int | None = None) -> list[dict[str, Any]]:
+    cores = cores or os.cpu_count() or 1
     rows = []
     for r in results:
-        ref = reference(results, r.spec)
+        ref = reference(results, r)
         row: dict[str, Any] = {"variant": r.spec.variant, "kind": r.spec.kind, "ckpt": r.spec.ckpt,
                                "launcher": r.spec.launcher, "ok": r.ok, "error": r.error, "wall_s": r.wall_s,
                                "faults": len(r.faults), "step_median_s": r.step_median_s,
@@ -518,6 +561,7 @@ def summarize(results: list[RunResult]) -> list[dict[str, Any]]:
             row[c] = med([f[c] for f in r.faults if c in f])
         if r.faults:
             row["lost_minus_recompute"] = med([f["lost"] - f["recompute"] for f in r.faults if "lost" in f])
+        row["invalid"] = validity(r, ref, row, cores)
         rows.append(row)
     return rows
 
@@ -583,34 +627,37 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return next((r for r in rows if r["launcher"] == "nvrx" and r["variant"] == variant and r["kind"] == kind
                      and (ckpt is None or r["ckpt"] == ckpt)), None)
 
-    out = []
+    out: list[dict[str, Any]] = []
+
+    def judge(row: dict[str, Any], target: str, value: Any, met: bool | None) -> None:
+        """A target's verdict; from an invalid row (impossible figure, reference under another load): none."""
+        if row.get("invalid"):
+            out.append({"target": target, "value": value, "met": None, "invalid": f"invalid: rerun ({row['invalid']})"})
+        else:
+            out.append({"target": target, "value": value, "met": met})
+
     for kind in KINDS:
         row = find("save200", kind)
         if row:
             value = row.get("lost_minus_recompute")
-            out.append({"target": f"save200 {kind}: lost per fault - recompute <= 0.4 s", "value": value,
-                        "met": value is not None and value <= 0.4})
+            judge(row, f"save200 {kind}: lost per fault - recompute <= 0.4 s", value, value is not None and value <= 0.4)
         row = find("every10", kind)
         if row:
             bound = 0.97 if kind == "crash" else 0.95
             for key, what in (("goodput", "goodput (wall)"), ("goodput_from_lost", "goodput (from time lost)")):
                 value = row.get(key)
-                out.append({"target": f"every10 {kind}: {what} >= {bound}", "value": value,
-                            "met": value is not None and value >= bound})
+                judge(row, f"every10 {kind}: {what} >= {bound}", value, value is not None and value >= bound)
     for kind in KINDS:
         row = find("inprocess", kind)
         if row:
             for key, what in (("goodput", "goodput (wall)"), ("goodput_from_lost", "goodput (from time lost)")):
                 value = row.get(key)
-                out.append({"target": f"inprocess {kind}: {what} >= 0.97", "value": value,
-                            "met": value is not None and value >= 0.97})
+                judge(row, f"inprocess {kind}: {what} >= 0.97", value, value is not None and value >= 0.97)
     row = find("every10", "none", "nvrx")
     if row:
         value = row.get("ckpt_cost_of_wall")
-        out.append({"target": "every10: checkpoint cost <= 1% of the fault-free wall", "value": value,
-                    "met": value is not None and value <= 0.01})
-        out.append({"target": "(same, time blocked in the checkpoint calls)", "value": row.get("ckpt_blocked_of_wall"),
-                    "met": None})
+        judge(row, "every10: checkpoint cost <= 1% of the fault-free wall", value, value is not None and value <= 0.01)
+        judge(row, "(same, time blocked in the checkpoint calls)", row.get("ckpt_blocked_of_wall"), None)
     return out
 
 
@@ -735,7 +782,8 @@ def report(results: list[RunResult], settings: Settings, schedule: list[Fault], 
            extra: dict[str, Any]) -> None:
     """Table, targets, plots and JSON for RESULTS (fresh, or read back with --from-json)."""
     peer = next((n for n in settings.launchers if n != "nvrx"), "torchrun-noshare")
-    rows = summarize(results)
+    cores = (extra.get("machine") or {}).get("cpu_count") or os.cpu_count() or 1
+    rows = summarize(results, cores)
     add_ratios(rows, peer)
     goals = targets(rows)
     header, body = table(rows, peer)
@@ -754,7 +802,11 @@ def report(results: list[RunResult], settings: Settings, schedule: list[Fault], 
         value = goal["value"]
         percent = "cost" in goal["target"] or "blocked" in goal["target"]
         text = "-" if value is None else (f"{100 * value:.2f}%" if percent else f"{value:.3f}")
-        print(f"  {goal['target']}: {text} {'' if goal['met'] is None else ('met' if goal['met'] else 'MISSED')}")
+        verdict = goal.get("invalid") or ('' if goal['met'] is None else ('met' if goal['met'] else 'MISSED'))
+        print(f"  {goal['target']}: {text} {verdict}")
+    for row in rows:
+        if row.get("invalid"):
+            print(f"  invalid: rerun: {row['variant']}/{row['kind']}/{row['ckpt']}/{row['launcher']}: {row['invalid']}")
     svgs = plots(results, settings, output.stem)
     bl.save_json(output, {
         **extra, "settings": asdict(settings), "schedule": [asdict(f) for f in schedule],

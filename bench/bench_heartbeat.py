@@ -53,7 +53,7 @@ def rank_cost(calls: int, out: Path | None) -> None:
     from nvrx.monitors.client import RankMonitorClient
 
     client = RankMonitorClient()
-    client.init_workload_monitoring(["step"])
+    client.init_workload_monitoring(sections=["step"])
     clock = time.perf_counter_ns
     beat, start, end = client.send_heartbeat, client.start_section, client.end_section
     noop = (lambda: None)

@@ -13,8 +13,11 @@ import os
 import secrets
 import socket
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Mapping
+
+from nvrx.common.errors import NvrxError
 
 from nvrx.common.errors import NvrxError
 
@@ -172,3 +175,67 @@ def load_json(path: Path) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return data
+
+
+# ---------------------------------------------------------------- reading input files the user names
+
+
+class NotRegularFile(NvrxError, OSError):
+    """The path names a fifo, device, socket or directory: reading it could block forever or never end."""
+
+
+class FileTooLarge(NvrxError, OSError):
+    """The file holds more than the reader's bound: it is not the small input file it should be."""
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a fifo (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def file_kind(mode: int) -> str:
+    """'a fifo (named pipe)', 'a directory', ... for a stat mode (messages say what the path is instead)."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> int:
+    """A read-only fd of PATH, only if it is a regular file (NotRegularFile otherwise).
+
+    Opened with O_NONBLOCK, so a fifo cannot block the open until some writer appears; a regular file
+    ignores the flag. FOLLOW_SYMLINKS False refuses a symlink as the last component (ELOOP).
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegularFile(errno.EINVAL, f"is {file_kind(mode)}, not a regular file", str(path))
+    return fd
+
+
+def read_regular(path: str | os.PathLike[str], limit: int, *, follow_symlinks: bool = True) -> bytes:
+    """The bytes of PATH, a regular file of at most LIMIT bytes (NotRegularFile, FileTooLarge, other OSError).
+
+    Config, secret and progress files are small: a bound keeps a wrong path (a log, a data set, /dev/zero
+    behind a symlink) from being read for minutes or filling the memory. The bound is checked on the bytes
+    read, not only on st_size, which is 0 for /proc files and can grow while we read.
+    """
+    fd = open_regular(path, follow_symlinks=follow_symlinks)
+    try:
+        if os.fstat(fd).st_size > limit:
+            raise FileTooLarge(errno.EFBIG, f"is larger than {limit} bytes", str(path))
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    finally:
+        os.close(fd)
+    if total > limit:
+        raise FileTooLarge(errno.EFBIG, f"is larger than {limit} bytes", str(path))
+    return b"".join(chunks)

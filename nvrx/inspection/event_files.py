@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Iterator
 
 from nvrx.events import decode_event
 from nvrx.common.errors import NvrxError
+from nvrx.common.files import file_kind, open_regular
 
 _AGENT_RE = re.compile(r"^agent-(?P<node>.+)\.jsonl$")
 _MONITOR_RE = re.compile(r"^monitor-(?P<node>.+)-(?P<lr>\d+)\.jsonl$")
@@ -44,6 +46,7 @@ class EventFile:
     pending: bytes = b""       # a trailing line without its newline yet (a live writer mid-line)
     size: int = 0
     error: str | None = None   # why the file could not be read (reported once)
+    said: str | None = None    # the last such reason reported: a --follow poll does not repeat it
 
     @property
     def run_dir(self) -> Path:
@@ -81,27 +84,58 @@ def _event_file(path: Path) -> EventFile | None:
     if ef is not None:
         return ef
     try:
-        with open(path, "rb") as fh:
+        with _open(path) as fh:
             rec = decode_event(fh.readline(MAX_LINE))
     except (OSError, ValueError):
         return None
     return EventFile(path, "other") if "src" in rec else None
 
 
+def _open(path: Path):  # noqa: ANN202 (a binary file object)
+    """PATH opened for reading only if it is a regular file: a fifo named like an event file must not block
+    `nvrx inspect` forever (NotRegularFile, an OSError, instead)."""
+    return os.fdopen(open_regular(path), "rb")
+
+
+def _identity(path: Path) -> Path:
+    """PATH's real path, to count a file reached twice (a symlink) once; a symlink loop is its own identity
+    (Path.resolve raises RuntimeError on one before Python 3.13)."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):
+        return path.absolute()
+
+
+def _given_kind(given: Path) -> tuple[int | None, str | None]:
+    """(st_mode, None) of a path given on the command line, or (None, why it cannot be inspected)."""
+    try:
+        return given.stat().st_mode, None
+    except FileNotFoundError:
+        if given.is_symlink():
+            return None, "a symlink to nothing"
+        return None, "no such file or directory"
+    except OSError as exc:  # ELOOP (a symlink loop), EACCES on a parent, ...
+        return None, exc.strerror or str(exc)
+
+
 def discover(paths: list[Path]) -> list[EventFile]:
     """Every event file under PATHS (dirs are searched a few levels deep). Raises NotARun."""
     found: dict[Path, EventFile] = {}
     for given in paths:
-        if not given.exists():
-            raise NotARun(f"{given}: no such file or directory (give a run's log dir, e.g. nvrx_logs/<run-id>)")
-        if given.is_file():
+        mode, why = _given_kind(given)
+        if mode is None:
+            raise NotARun(f"{given}: {why} (give a run's log dir, e.g. nvrx_logs/<run-id>)")
+        if stat.S_ISREG(mode):
             ef = _event_file(given)
             if ef is None:
                 raise NotARun(f"{given}: not an nvrx event file (expected agent-*.jsonl, monitor-*.jsonl "
                               "or resume*.jsonl)")
-            found[given.resolve()] = ef
+            found[_identity(given)] = ef
             continue
-        if not given.is_dir() or not os.access(given, os.R_OK | os.X_OK):
+        if not stat.S_ISDIR(mode):
+            raise NotARun(f"{given}: {file_kind(mode)}, not an event file or a run's log dir (give a run's log "
+                          "dir, e.g. nvrx_logs/<run-id>)")
+        if not os.access(given, os.R_OK | os.X_OK):
             raise NotARun(f"{given}: cannot read this directory (permission denied or not a directory)")
         if not any(given.iterdir()):
             raise NotARun(f"{given}: empty directory, nothing to inspect (give the --log-dir of a run "
@@ -109,7 +143,7 @@ def discover(paths: list[Path]) -> list[EventFile]:
         for path in _walk(given):
             ef = _event_file(path)
             if ef is not None:
-                found.setdefault(path.resolve(), ef)
+                found.setdefault(_identity(path), ef)
     files = list(found.values())
     if not files:
         shown = ", ".join(str(p) for p in paths)
@@ -141,7 +175,7 @@ def read_chunk(ef: EventFile, final: bool, limit: int = CHUNK) -> tuple[int, lis
     """
     first = ef.lineno
     try:
-        with open(ef.path, "rb") as fh:
+        with _open(ef.path) as fh:
             st = os.fstat(fh.fileno())
             if st.st_size < ef.offset:  # truncated or replaced under us: start over
                 ef.offset, ef.pending, ef.lineno = 0, b"", 0
@@ -150,8 +184,11 @@ def read_chunk(ef: EventFile, final: bool, limit: int = CHUNK) -> tuple[int, lis
             fh.seek(ef.offset)
             data = fh.read(limit)
     except OSError as exc:
-        ef.error = f"cannot read: {exc.strerror or exc}"
+        why = f"cannot read: {exc.strerror or exc}"  # e.g. a symlink loop or a fifo named like an event file
+        if why != ef.said:
+            ef.error = ef.said = why
         return first, []
+    ef.said = None
     ef.offset += len(data)
     buf = ef.pending + data if ef.pending else data
     lines = buf.split(b"\n")
@@ -167,7 +204,7 @@ def read_chunk(ef: EventFile, final: bool, limit: int = CHUNK) -> tuple[int, lis
 def first_event_time(ef: EventFile) -> float | None:
     """The ``t`` of the first valid event in EF (used to order files before reading them whole)."""
     try:
-        with open(ef.path, "rb") as fh:
+        with _open(ef.path) as fh:
             for _ in range(16):
                 raw = fh.readline(MAX_LINE)
                 if not raw:

@@ -10,9 +10,10 @@ from typing import Any
 from nvrx.monitors.client import RankMonitorClient
 from nvrx.monitors.data import (HeartbeatTimeouts, RankMonitorClientError, SectionTimeouts, WorkloadAction,
                            WorkloadControlRequest)
+from nvrx.monitors.monitor_state import RankMonitorState
 
 __all__ = ["FaultToleranceConfig", "HeartbeatTimeouts", "RankMonitorClient", "RankMonitorClientError",
-           "RankMonitorServer", "SectionTimeouts", "WorkloadAction", "WorkloadControlRequest"]
+           "RankMonitorServer", "RankMonitorState", "SectionTimeouts", "WorkloadAction", "WorkloadControlRequest"]
 
 
 def __getattr__(name: str) -> Any:

@@ -425,6 +425,7 @@ class RankMonitorClient:
         self._calculated: dict[str, Any] | None = None  # None until the monitor told us (init)
         self._pending_state: dict[str, Any] | None = None  # load_state_dict before init
         self.cfg: Any = None  # FaultToleranceConfig the monitor runs with, after init
+        self.num_warmup_iters: int | None = None  # NVRx's argument of init_workload_monitoring (checked, kept)
 
     @property
     def is_initialized(self) -> bool:
@@ -448,12 +449,20 @@ class RankMonitorClient:
         self.timeouts = reply.get("timeouts", self.timeouts)
         self._calculated = reply.get("calculated", self._calculated or {})
 
-    def init_workload_monitoring(self, sections: Iterable[str] = ()) -> None:
+    def init_workload_monitoring(self, num_warmup_iters: int | None = None, *, sections: Iterable[str] = ()) -> None:
         """Start a monitored run on this rank's monitor connection.
 
-        SECTIONS (an nvrx extra) registers section names up front. Timeouts given to
-        load_state_dict() before this call are applied now.
+        NUM_WARMUP_ITERS is NVRx's: the iterations after a restart that its progress tracking ignores. It is
+        checked (None or a whole number >= 0) and kept as ``self.num_warmup_iters``; nvrx tracks progress across
+        launches in ``nvrx resume``, not per iteration here, so it changes nothing else. SECTIONS (an nvrx extra,
+        keyword only) registers section names up front. Timeouts given to load_state_dict() before this call are
+        applied now.
         """
+        if num_warmup_iters is not None and (isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int)
+                                             or num_warmup_iters < 0):
+            raise ValueError(f"init_workload_monitoring: num_warmup_iters={num_warmup_iters!r} is not None or a "
+                             "whole number >= 0")
+        self.num_warmup_iters = num_warmup_iters
         if self._link is not None:
             raise RankMonitorClientError("RankMonitorClient is already initialized")
         link = shared_link()

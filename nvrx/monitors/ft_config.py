@@ -34,6 +34,7 @@ from typing import Any, Callable, Collection, Iterator, Mapping
 import yaml
 
 from nvrx.common.errors import ConfigError
+from nvrx.common.files import FileTooLarge, NotRegularFile, read_regular
 from nvrx.common.signals import SIGNAL_HINT, parse_signal
 from nvrx.monitors.heartbeat import MAX_SECTIONS
 from nvrx.monitors.sections import validate_section_name
@@ -54,6 +55,9 @@ _NULL_WORDS = frozenset({"null", "none", "~"})
 MIN_CHECK_INTERVAL = 0.01
 MAX_CHECK_INTERVAL = 86400.0
 MAX_SAFETY_FACTOR = 1000.0
+# A config file is a few KB (a NeMo experiment config with a fault_tolerance section: tens of KB); PyYAML's
+# pure-Python parser needs seconds per MB, so a bigger file is a wrong path, refused before parsing.
+MAX_CONFIG_BYTES = 512 * 1024
 
 # Signals whose default action does not end the process: a hung rank would survive them.
 _NON_TERMINATING = frozenset(
@@ -219,7 +223,7 @@ SIGNAL = ValueKind(label="signal name or number", parse=_parse_signal, dump=lamb
 
 
 def _parse_log_level(value: Any, where: str) -> int:
-    hint = "use DEBUG, INFO, WARNING, ERROR, CRITICAL or a number >= 0 like 20"
+    hint = f"use DEBUG, INFO, WARNING, ERROR, CRITICAL or a number from 0 to {logging.CRITICAL} like 20"
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise one_line_error(f"{where}: {value!r} is not a log level; {hint}")
     if isinstance(value, int):
@@ -236,6 +240,9 @@ def _parse_log_level(value: Any, where: str) -> int:
             raise one_line_error(f"{where}: unknown log level {value!r}; {tip}{hint}")
     if level < 0:
         raise one_line_error(f"{where}: log level {value!r} is negative; {hint}")
+    if level > logging.CRITICAL:  # above CRITICAL nothing is ever logged: a typo, not a choice
+        raise one_line_error(f"{where}: log level {value!r} is above CRITICAL ({logging.CRITICAL}) and would "
+                             f"silence every message; {hint}")
     return level
 
 
@@ -406,19 +413,24 @@ SECTION_TIMEOUTS = ValueKind(label=f"mapping section -> float > 0 or null (s); a
 # ---------------------------------------------------------------- the config (single source)
 
 
-def _setting(kind: ValueKind, help: str, default: Any = None, factory: Callable[[], Any] | None = None) -> Any:
-    meta = {"kind": kind, "help": help}
+def _setting(kind: ValueKind, help: str, default: Any = None, factory: Callable[[], Any] | None = None,
+             active: bool = True) -> Any:
+    """A config field: its kind and help, and ACTIVE (False: an NVRx setting nvrx accepts but does not act on,
+    named once on the agent's stderr when a config sets it; see :func:`inactive_settings_warning`)."""
+    meta = {"kind": kind, "help": help, "active": active}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
 
 
-@dataclass(frozen=True)
+@dataclass
 class FaultToleranceConfig:
     """Settings of the rank monitors (hang detection). ``None`` timeouts are deduced at run time.
 
-    Construction validates and normalizes every field (e.g. ``rank_termination_signal="TERM"``
-    becomes ``signal.SIGTERM``); a bad value raises :class:`ConfigError`.
+    Mutable, as NVRx's is (``cfg.rank_heartbeat_timeout = 10.0`` is ordinary NVRx code), but never invalid:
+    construction and every assignment validate and normalize the value (e.g. ``rank_termination_signal="TERM"``
+    becomes ``signal.SIGTERM``); a bad value raises :class:`ConfigError` and leaves the field as it was. An
+    unknown setting name raises AttributeError (with the closest name) instead of creating a stray attribute.
     """
 
     workload_check_interval: float = _setting(
@@ -441,18 +453,20 @@ class FaultToleranceConfig:
         OPTIONAL_SECONDS, "Sections API: timeout (seconds) for time spent outside any section. "
         "null = deduce at run time.", None)
     # ---- NVRx's further settings. nvrx accepts and validates all of them, so an NVRx config or call
-    # works unchanged; the ones nvrx does not act on are listed in NOT_ACTIVE and logged by the monitor.
+    # works unchanged; the ones nvrx does not act on are marked active=False (NOT_ACTIVE): a config that sets
+    # one is told so once on the agent's stderr, and the monitor logs them.
     node_health_check_interval: float = _setting(
         CHECK_INTERVAL, "NVRx: how often (seconds) the GPUs of the node are health-checked. Not active in nvrx "
-        "(no GPU health check; the monitor logs this at start).", 5.0)
+        "(no GPU health check; the monitor logs this at start).", 5.0, active=False)
     restart_check_interval: float = _setting(
         CHECK_INTERVAL, "NVRx: how often (seconds) its launcher checks for a requested restart. Not active in "
-        "nvrx (the agent is woken at once by rank exits and stop records).", 60.0)
+        "nvrx (the agent is woken at once by rank exits and stop records).", 60.0, active=False)
     enable_nic_monitor: bool = _setting(
-        BOOL, "NVRx: watch the InfiniBand NIC link state. Not active in nvrx (GPU clusters only).", False)
+        BOOL, "NVRx: watch the InfiniBand NIC link state. Not active in nvrx (GPU clusters only).", False,
+        active=False)
     enable_nic_healthcheck: bool = _setting(
         BOOL, "Check that every InfiniBand link (sysfs port state, or link_state_path_template) is ACTIVE "
-        "before each rendezvous round; a failing node sits the round out.", False)
+        "before each rendezvous round; a failing node leaves the job with exit 16 (the other nodes go on if --nnodes allows; nvrx resume avoids it).", False)
     enable_dist_storage_healthcheck: bool = _setting(
         BOOL, "Check before each rendezvous round that storage_healthcheck_path takes a write + fsync + read "
         "within node_health_check_timeout; a failure stops the job with exit 18 (shared storage, not a node's "
@@ -460,9 +474,9 @@ class FaultToleranceConfig:
     storage_healthcheck_path: str | None = _setting(
         OPTIONAL_TEXT, "The directory the storage health check writes its probe file to.", None)
     pci_topo_file: str | None = _setting(
-        OPTIONAL_TEXT, "NVRx: PCI topology file used to pair GPUs with NICs. Not active in nvrx.", None)
+        OPTIONAL_TEXT, "NVRx: PCI topology file used to pair GPUs with NICs. Not active in nvrx.", None, active=False)
     link_down_path_template: str | None = _setting(
-        OPTIONAL_TEXT, "NVRx: sysfs path template of a NIC's link-down counter. Not active in nvrx.", None)
+        OPTIONAL_TEXT, "NVRx: sysfs path template of a NIC's link-down counter. Not active in nvrx.", None, active=False)
     link_state_path_template: str | None = _setting(
         OPTIONAL_TEXT, "sysfs path of a NIC port's link state for the NIC health check ({} = every device; "
         "default /sys/class/infiniband/*/ports/*/state).", None)
@@ -470,50 +484,50 @@ class FaultToleranceConfig:
         BOOL, "NVRx: section calls do not wait for the monitor's reply. nvrx section calls never wait "
         "(they write shared memory), and misuse raises at once either way.", True)
     segment: int | None = _setting(
-        OPTIONAL_SEGMENT, "NVRx: nodes per segment for segment-aware rank placement. Not active in nvrx.", None)
+        OPTIONAL_SEGMENT, "NVRx: nodes per segment for segment-aware rank placement. Not active in nvrx.", None, active=False)
     numa_bind_strict: bool = _setting(
         BOOL, "NVRx: bind each rank strictly to its GPU's NUMA node. Not active in nvrx (GPU clusters only).",
-        False)
+        False, active=False)
     gpu_memory_reclaim_timeout: float = _setting(
         SECONDS, "NVRx: seconds to wait for GPU memory to be freed before a restart. Not active in nvrx "
-        "(GPU only).", 50.0)
+        "(GPU only).", 50.0, active=False)
     gpu_memory_tolerance_mb: float = _setting(
         MEBIBYTES, "NVRx: GPU memory (MiB) still in use that counts as freed. Not active in nvrx (GPU only).",
-        512.0)
+        512.0, active=False)
     gpu_memory_poll_interval: float = _setting(
         CHECK_INTERVAL, "NVRx: seconds between GPU memory checks while waiting. Not active in nvrx (GPU only).",
-        2.0)
+        2.0, active=False)
     check_remaining_processes: bool = _setting(
         BOOL, "NVRx: look for leftover processes of a stopped rank. Not active in nvrx (its agent stops "
-        "each rank's whole process group).", False)
+        "each rank's whole process group).", False, active=False)
     max_no_progress_cycles: int = _setting(
         COUNT, "NVRx: stop restarting after this many restarts without training progress (0 = off). Not active "
-        "in nvrx; nvrx resume stops a chain that makes no progress.", 3)
+        "in nvrx; nvrx resume stops a chain that makes no progress.", 3, active=False)
     min_progress_iterations: int = _setting(
-        COUNT, "NVRx: iterations a restart must gain to count as progress. Not active in nvrx.", 1)
+        COUNT, "NVRx: iterations a restart must gain to count as progress. Not active in nvrx.", 1, active=False)
     checkpoint_iteration_file: str | None = _setting(
         OPTIONAL_TEXT, "NVRx: file holding the last checkpointed iteration, read for progress tracking. Not "
-        "active in nvrx (nvrx resume reads --progress-file).", None)
+        "active in nvrx (nvrx resume reads --progress-file).", None, active=False)
     install_exception_hook: bool = _setting(
         BOOL, "An uncaught exception in the rank is logged with the rank number and the rank's open sections "
         "are closed before the process exits (set by RankMonitorClient.init_workload_monitoring).", False)
     num_warmup_iterations: int = _setting(
-        COUNT, "NVRx: iterations after a restart that progress tracking ignores. Not active in nvrx.", 5)
+        COUNT, "NVRx: iterations after a restart that progress tracking ignores. Not active in nvrx.", 5, active=False)
     attribution_endpoint: str | None = _setting(
-        OPTIONAL_TEXT, "NVRx: failure-attribution service address. Not active in nvrx.", None)
+        OPTIONAL_TEXT, "NVRx: failure-attribution service address. Not active in nvrx.", None, active=False)
     attribution_stop_action: str | None = _setting(
-        OPTIONAL_TEXT, "NVRx: what to do when the attribution service says stop. Not active in nvrx.", None)
+        OPTIONAL_TEXT, "NVRx: what to do when the attribution service says stop. Not active in nvrx.", None, active=False)
     attribution_export_url: str | None = _setting(
-        OPTIONAL_TEXT, "NVRx: where attribution results are exported. Not active in nvrx.", None)
+        OPTIONAL_TEXT, "NVRx: where attribution results are exported. Not active in nvrx.", None, active=False)
     cycle_info_dir: str | None = _setting(
         OPTIONAL_TEXT, "NVRx: directory for per-restart cycle info files. Not active in nvrx (nvrx inspect "
-        "reads the event files instead).", None)
+        "reads the event files instead).", None, active=False)
     segment_health_check_dir: str | None = _setting(
-        OPTIONAL_TEXT, "NVRx: directory of segment health check results. Not active in nvrx.", None)
+        OPTIONAL_TEXT, "NVRx: directory of segment health check results. Not active in nvrx.", None, active=False)
     node_health_check_hook: str | None = _setting(
         OPTIONAL_TEXT, "nvrx: the user's node health check, run by the agent before each rendezvous round: a "
-        "command (exit 0 = healthy) or module:function (returns None or True = healthy). A failing node sits "
-        "the round out.", None)
+        "command (exit 0 = healthy) or module:function (returns None or True = healthy). A failing node leaves "
+        "the job with exit 16 (the other nodes go on if --nnodes allows; nvrx resume avoids it).", None)
     node_health_check_timeout: float = _setting(
         SECONDS, "nvrx: time bound of each node health check (a check that takes longer counts as failed).", 10.0)
     node_health_min_free_memory_mb: float = _setting(
@@ -535,8 +549,8 @@ class FaultToleranceConfig:
     straggler_sustain_reports: int = _setting(
         _int_kind(1, 1000), "nvrx: straggler detection: consecutive slow reports before a rank is flagged.", 2)
     straggler_exclude_after_reports: int = _setting(
-        COUNT, "nvrx: a node with a rank flagged as a straggler for this many consecutive reports sits out the next "
-        "rendezvous round (exit 16, like a failed health check; nvrx resume excludes it). 0 = off.", 0)
+        COUNT, "nvrx: a node with a rank flagged as a straggler for this many consecutive reports leaves the job before "
+        "the next rendezvous round with exit 16, like a failed health check (nvrx resume excludes it). 0 = off.", 0)
     heartbeat_timeout_auto: str = _setting(
         _choice_kind(AUTO_TIMEOUT_MODES), "nvrx: automatic heartbeat timeout derived from the rank's own gaps "
         "between heartbeats after warm-up: multiple x a high percentile of the steady gaps, at least "
@@ -567,13 +581,14 @@ class FaultToleranceConfig:
         "nvrx: after each (re)start of a rank, seconds from its first heartbeat during which the configured "
         "timeout applies and gaps are not counted (process-group set-up, checkpoint load, first steps).", 5.0)
 
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            kind: ValueKind = f.metadata["kind"]
-            object.__setattr__(self, f.name, kind.parse(getattr(self, f.name), f"FaultToleranceConfig.{f.name}"))
-
-    def __hash__(self) -> int:
-        return hash(tuple(getattr(self, f.name) for f in fields(self)))
+    def __setattr__(self, name: str, value: Any) -> None:
+        kind = _FIELD_KINDS.get(name)
+        if kind is not None:
+            value = kind.parse(value, f"FaultToleranceConfig.{name}")
+        elif not name.startswith("_"):
+            raise AttributeError(f"FaultToleranceConfig has no setting {name!r}; "
+                                 f"{_did_you_mean(name, list(_FIELD_KINDS))}")
+        object.__setattr__(self, name, value)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict: signal by name, log level by name (a number if it has no standard name)."""
@@ -685,6 +700,9 @@ class FieldSpec:
         return self.flags[0]
 
 
+_FIELD_KINDS: dict[str, ValueKind] = {f.name: f.metadata["kind"] for f in fields(FaultToleranceConfig)}
+
+
 def _derive_schema() -> tuple[FieldSpec, ...]:
     specs = []
     for f in fields(FaultToleranceConfig):
@@ -718,8 +736,15 @@ def _parse_known(section: Any, path: Any) -> dict[str, Any]:
     return out
 
 
-def _find_section(doc: Any) -> Any:
-    """The first value under a ``fault_tolerance`` key, searching mappings and lists depth first."""
+def _find_section(doc: Any, seen: set[int] | None = None) -> Any:
+    """The first value under a ``fault_tolerance`` key, searching mappings and lists depth first.
+
+    Each node is visited once: YAML aliases can make a small file a graph with exponentially many paths.
+    """
+    seen = set() if seen is None else seen
+    if id(doc) in seen:
+        return None
+    seen.add(id(doc))
     if isinstance(doc, Mapping):
         if YAML_SECTION in doc:
             return doc[YAML_SECTION]
@@ -729,7 +754,7 @@ def _find_section(doc: Any) -> Any:
     else:
         return None
     for child in children:
-        found = _find_section(child)
+        found = _find_section(child, seen)
         if found is not None:
             return found
     return None
@@ -738,8 +763,7 @@ def _find_section(doc: Any) -> Any:
 # ---------------------------------------------------------------- NVRx settings nvrx does not act on
 
 
-NOT_ACTIVE: tuple[str, ...] = tuple(
-    f.name for f in fields(FaultToleranceConfig) if "Not active in nvrx" in f.metadata["help"])
+NOT_ACTIVE: tuple[str, ...] = tuple(f.name for f in fields(FaultToleranceConfig) if not f.metadata["active"])
 
 
 def gpu_visible() -> bool:
@@ -764,18 +788,35 @@ def inactive_settings_line(cfg: FaultToleranceConfig) -> str:
     return "not active in nvrx: " + "; ".join(parts)
 
 
+def inactive_settings_warning(cfg: FaultToleranceConfig) -> str | None:
+    """One line for the agent's stderr naming the settings this config gives (other than their defaults) that
+    nvrx accepts but does not act on, or None when it gives none. Said once, by the agent: a user who set
+    them expects an effect, and the monitors' own logs are not where anybody looks."""
+    changed = [name for name in NOT_ACTIVE if getattr(cfg, name) != _BY_NAME[name].default]
+    if not changed:
+        return None
+    return (f"{len(changed)} fault tolerance setting(s) accepted but not acted on by nvrx: {', '.join(changed)} "
+            "(NVRx features nvrx does not have; README: Fault-tolerance settings)")
+
+
 # ---------------------------------------------------------------- layers
 
 
 def _load_yaml_doc(path: str) -> Any:
-    """The parsed YAML document at PATH (duplicate keys refused); ConfigError with one line if unusable."""
+    """The parsed YAML document at PATH (duplicate keys refused); ConfigError with one line if unusable.
+
+    Only a regular file of at most MAX_CONFIG_BYTES is read: a fifo would block the launch with no output,
+    /dev/zero would never end, and a 50 MB file takes minutes to parse.
+    """
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        text = read_regular(path, MAX_CONFIG_BYTES).decode("utf-8")
     except FileNotFoundError:
         raise one_line_error(f"FT config file {path!r} does not exist; check the path") from None
-    except IsADirectoryError:
-        raise one_line_error(f"FT config file {path!r} is a directory; give the path of a YAML file") from None
+    except NotRegularFile as exc:
+        raise one_line_error(f"FT config file {path!r} {exc.strerror}; give the path of a YAML file") from None
+    except FileTooLarge:
+        raise one_line_error(f"FT config file {path!r} is larger than {MAX_CONFIG_BYTES // 1024} KiB, too large for "
+                             "a config; give the path of the YAML file with the fault_tolerance settings") from None
     except UnicodeDecodeError:
         raise one_line_error(f"FT config file {path!r} is not UTF-8 text; give a YAML file") from None
     except OSError as exc:
@@ -784,6 +825,8 @@ def _load_yaml_doc(path: str) -> Any:
         return yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as exc:
         raise one_line_error(f"FT config file {path!r}: YAML syntax error at {_yaml_error_text(exc)}; fix the file") from None
+    except RecursionError:
+        raise one_line_error(f"FT config file {path!r}: nested too deeply to be a config; fix the file") from None
 
 
 def read_yaml_layer(path: str) -> dict[str, Any]:

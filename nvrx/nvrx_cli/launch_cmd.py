@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import sys
 import warnings
 from typing import Any
 
 import click
 
-from nvrx.launcher.agent.config import build_launch_config
+from nvrx.launcher.agent.config import (AGENT_FDS_PER_RANK, build_launch_config, check_hosts_resolve,
+                                       empty_script_note)
 from nvrx.nvrx_cli.ft_args import extract_ft_args
 from nvrx.common.errors import ConfigError
 from nvrx.common.files import UnsafeDirectoryError, owned_private_dir, private_dir
@@ -105,19 +107,38 @@ def launch(ctx: click.Context, **raw: Any) -> int:
     Fault-tolerance settings: --fault-tol-cfg-path FILE and --ft-param-<field> VALUE (see README).
     """
     from nvrx.events import EventLog
-    from nvrx.monitors.ft_config import load_ft_config
+    from nvrx.monitors.ft_config import inactive_settings_warning, load_ft_config
     from nvrx.nvrx_cli.status import StatusPrinter
 
     try:
         ft = load_ft_config(raw["fault_tol_cfg_path"], os.environ, (ctx.obj or {}).get("ft_overrides", {}))
         cfg = build_launch_config(raw, os.environ, ft=ft)
+        check_hosts_resolve(cfg.rdzv)  # before the first round, which would retry a bad name until join_timeout
     except ConfigError as err:
         raise click.UsageError(str(err)) from None
     _setup_logging(raw["log_level"])
+    log = logging.getLogger(__name__)
+    for note in (inactive_settings_warning(ft), empty_script_note(cfg.workers)):
+        if note:
+            log.warning("%s", note)  # once, here: accepted, but not what the user may think it does
+    _raise_fd_limit(cfg.workers.nproc_per_node)
     _make_run_dirs(cfg, raw)
     events = EventLog(cfg.run_log_dir / f"agent-{cfg.node_name}-{os.getpid()}.jsonl", source="agent")
     events.subscribe(StatusPrinter(quiet=raw["quiet"]))
     return _run_agent(cfg, events)
+
+
+def _raise_fd_limit(nproc: int) -> None:
+    """Lift the soft open-files limit towards the hard one when NPROC ranks need more descriptors than it allows
+    (the config bounded NPROC by the hard limit); a soft limit of 1024 is common and too small for ~100 ranks."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = nproc * AGENT_FDS_PER_RANK + 256
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(hard, need)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        except (ValueError, OSError):
+            pass
 
 
 def _make_run_dirs(cfg: Any, raw: dict[str, Any]) -> None:

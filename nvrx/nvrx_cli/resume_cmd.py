@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import sys
 from pathlib import Path
 from typing import Any, Mapping
@@ -14,6 +15,7 @@ import click
 
 from nvrx.common import exit_codes
 from nvrx.common.errors import NvrxError
+from nvrx.common.files import file_kind
 from nvrx.launcher.rank.job_control import FINISHED_FLAG_ENV
 
 _EPILOG = """\b
@@ -122,7 +124,7 @@ def build_resume_config(raw: dict[str, Any], environ: Mapping[str, str], explici
             raise click.UsageError(f"{flag_name} only applies with --submit")
     if raw["exec_command"] and command and shutil.which(command[0], path=environ.get("PATH", os.defpath)) is None:
         raise click.UsageError(f"--exec: {command[0]!r} is not on PATH")
-    progress = ProgressSource(_abs(raw["progress_file"], cwd), _abs(raw["checkpoint_dir"], cwd))
+    progress = ProgressSource(_progress_file(_abs(raw["progress_file"], cwd)), _abs(raw["checkpoint_dir"], cwd))
     if "max_no_progress" in explicit and raw["max_no_progress"] and not progress.tracked:
         raise click.UsageError("--max-no-progress needs a progress source: --progress-file FILE or --checkpoint-dir DIR")
     state_dir = _abs(raw["state_dir"], cwd)
@@ -142,6 +144,24 @@ def build_resume_config(raw: dict[str, Any], environ: Mapping[str, str], explici
         limits=Limits(raw["max_attempts"], raw["max_failures"], raw["max_no_progress"]),
         progress=progress, submit=submit, slurm=slurm_facts(environ, raw["job_id"]), cwd=cwd,
         launch_log_dir=_abs(raw.get("launch_log_dir") or _log_dir_of(command) or Path("nvrx_logs"), cwd))
+
+
+def _progress_file(path: Path | None) -> Path | None:
+    """--progress-file, which may not exist yet (the training writes it), but if it does, is a regular file: a fifo
+    would block every read of it, a directory never holds an iteration."""
+    if path is None:
+        return None
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return path
+    except OSError as exc:
+        raise click.UsageError(f"--progress-file {path}: {exc.strerror or exc}; give the file the training rewrites "
+                               "with its iteration") from None
+    if not stat.S_ISREG(mode):
+        raise click.UsageError(f"--progress-file {path} is {file_kind(mode)}, not a regular file; give the file the "
+                               "training rewrites with its iteration")
+    return path
 
 
 def _log_dir_of(command: tuple[str, ...]) -> Path | None:

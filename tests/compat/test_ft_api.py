@@ -170,13 +170,31 @@ def test_client_before_init(monkeypatch: pytest.MonkeyPatch) -> None:
                                                                    "were_calculated": True}}})
 
 
+def test_nvrx_call_shapes_of_issue_27() -> None:
+    """What NVRx code does that failed here: assign a setting, pass num_warmup_iters, import RankMonitorState."""
+    from nvrx import fault_tolerance
+
+    cfg = fault_tolerance.FaultToleranceConfig()
+    cfg.rank_heartbeat_timeout = 10.0  # a FrozenInstanceError before
+    cfg.rank_termination_signal = signal.SIGTERM
+    assert (cfg.rank_heartbeat_timeout, cfg.rank_termination_signal) == (10.0, signal.SIGTERM)
+    with pytest.raises(ValueError, match="rank_heartbeat_timeout"):
+        cfg.rank_heartbeat_timeout = "soon"
+    state = fault_tolerance.RankMonitorState
+    assert [s.name for s in state] == ["UNINITIALIZED", "INITIALIZE", "HANDLING_START", "HANDLING_PROCESSING",
+                                       "HANDLING_COMPLETED", "FINALIZED", "ABORTED"]
+    client = fault_tolerance.RankMonitorClient()
+    with pytest.raises(ValueError, match="num_warmup_iters"):
+        client.init_workload_monitoring(num_warmup_iters=-1)
+
+
 # ---------------------------------------------------------------- RankMonitorServer, as NVRx's launcher uses it
 
 SERVER_RANK = r'''
 import json, sys, time
 from nvrx.monitors import RankMonitorClient
 c = RankMonitorClient()
-c.init_workload_monitoring()
+c.init_workload_monitoring(num_warmup_iters=5)  # NVRx code passes it (a TypeError here before issue 27)
 print("CFG", json.dumps({"hb": c.cfg.rank_heartbeat_timeout, "sig": c.cfg.rank_termination_signal.name}), flush=True)
 for _ in range(3):
     c.start_section("step"); c.end_section("step"); c.send_heartbeat()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import signal
 import socket
+import threading
 import time
 
 import pytest
 
-from tests.conftest import one_line_error, run_events, write_script
+from tests.conftest import one_line_error, run_events, wait_for, write_script
 
 
 @pytest.fixture
@@ -127,4 +129,97 @@ def test_ft_precedence_defaults_yaml_env_flag(launcher, script, tmp_path):
     assert config["rank_heartbeat_timeout"] == 300.0
     assert config["rank_termination_signal"] == "SIGTERM"
     assert config["initial_rank_heartbeat_timeout"] == 3600.0  # default
+    assert launcher.leftovers() == []
+
+
+# ---------------------------------------------------------------- issue 27: values that ended in a traceback,
+# a hang, or were accepted without a word
+
+
+@pytest.mark.parametrize("args,needles", [
+    # OverflowError tracebacks once a deadline was computed from them
+    (["--rdzv-conf", "keepalive_interval=inf"], ["keepalive_interval", "finite"]),
+    (["--term-timeout", "inf"], ["--term-timeout", "finite"]),
+    (["--term-timeout", "1e308"], ["--term-timeout", "too large"]),
+    # accepted without a word
+    (["--rdzv-conf", "keepalive_interval=0"], ["keepalive_interval", "at least 0.05"]),
+    (["--max-restarts", "1" + "0" * 30], ["--max-restarts", "at most 1000000"]),
+    (["--signals-to-handle", ""], ["--signals-to-handle", "names no signal"]),
+    (["--ft-param-log_level", "99"], ["log_level", "above CRITICAL"]),
+    (["--local-ckpt-dir", "/"], ["--local-ckpt-dir", "root directory"]),
+    (["--local-ckpt-dir", "/proc/nvrx-ckpt"], ["--local-ckpt-dir", "proc file system"]),
+    # a count beyond what the machine can hold
+    (["--nproc-per-node", "100000"], ["--nproc-per-node 100000", "this machine can hold at most"]),
+    (["--nnodes", "100000000"], ["--nnodes", "at most 65536"]),
+    # options that did nothing: say so
+    (["--rdzv-backend", "etcd"], ["--rdzv-backend etcd", "no etcd rendezvous"]),
+    (["--rdzv-backend", "etcd-v2"], ["--rdzv-backend etcd-v2", "no etcd rendezvous"]),
+])
+def test_refused_at_once(launcher, script, args, needles):
+    res = launcher.run(*args, "--standalone", str(script), timeout=60)
+    one_line_error(res, *needles)
+    assert launcher.leftovers(wait=0.5) == []
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--master-addr", "bad host!"], ["--master-addr 'bad host!'", "not a host name"]),
+    (["--master-addr", "no-such-host.invalid"], ["--master-addr", "no-such-host.invalid", "does not resolve"]),
+    (["--nnodes", "2", "--rdzv-endpoint", "no-such-host.invalid:29400"], ["--rdzv-endpoint", "does not resolve"]),
+    (["--local-addr", "no-such-host.invalid", "--standalone"], ["--local-addr", "does not resolve"]),
+])
+def test_bad_host_names_fail_before_the_first_round(launcher, script, args, needles):
+    """A host name that cannot resolve kept the agent silent until the join timeout (600 s by default)."""
+    t0 = time.monotonic()
+    res = launcher.run(*args, str(script), timeout=90)
+    one_line_error(res, *needles)
+    assert time.monotonic() - t0 < 60
+    assert launcher.leftovers(wait=0.5) == []
+
+
+def test_empty_script_runs_and_says_so(launcher, tmp_path):
+    empty = write_script(tmp_path / "empty.py", "")
+    res = launcher.run("--standalone", "--nproc-per-node", "2", str(empty), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "empty.py is empty: each rank runs nothing" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_inactive_nvrx_settings_are_named_once_on_stderr(launcher, script, tmp_path):
+    """NVRx settings nvrx does not act on were only mentioned at INFO in each monitor's private log."""
+    cfg = tmp_path / "ft.yaml"
+    cfg.write_text("fault_tolerance:\n  max_no_progress_cycles: 7\n  enable_nic_monitor: true\n")
+    res = launcher.run("--fault-tol-cfg-path", str(cfg), "--ft-param-num-warmup-iterations", "9",
+                       "--nproc-per-node", "2", "--standalone", str(script), timeout=120)
+    assert res.returncode == 0, res.stderr
+    said = [line for line in res.stderr.splitlines() if "accepted but not acted on" in line]
+    assert len(said) == 1, res.stderr  # once per agent, not per rank or monitor
+    assert "enable_nic_monitor, max_no_progress_cycles, num_warmup_iterations" in said[0]
+    res = launcher.run("--standalone", str(script), timeout=120)  # defaults only: nothing to say
+    assert res.returncode == 0 and "not acted on" not in res.stderr, res.stderr
+
+
+def test_sigterm_while_spawning_stops_within_5_s(launcher, tmp_path):
+    """Many ranks take seconds to start (and as many monitors); a SIGTERM then waited for all of them, and a rank
+    forked a moment before it could lose the signal and last until --term-timeout."""
+    from nvrx.launcher.agent.config import machine_rank_capacity
+
+    nproc = min(256, machine_rank_capacity()[0])
+    sleeper = write_script(tmp_path / "sleep.py", "import time\ntime.sleep(300)\n")
+    proc = launcher.start("--standalone", "--nproc-per-node", str(nproc), str(sleeper))
+    seen: list[str] = []
+
+    def read_stderr() -> None:
+        for line in proc.stderr:
+            seen.append(line)
+
+    threading.Thread(target=read_stderr, daemon=True).start()
+    assert wait_for(lambda: any("round 0" in line for line in seen), 120), seen  # spawning starts now
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    finally:
+        waited = time.monotonic() - t0
+    assert proc.returncode == 143, "".join(seen)
+    assert waited < 5.0, f"{waited:.1f} s after SIGTERM\n" + "".join(seen)
     assert launcher.leftovers() == []

@@ -43,7 +43,7 @@ for action in sys.argv[1:]:
     name, _, arg = action.partition(":")
     try:
         if name == "init":
-            c.init_workload_monitoring([s for s in arg.split(",") if s])
+            c.init_workload_monitoring(sections=[s for s in arg.split(",") if s])
             out("init", c.timeouts)
         elif name == "hb":
             n, _, dt = (arg or "1@0").partition("@")

@@ -297,7 +297,7 @@ class Agent:
         # and its neighbours would report it lost.
         self._rdzv.start_keepalive(result)
         try:
-            self.workers.start(specs, attempt=result.restart_count)
+            self.workers.start(specs, attempt=result.restart_count, stop=self._stop_requested)
         except BaseException:
             self._rdzv.stop_keepalive()
             raise
@@ -306,7 +306,7 @@ class Agent:
         if self.monitors is not None and not self.monitors.started:
             # Once, after the first ranks: monitors outlive rank restarts, and ranks attach to them in
             # the background, so starting them here keeps them off the ranks' start-up critical path.
-            self.monitors.start()
+            self.monitors.start(stop=self._stop_requested)
         watch = self._watch_stop(result.round)
         if self._stragglers is not None:
             self._stragglers.start(result)
@@ -645,6 +645,10 @@ class Agent:
             os.write(self._sig_w, b"s")
         except BlockingIOError:
             pass
+
+    def _stop_requested(self) -> bool:
+        """A handled signal arrived: starting more ranks or monitors only delays the stop."""
+        return self._pending_signal is not None
 
     def _drain_signal_pipe(self) -> bool:
         got = False

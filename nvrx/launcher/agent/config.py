@@ -10,11 +10,16 @@ from __future__ import annotations
 import enum
 import ipaddress
 import logging
+import math
 import os
 import re
+import resource
 import signal
 import socket
+import stat
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -22,6 +27,7 @@ from typing import Any, Mapping
 from nvrx.launcher.agent.rdzv_auth import SECRET_FILE_ENV, load_secret
 from nvrx.monitors.ft_config import FaultToleranceConfig
 from nvrx.common.errors import ConfigError
+from nvrx.common.files import file_kind
 from nvrx.common.signals import DEFAULT_SIGNALS, parse_signals
 from nvrx.slurm.environment import SlurmEnvError, SlurmTopology, slurm_topology
 
@@ -40,6 +46,20 @@ RDZV_CONF_DEFAULTS: dict[str, float] = {
     "keepalive_interval": 1.0,  # agent liveness beat in the store
     "keepalive_timeout": 15.0,  # a node silent this long is dropped
 }
+# Any seconds value: beyond this it is a typo, and far beyond it (inf, 1e308) it overflows the timers that
+# use it (OverflowError from the first deadline computed, after the job started).
+MAX_SECONDS = 30 * 86400.0
+MIN_KEEPALIVE_INTERVAL = 0.05  # a beat per agent this often is already a busy store; 0 would spin
+MAX_RESTARTS = 1_000_000  # a restart budget beyond this is a typo (and the store's counters are 64-bit)
+MAX_NODES = 65_536  # the agents scan join slots up to twice the maximum: an absurd --nnodes would stall them
+# What one rank costs this machine at the least, to bound --nproc-per-node by what the machine can hold:
+RANK_MIN_MEMORY_MB = 64  # a Python rank that imported torch, forked from the template (shared pages not counted)
+AGENT_FDS_PER_RANK = 8  # the agent's fds per rank: output pipes, pidfd, monitor socket and pipe, error file
+TASKS_PER_RANK = 4  # processes and threads per rank counted by RLIMIT_NPROC and pid_max: rank, monitor, threads
+# Mount types that are the kernel's view, not storage: checkpoints written there are lost or refused.
+PSEUDO_FILESYSTEMS = frozenset({"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
+                                "securityfs", "pstore", "bpf", "configfs", "fusectl", "mqueue", "hugetlbfs",
+                                "binfmt_misc", "autofs", "efivarfs", "rpc_pipefs", "nsfs"})
 
 
 class Std(enum.IntFlag):
@@ -121,14 +141,25 @@ class LaunchConfig:
 
 
 def local_ckpt_dir(value: str) -> str:
-    """--local-ckpt-dir as an absolute path whose nearest existing ancestor is a directory we can write."""
+    """--local-ckpt-dir as an absolute path whose nearest existing ancestor is a directory we can write.
+
+    Refused: the root directory (the job's session directories would be made, and removed, at the top of
+    the file system) and paths on the kernel's pseudo file systems (/proc, /sys, /dev): nothing written
+    there is a checkpoint.
+    """
+    hint = "choose node-local space you can write (e.g. /dev/shm/$USER or $SLURM_TMPDIR)"
     path = Path(value).expanduser().resolve()
+    if path == path.parent:
+        raise ConfigError(f"--local-ckpt-dir {value}: the root directory is not a checkpoint directory; {hint}")
+    fstype = mount_type(path)
+    if fstype in PSEUDO_FILESYSTEMS:
+        raise ConfigError(f"--local-ckpt-dir {value}: {path} is on the kernel's {fstype} file system, not storage; "
+                          f"{hint}")
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"--local-ckpt-dir {value}: {probe} is not a writable directory; choose node-local space "
-                          "you can write (e.g. /dev/shm/$USER or $SLURM_TMPDIR)")
+        raise ConfigError(f"--local-ckpt-dir {value}: {probe} is not a writable directory; {hint}")
     return str(path)
 
 
@@ -156,6 +187,25 @@ def check_name(value: str, flag: str, allowed: str = r"[A-Za-z0-9_.\-]+") -> str
     return text
 
 
+def mount_type(path: Path, mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The file system type of the mount holding PATH (the longest mount point that is a prefix of it), from
+    MOUNTINFO; None if it cannot be read."""
+    try:
+        lines = Path(mountinfo).read_text().splitlines()
+    except OSError:
+        return None
+    best, kind = -1, None
+    for line in lines:
+        fields_, sep, rest = line.partition(" - ")
+        parts = fields_.split()
+        if not sep or len(parts) < 5 or not rest.split():
+            continue
+        point = Path(parts[4].replace("\\040", " "))
+        if (path == point or point in path.parents) and len(point.parts) > best:
+            best, kind = len(point.parts), rest.split()[0]
+    return kind
+
+
 def parse_nnodes(value: str) -> tuple[int, int]:
     """'N' or 'MIN:MAX' -> (min, max)."""
     text = str(value).strip()
@@ -167,6 +217,8 @@ def parse_nnodes(value: str) -> tuple[int, int]:
         raise ConfigError(f"--nnodes {value!r}: the minimum number of nodes must be at least 1")
     if lo > hi:
         raise ConfigError(f"--nnodes {value!r}: MIN ({lo}) is larger than MAX ({hi}); write it as {hi}:{lo}")
+    if hi > MAX_NODES:
+        raise ConfigError(f"--nnodes {value!r}: at most {MAX_NODES} nodes; give the number of nodes the job runs on")
     return lo, hi
 
 
@@ -183,6 +235,176 @@ def parse_nproc(value: str | int) -> int:
     if n < 1:
         raise ConfigError(f"--nproc-per-node {value!r} must be at least 1")
     return n
+
+
+def machine_rank_capacity(meminfo: str = "/proc/meminfo", pid_max: str = "/proc/sys/kernel/pid_max") -> tuple[int, str]:
+    """How many ranks this machine can hold, and the limit that says so (for the message).
+
+    A bound, not a tuning: memory available at RANK_MIN_MEMORY_MB per rank, the agent's file descriptors
+    (hard RLIMIT_NOFILE; the launch raises its soft limit to what it needs) and the tasks the kernel lets
+    this user and the machine have (RLIMIT_NPROC, pid_max). Limits that cannot be read do not count.
+    """
+    found: list[tuple[int, str]] = []
+    try:
+        avail = next(int(line.split()[1]) for line in Path(meminfo).read_text().splitlines()
+                     if line.startswith("MemAvailable:")) // 1024
+        found.append((avail // RANK_MIN_MEMORY_MB, f"{avail} MiB of memory available, {RANK_MIN_MEMORY_MB} MiB "
+                                                   "per rank at the least"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    for res, name, per in ((resource.RLIMIT_NOFILE, "open files (ulimit -Hn)", AGENT_FDS_PER_RANK),
+                           (resource.RLIMIT_NPROC, "processes (ulimit -Hu)", TASKS_PER_RANK)):
+        hard = resource.getrlimit(res)[1]
+        if hard != resource.RLIM_INFINITY:
+            found.append((hard // per, f"a hard limit of {hard} {name}, {per} per rank"))
+    try:
+        pids = int(Path(pid_max).read_text())
+        found.append((pids // TASKS_PER_RANK, f"pid_max {pids}, {TASKS_PER_RANK} tasks per rank"))
+    except (OSError, ValueError):
+        pass
+    if not found:
+        return sys.maxsize, "no readable limit"
+    return min(found)
+
+
+def check_nproc_fits(nproc: int, capacity: tuple[int, str] | None = None) -> None:
+    """--nproc-per-node within what this machine can hold: 100000 ranks were accepted, and the agent spawned
+    until the machine ran out of memory or processes."""
+    most, why = capacity or machine_rank_capacity()
+    if nproc > most:
+        raise ConfigError(f"--nproc-per-node {nproc}: this machine can hold at most {max(most, 0)} ranks ({why}); "
+                          "give the number of ranks one node runs (e.g. its GPUs)")
+
+
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+
+
+def check_host(value: str, flag: str) -> str:
+    """VALUE is an IP address or a host name (dot-separated labels of letters, digits, '-' and '_'):
+    'bad host!' went to the resolver and the launch sat silent until the join timeout."""
+    text = str(value).strip()
+    try:
+        return str(ipaddress.ip_address(text.strip("[]")))
+    except ValueError:
+        pass
+    labels = text.rstrip(".").split(".")
+    if not text or len(text) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        raise ConfigError(f"{flag} {value!r} is not a host name or IP address (letters, digits, '-' and '.', "
+                          "e.g. node001 or 10.0.0.1)")
+    return text
+
+
+def check_hosts_resolve(rdzv: RdzvSettings, timeout: float = 30.0) -> None:
+    """Every host name the job needs (the endpoint, --master-addr, --local-addr) resolves, checked once before the
+    first round: a name that does not would otherwise keep the agent trying, silent, until the join timeout.
+
+    Bounded: a resolver that does not answer within TIMEOUT counts as failed; a temporary failure (EAI_AGAIN) is
+    retried until then.
+    """
+    hosts = {name: flag for name, flag in ((rdzv.master_addr, "--master-addr"), (rdzv.local_addr, "--local-addr"))
+             if name}
+    if not rdzv.standalone:
+        hosts.setdefault(rdzv.host, "--rdzv-endpoint")
+    deadline = time.monotonic() + timeout
+    for host, flag in hosts.items():
+        why = _resolve_failure(host, deadline)
+        if why is not None:
+            raise ConfigError(f"{flag} host {host!r} does not resolve ({why}); check the name (e.g. with getent hosts "
+                              f"{host}) or give an IP address")
+
+
+def _resolve_failure(host: str, deadline: float) -> str | None:
+    """None if HOST resolves before DEADLINE (an IP address always does), else why not."""
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    while True:
+        outcome: list[BaseException | None] = []
+
+        def lookup() -> None:
+            try:
+                socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+                outcome.append(None)
+            except (OSError, UnicodeError) as exc:
+                outcome.append(exc)
+
+        worker = threading.Thread(target=lookup, name="nvrx-resolve", daemon=True)  # getaddrinfo has no timeout
+        worker.start()
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if not outcome:
+            return "the resolver did not answer in time"
+        exc = outcome[0]
+        if exc is None:
+            return None
+        temporary = isinstance(exc, socket.gaierror) and exc.errno == socket.EAI_AGAIN
+        if not temporary or time.monotonic() + 1.0 > deadline:
+            return getattr(exc, "strerror", None) or str(exc)
+        time.sleep(1.0)  # a temporary resolver failure: ask again, within the bound
+
+
+def check_backend(value: str | None) -> str:
+    """--rdzv-backend: nvrx runs its own rendezvous, which takes torchrun's c10d and static endpoints. etcd
+    was accepted and nvrx's rendezvous then ran against what the user believes is an etcd server."""
+    backend = (value or "c10d").strip().lower()
+    if backend in ("etcd", "etcd-v2"):
+        raise ConfigError(f"--rdzv-backend {backend}: nvrx has no etcd rendezvous; use --rdzv-backend c10d with "
+                          "--rdzv-endpoint HOST:PORT of one of the job's nodes (nvrx hosts the store there)")
+    if backend not in ("c10d", "static", "nvrx"):
+        raise ConfigError(f"--rdzv-backend {backend!r} is not supported; use c10d or static (nvrx runs its own)")
+    return backend
+
+
+def check_max_restarts(value: Any) -> int:
+    """--max-restarts: a whole number up to MAX_RESTARTS (10**30 was taken as is)."""
+    if not re.fullmatch(r"\d+", str(value).strip()):
+        raise ConfigError(f"--max-restarts {value!r} must be a whole number >= 0")
+    n = int(str(value).strip())
+    if n > MAX_RESTARTS:
+        raise ConfigError(f"--max-restarts {value}: at most {MAX_RESTARTS}; give the restarts the job may spend")
+    return n
+
+
+def check_signals(value: str | None) -> tuple[signal.Signals, ...]:
+    """--signals-to-handle: None means the default; an empty or blank value was silently the default too,
+    but names no signal: refused."""
+    if value is None:
+        return parse_signals(DEFAULT_SIGNALS)
+    if not str(value).strip(" ,"):
+        raise ConfigError(f"--signals-to-handle {value!r} names no signal; give e.g. {DEFAULT_SIGNALS} or leave "
+                          "the option out")
+    return parse_signals(value)
+
+
+def check_script(entry: str, module: bool, no_python: bool) -> None:
+    """The training script exists and, for python, is a file (a directory or a fifo is one line here, instead of
+    a failure in every rank)."""
+    if module:
+        return
+    try:
+        mode = Path(entry).stat().st_mode
+    except OSError:
+        if no_python:
+            return  # a program found on PATH
+        raise ConfigError(f"training script {entry!r} does not exist (relative to {os.getcwd()})") from None
+    if not stat.S_ISREG(mode) and not no_python:
+        raise ConfigError(f"training script {entry!r} is {file_kind(mode)}, not a script file")
+
+
+def empty_script_note(workers: WorkerSettings) -> str | None:
+    """A warning when the training script is an empty file: it runs (as under torchrun), every rank exits 0 at
+    once and the job 'succeeds' having done nothing, which deserves a word rather than silence."""
+    if workers.module:
+        return None
+    try:
+        empty = os.stat(workers.entrypoint).st_size == 0
+    except OSError:
+        return None
+    if not empty:
+        return None
+    return (f"training script {workers.entrypoint} is empty: each rank runs nothing and exits 0 at once; "
+            "check the path if that is not what you meant")
 
 
 def parse_endpoint(value: str, default_port: int = DEFAULT_RDZV_PORT) -> tuple[str, int]:
@@ -228,14 +450,26 @@ def parse_rdzv_conf(value: str | None) -> dict[str, float]:
         if key == "timeout":  # torchrun's generic name for the join timeout
             key = "join_timeout"
         if key in RDZV_CONF_DEFAULTS:
-            try:
-                num = float(raw)
-            except ValueError:
-                raise ConfigError(f"--rdzv-conf {key}={raw!r}: expected a number of seconds") from None
-            if num < 0 or num != num:
-                raise ConfigError(f"--rdzv-conf {key}={raw!r}: must be a non-negative number of seconds")
-            out[key] = num
+            out[key] = _rdzv_seconds(key, raw)
     return out
+
+
+def _rdzv_seconds(key: str, raw: str) -> float:
+    """One --rdzv-conf value in seconds: finite, within MAX_SECONDS; the keepalive interval not below
+    MIN_KEEPALIVE_INTERVAL (0 would beat in a busy loop)."""
+    try:
+        num = float(raw)
+    except ValueError:
+        raise ConfigError(f"--rdzv-conf {key}={raw!r}: expected a number of seconds") from None
+    if not math.isfinite(num) or num < 0:
+        raise ConfigError(f"--rdzv-conf {key}={raw!r}: must be a finite, non-negative number of seconds "
+                          f"(at most {MAX_SECONDS:.0f})")
+    if num > MAX_SECONDS:
+        raise ConfigError(f"--rdzv-conf {key}={raw!r}: at most {MAX_SECONDS:.0f} seconds (30 days)")
+    if key == "keepalive_interval" and num < MIN_KEEPALIVE_INTERVAL:
+        raise ConfigError(f"--rdzv-conf keepalive_interval={raw!r}: the agents' beat needs at least "
+                          f"{MIN_KEEPALIVE_INTERVAL:g} s between beats (default {RDZV_CONF_DEFAULTS[key]:g})")
+    return num
 
 
 def parse_std_map(value: str | None, nproc: int, flag: str) -> dict[int, Std]:
@@ -264,13 +498,18 @@ def parse_ranks_filter(value: str | None) -> frozenset[int] | None:
         raise ConfigError(f"--local-ranks-filter {value!r}: expected comma-separated local ranks, e.g. 0,1") from None
 
 
-def positive_float(value: Any, what: str, allow_zero: bool = False) -> float:
+def positive_float(value: Any, what: str, allow_zero: bool = False, high: float = MAX_SECONDS) -> float:
+    """A number of seconds: finite, positive (or zero with ALLOW_ZERO), at most HIGH. inf was accepted here
+    and ended in an OverflowError traceback the first time a deadline was computed from it."""
     try:
         num = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{what} {value!r} is not a number") from None
-    if num != num or num < 0 or (num == 0 and not allow_zero):
-        raise ConfigError(f"{what} {value!r} must be a {'non-negative' if allow_zero else 'positive'} number")
+    if not math.isfinite(num) or num < 0 or (num == 0 and not allow_zero):
+        raise ConfigError(f"{what} {value!r} must be a finite, {'non-negative' if allow_zero else 'positive'} "
+                          f"number of seconds (at most {high:.0f})")
+    if num > high:
+        raise ConfigError(f"{what} {value!r} is too large: at most {high:.0f} seconds")
     return num
 
 
@@ -401,12 +640,11 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str],
     if module and no_python:
         raise ConfigError("-m/--module and --no-python cannot be used together")
     nproc = parse_nproc(raw.get("nproc_per_node") or "1")
+    check_nproc_fits(nproc)
     standalone = bool(raw.get("standalone"))
     min_nodes, max_nodes = parse_nnodes(raw.get("nnodes") or "1")
     conf = parse_rdzv_conf(raw.get("rdzv_conf"))
-    backend = (raw.get("rdzv_backend") or "c10d").strip().lower()
-    if backend not in ("c10d", "static", "nvrx", "etcd", "etcd-v2"):
-        raise ConfigError(f"--rdzv-backend {backend!r} is not supported; use c10d or static (nvrx runs its own)")
+    backend = check_backend(raw.get("rdzv_backend"))
 
     node_rank = raw.get("node_rank")
     if node_rank is not None:
@@ -418,7 +656,7 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str],
         if node_rank >= max_nodes:
             raise ConfigError(f"--node-rank {node_rank} is out of range for --nnodes {max_nodes} (valid: 0..{max_nodes - 1})")
 
-    master_addr = raw.get("master_addr")
+    master_addr = check_host(raw["master_addr"], "--master-addr") if raw.get("master_addr") else None
     master_port = raw.get("master_port")
     if master_port is not None:
         if not re.fullmatch(r"\d+", str(master_port)) or not 1 <= int(master_port) <= 65535:
@@ -452,7 +690,7 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str],
         max_nodes=max_nodes,
         nproc_per_node=nproc,
         node_rank=node_rank,
-        local_addr=raw.get("local_addr") or None,
+        local_addr=check_host(raw["local_addr"], "--local-addr") if raw.get("local_addr") else None,
         standalone=standalone,
         join_timeout=conf["join_timeout"],
         last_call_timeout=conf["last_call_timeout"],
@@ -464,8 +702,7 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str],
         **job_secret(raw.get("job_secret_file"), env),
     )
 
-    if not module and not no_python and not Path(entry).is_file():
-        raise ConfigError(f"training script {entry!r} does not exist (relative to {os.getcwd()})")
+    check_script(str(entry), module, no_python)
     if not no_python:
         check_no_shadowing_nvrx(Path.cwd() if module else Path(entry).resolve().parent)
 
@@ -502,15 +739,13 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str],
 
     # torchrun's --monitor-interval: checked for torchrun compatibility, unused (rank exits wake the agent at once)
     positive_float(raw.get("monitor_interval", 0.1), "--monitor-interval")
-    max_restarts = raw.get("max_restarts", 0)
-    if not re.fullmatch(r"\d+", str(max_restarts)):
-        raise ConfigError(f"--max-restarts {max_restarts!r} must be a whole number >= 0")
+    max_restarts = check_max_restarts(raw.get("max_restarts", 0))
     run_log_dir = (log_dir or Path(raw.get("events_dir") or Path.cwd() / "nvrx_logs")) / rdzv.run_id
     return LaunchConfig(
         rdzv=rdzv,
         workers=workers,
-        max_restarts=int(max_restarts),
-        signals_to_handle=parse_signals(raw.get("signals_to_handle") or DEFAULT_SIGNALS),
+        max_restarts=max_restarts,
+        signals_to_handle=check_signals(raw.get("signals_to_handle")),
         run_log_dir=run_log_dir,
         state_dir=resolve_state_dir(raw.get("state_dir"), env, run_log_dir),
         ft=ft,

@@ -235,10 +235,12 @@ class _Server:
         """Child side: own process group, die with the server, rank's stdio and env, default signals."""
         os.setpgid(0, 0)
         die_with_parent(self.pid)
-        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        # Handlers first, then the mask: a SIGTERM the agent sent before this point waits, blocked, instead of
+        # being dropped by the server's SIG_IGN, and is delivered at the unblock below.
         for sig, handler in _ORIGINAL_HANDLERS.items():
             if handler is not None:
                 signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
         os.dup2(fds[0], 1)
         os.dup2(fds[1], 2)
         close_fds(fds)
@@ -411,6 +413,9 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent(parent)
     for sig in _SERVER_IGNORES:
         signal.signal(sig, signal.SIG_IGN)
+    # Also blocked: a blocked signal is queued even while ignored, so one sent to a rank just forked (still with
+    # the server's dispositions) is not lost; the rank unblocks it once its own handlers are back.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _SERVER_IGNORES)
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     start = time.monotonic()

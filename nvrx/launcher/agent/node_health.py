@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import select
 import shlex
 import shutil
 import signal
@@ -42,6 +43,7 @@ DEFAULT_IB_STATES = "/sys/class/infiniband/*/ports/*/state"
 # Checks of storage every node shares (storage_healthcheck_path): failing them says the storage is full or broken,
 # usually for every node at once, so the verdict is exit 18 (nvrx.common.exit_codes), never a node exclusion.
 STORAGE_CHECKS = frozenset({"storage"})
+KILL_WAIT = 5.0  # after SIGKILL to a health hook's group: how long its leader and output may take to go
 
 
 @dataclass(frozen=True)
@@ -221,28 +223,57 @@ def _is_callable_ref(hook: str) -> bool:
 
 
 def _run(argv: list[str], timeout: float) -> tuple[int, str]:
-    """Run ARGV in its own process group; (exit code, output) or TimeoutError after killing the group."""
+    """Run ARGV in its own process group; (exit code, output) or TimeoutError after killing the group.
+
+    The group (nothing the check started may outlive it) is killed while its leader is still unreaped, alive or
+    a zombie: until we reap it, its pid, which is the group's id, cannot be given to another process, so the
+    signal cannot reach a recycled group. Only then is the leader reaped.
+    """
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, text=True, errors="replace")
     except OSError as exc:
         return 127, f"cannot run {argv[0]}: {exc.strerror or exc}"
-    expired = threading.Event()
-
-    def expire() -> None:
-        expired.set()
-        _kill_group(proc.pid)
-
-    timer = threading.Timer(timeout, expire)
-    timer.start()
-    try:
-        out, _ = proc.communicate()
-    finally:
-        timer.cancel()
-        _kill_group(proc.pid)  # nothing the check started outlives it
-    if expired.is_set():
+    output: list[str] = []
+    assert proc.stdout is not None
+    reader = threading.Thread(target=lambda: output.append(proc.stdout.read()), name="health-hook-output",
+                              daemon=True)
+    reader.start()
+    exited = _wait_unreaped(proc.pid, timeout)
+    _kill_group(proc.pid)
+    if not exited:
+        _wait_unreaped(proc.pid, KILL_WAIT)
+    proc.wait()  # reaped only now that the group was signalled
+    reader.join(KILL_WAIT)  # EOF once every holder of the pipe died; one that left the group is not waited for
+    if not exited:
         raise TimeoutError(f"did not finish in {timeout:g} s")
-    return proc.returncode, (out or "").strip()[-500:]
+    return proc.returncode, (output[0] if output else "").strip()[-500:]
+
+
+def _wait_unreaped(pid: int, timeout: float) -> bool:
+    """Whether PID exited within TIMEOUT, without reaping it (its pidfd turns readable on exit)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:  # no pidfd (old kernel): poll the state instead, still without reaping
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if _exited(pid):
+                return True
+            time.sleep(0.05)
+        return _exited(pid)
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+def _exited(pid: int) -> bool:
+    """PID (our unreaped child) is a zombie or gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
 
 
 def _kill_group(pid: int) -> None:

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from nvrx.common.process import python_module_command
 from nvrx.monitors.client import ENV_AUTO_HEARTBEAT, ENV_SHM, ENV_SOCKET, ENV_TOKEN
@@ -86,11 +86,15 @@ class RankMonitorGroup:
     def paths(self, local_rank: int) -> tuple[Path, Path]:
         return self.private / f"rank{local_rank}.sock", self.private / f"rank{local_rank}.slot"
 
-    def start(self) -> None:
+    def start(self, stop: Callable[[], bool] = lambda: False) -> None:
+        """Start one monitor per local rank; STOP (the agent got a signal) ends it early (each start is a
+        process spawn: ~0.1 s on a loaded node, so hundreds of them would hold up a SIGTERM)."""
         self.started = True
         private_dir(self.state_dir)
         private_dir(self.events_dir)
         for lr in range(self.nproc):
+            if stop():
+                break
             self._start_one(lr)
 
     def _start_one(self, lr: int) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from nvrx.launcher.agent.rdzv_records import MAX_RECORD_BYTES, BadRecord, _json_object
 from nvrx.common.errors import ConfigError
+from nvrx.common.files import NotRegularFile, open_regular
 
 SECRET_FILE_ENV = "NVRX_JOB_SECRET_FILE"
 MIN_SECRET_BYTES = 16
@@ -50,17 +51,17 @@ def load_secret(path: str | Path) -> bytes:
     """The job secret from PATH, which must be a regular file of ours that only we can read (ConfigError
     otherwise, one line). Surrounding whitespace is dropped, so `head -c 32 /dev/urandom | base64 > f` works."""
     shown = str(path)
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags)
+        fd = open_regular(path, follow_symlinks=False)  # a fifo must not block the launch until someone writes
+    except NotRegularFile as exc:
+        raise ConfigError(f"job secret file {shown} {exc.strerror}; point {SECRET_FILE_ENV} / --job-secret-file "
+                          "at a file") from None
     except OSError as exc:
         raise ConfigError(f"job secret file {shown} ({SECRET_FILE_ENV} / --job-secret-file): cannot open it "
                           f"({exc.strerror or exc}); create it with: (umask 077; head -c 32 /dev/urandom "
                           f"| base64 > {shown})") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"job secret file {shown} is not a regular file; point {SECRET_FILE_ENV} at a file")
         if st.st_uid != os.geteuid():
             raise ConfigError(f"job secret file {shown} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}); "
                               "use a secret file you own")

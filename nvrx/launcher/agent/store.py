@@ -18,6 +18,7 @@ import datetime
 import errno
 import hmac
 import logging
+import os
 import socket
 import threading
 import time
@@ -28,6 +29,7 @@ from torch.distributed import TCPStore
 
 from nvrx.launcher.agent.config import RdzvSettings
 from nvrx.launcher.agent.rdzv_auth import SECRET_FILE_ENV, RecordAuth, generate_secret
+from nvrx.common.torch_log import quiet_cpp_warnings
 from nvrx.common.net import (DEFAULT_OP_TIMEOUT, bind_listen, is_loopback, is_loopback_ip, local_bind_address, resolve,
                              serve_store)
 from nvrx.launcher.agent.rdzv_errors import EndpointUnreachable, PortInUse, RendezvousError, RendezvousMismatch
@@ -345,6 +347,7 @@ def _guarded(fn: Callable[[], RendezvousStore], host: str, port: int) -> Rendezv
 
 def open_rendezvous_store(settings: RdzvSettings) -> RendezvousStore:
     """Host the store if the endpoint is this machine (and the port is free), else connect to it."""
+    quiet_cpp_warnings(os.environ)  # a forged counter would print torch C++ stacks here; the agent says it in one line
     if settings.standalone or settings.port == 0:
         return _guarded(lambda: _host("127.0.0.1", 0, settings), "127.0.0.1", 0)
     host, port = settings.host, settings.port

@@ -11,6 +11,7 @@ when the *thread* that started a process exits, not only the process.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -39,6 +40,7 @@ from nvrx.events import AgentKilledRank, EventLog, RankExit as RankExitEvent, Ra
 log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT = 1.0  # after a rank died, how long grandchildren may keep its pipes open before we report anyway
+FORK_WINDOW = 8  # fork requests in flight: the server forks one at a time; more only delays a stop
 STATUS_TIMEOUT = 30.0  # a forked rank died; the server's exit message follows (later while the template warms up)
 
 
@@ -123,6 +125,12 @@ class _Pipes:
         _close_quietly(self.out_r, self.out_w, self.err_r, self.err_w)
 
 
+def _with_attempt(item: tuple[RankSpec, _Pipes, int, float], attempt: int) -> tuple[Any, ...]:
+    """A requested fork (spec, pipes, request id, start time) as _finish_fork's arguments."""
+    spec, pipes, rid, started = item
+    return spec, attempt, pipes, rid, started
+
+
 def _close_quietly(*fds: int) -> None:
     fork_server.close_fds(fds)
 
@@ -205,8 +213,13 @@ class WorkerGroup:
             return
         self._fork.start()
 
-    def start(self, specs: list[RankSpec], attempt: int) -> None:
-        """Start every rank of this node for restart attempt ATTEMPT."""
+    def start(self, specs: list[RankSpec], attempt: int, stop: Callable[[], bool] = lambda: False) -> None:
+        """Start every rank of this node for restart attempt ATTEMPT.
+
+        STOP (the agent got a signal) ends the starting early: hundreds of ranks take seconds to start, and a
+        SIGTERM must not wait for that. Forks already requested are still registered, so the caller can stop
+        every rank that started.
+        """
         if self._closed:
             raise RuntimeError("WorkerGroup is closed")
         if any(not r.reported for r in self._ranks):
@@ -216,16 +229,21 @@ class WorkerGroup:
             self._relay = Relay(self._lock, self._on_drained)
         forkable = any(import_time_difference(spec.env, self.settings.base_env) is None for spec in specs)
         use_fork = forkable and self._fork_ready()
-        requested: list[tuple[RankSpec, _Pipes, int, float]] = []
-        for spec in specs:
+        requested: collections.deque[tuple[RankSpec, _Pipes, int, float]] = collections.deque()
+        for n, spec in enumerate(specs):
+            if stop():
+                log.info("stopping: %d of %d ranks not started", len(specs) - n, len(specs))
+                break
             pipes, started = _Pipes.open(), time.monotonic()
             rid = self._fork.request(spec.env, spec.global_rank, (pipes.out_w, pipes.err_w)) if use_fork else None
             if rid is None:
                 self._spawn_rank(spec, attempt, pipes, started)
-            else:
-                requested.append((spec, pipes, rid, started))
-        for spec, pipes, rid, started in requested:
-            self._finish_fork(spec, attempt, pipes, rid, started)
+                continue
+            requested.append((spec, pipes, rid, started))
+            if len(requested) >= FORK_WINDOW:  # keeps the server busy, and a stop waits for a few forks at most
+                self._finish_fork(*_with_attempt(requested.popleft(), attempt))
+        for item in requested:
+            self._finish_fork(*_with_attempt(item, attempt))
 
     def wait(self, wake_fds: Sequence[int] = (), timeout: float | None = None) -> list[RankExit]:
         """Block until a rank exited (its exits), a wake fd is readable or TIMEOUT passed ([])."""

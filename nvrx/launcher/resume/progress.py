@@ -12,10 +12,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from nvrx.common.files import read_regular
+
 log = logging.getLogger("nvrx.resume")
 
 _CKPT_NAME = re.compile(r"(?:^|[-_])(?:iter|global_step|step|checkpoint)[-_=]?(\d+)(?:\.(?:ckpt|pt|pth))?$")
 _TRACKER_FILES = ("latest_checkpointed_iteration.txt", "latest")
+MAX_PROGRESS_BYTES = 64 * 1024  # an iteration number; anything bigger is the wrong file
 
 
 @dataclass(frozen=True)
@@ -41,8 +44,11 @@ def _progress_file_value(path: Path | None) -> int | None:
     if path is None:
         return None
     try:
-        text = path.read_text(errors="replace").strip()
-    except OSError:
+        text = _read_small(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("progress file %s cannot be read (%s): ignored", path, exc.strerror or exc)
         return None
     token = text.split()[0] if text else ""
     if not token.isdigit():
@@ -58,7 +64,7 @@ def newest_checkpoint_iteration(ckpt_dir: Path | None) -> int | None:
         return None
     for name in _TRACKER_FILES:
         try:
-            text = (ckpt_dir / name).read_text(errors="replace").strip()
+            text = _read_small(ckpt_dir / name)
         except OSError:
             continue
         if text.isdigit():
@@ -76,3 +82,9 @@ def newest_checkpoint_iteration(ckpt_dir: Path | None) -> int | None:
         if match and (best is None or int(match.group(1)) > best):
             best = int(match.group(1))
     return best
+
+
+def _read_small(path: Path) -> str:
+    """The stripped text of PATH, a regular file of at most MAX_PROGRESS_BYTES: a fifo in its place must not
+    block the driver, nor a huge file stall it (OSError, e.g. NotRegularFile or FileTooLarge, otherwise)."""
+    return read_regular(path, MAX_PROGRESS_BYTES).decode(errors="replace").strip()
