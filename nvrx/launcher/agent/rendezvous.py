@@ -2,21 +2,25 @@
 
 Every (re)start of the ranks is a new round. Store layout, all under ``nvrx/<run id>/``:
 
-* ``r<N>/count``          join counter (a hint); joiner j writes ``r<N>/join/<j>`` (NodeInfo)
+* ``r<N>/count``          join counter (a hint: where a joiner starts looking for a free slot, and how many slots
+                          the closer looks at); joiner j claims ``r<N>/join/<j>`` (NodeInfo) with compare_set
 * ``r<N>/closed``         the round's membership in group-rank order and its restart count; first valid writer wins
 * ``r<N>/pg``             where the ranks' process-group store of round N listens
 * ``r<N>/stop``           the StopRecord that ended round N (first valid writer wins, compare_set); it carries
-                          the job-wide restart count, which the next round's closed record takes over
-* ``r<N>/succeeded/<g>``  group rank g's ranks all exited 0 (``r<N>/succeeded``: a counter, only a wake-up hint)
+                          the job-wide restart count, which the next round's closed record takes over. It must name
+                          members of round N (a standby's scale_up: a node that joined it)
+* ``r<N>/succeeded/<g>``  group rank g's ranks all exited 0
+* ``r<N>/ack/<g>``        group rank g saw the stop record (the store host lingers for these before it exits)
 * ``r<N>/beat/<node id>`` keepalive: a sequence number that must keep growing
 * ``finished``            written when the job succeeded or gave up; late agents get JobFinished
 * ``round``               hint: the newest round that may be open (only a starting point for scans)
 
 Every record is JSON (never pickle) in a signed envelope (nvrx/launcher/agent/rdzv_auth.py): its HMAC covers the run
-id, the round and the key, so a value written without the job secret, or copied from another round or run, is
-ignored and reported (rdzv_forged_record). Counters (``count``, ``succeeded``, ``acked``) are only hints that
-something may have changed: no decision rests on a counter anyone could bump. A forged value cannot block a
-real one either: the first *valid* record wins (compare_set replaces exactly the forged bytes it read).
+id, the launch (a nonce the store host draws), the round and the key, so a value written without the job secret,
+or copied from another round, run or launch, is ignored and reported (rdzv_forged_record). The only counter left,
+``count``, is a hint: a forged bump costs at most a delay, never a decision or a number in a message. A forged
+value cannot block a real one either: the first *valid* record wins (compare_set replaces exactly the forged bytes
+it read).
 
 Waiting is done by short polls with check() (a timed-out torch wait prints C++ warnings); blocking get/wait is
 used only for keys that another agent is in the middle of writing.
@@ -145,6 +149,9 @@ class _Keys:
     def succeeded(self, n: int, g: int) -> str:
         return f"{self.prefix}r{n}/succeeded/{g}"
 
+    def ack(self, n: int, g: int) -> str:
+        return f"{self.prefix}r{n}/ack/{g}"
+
 
 class _Backoff:
     """Poll sleeps growing from 1 ms to MAX_POLL: fast when things move, cheap when idle."""
@@ -222,15 +229,6 @@ class _JoinSlots:
         for j in sorted(self.valid):
             out.setdefault(self.valid[j]["node_id"], self.valid[j])
         return list(out.values())
-
-
-def _stop_parser(r: int) -> Callable[[str], StopRecord]:
-    def parse(body: str) -> StopRecord:
-        rec = parse_stop(body)
-        if rec.round != r:
-            raise BadRecord(f"round is {rec.round}, not {r}")
-        return rec
-    return parse
 
 
 def _parse_seq(body: str) -> int:
@@ -492,6 +490,14 @@ class Rendezvous:
                 return j + 1
         return 0
 
+    def _free_slot(self, store: TCPStore, r: int, limit: int) -> int:
+        """The first join slot of round R that holds nothing (the counter proposed one nobody reads)."""
+        for j in range(limit):
+            if not store.check([self.keys.join(r, j)]):
+                return j
+        raise BadStoreRecord(f"round {r}: all {limit} join slots are taken (another program filled them); keep the "
+                             "endpoint's port private to the job's nodes")
+
     def _drop_client(self, purpose: str) -> None:
         with self._lock:
             self._clients.pop(purpose, None)
@@ -533,8 +539,52 @@ class Rendezvous:
                 return None
             backoff.sleep()
 
+    def _stop_parser(self, store: TCPStore, r: int) -> Callable[[str], StopRecord]:
+        """Parses a stop record of round R and checks that the nodes it names are in that round."""
+        def parse(body: str) -> StopRecord:
+            rec = parse_stop(body)
+            if rec.round != r:
+                raise BadRecord(f"round is {rec.round}, not {r}")
+            self._check_stop_nodes(store, rec)
+            return rec
+        return parse
+
+    def _check_stop_nodes(self, store: TCPStore, rec: StopRecord) -> None:
+        """BadRecord unless REC names members of its round: its writer (a standby asking to scale up, or reporting
+        a silent member: a node that joined the round) and the node and group rank it is about."""
+        closed = self._closed_of(store, rec.round)
+        if closed is None:
+            raise BadRecord(f"round {rec.round} has no valid closed record")
+        members = [n.node_id for n in closed["nodes"]]
+        standby_ok = rec.kind in (StopKind.SCALE_UP, StopKind.NODE_LEFT)
+        if rec.by_node not in members and not (standby_ok and self._joined(store, rec.round, rec.by_node)):
+            raise BadRecord(f"by_node {rec.by_node[:80]!r} is not a node of round {rec.round}")
+        if rec.kind is StopKind.SCALE_UP and rec.by_node in members:
+            raise BadRecord(f"scale_up by {rec.by_node[:80]!r}, a member of round {rec.round}, not a standby")
+        subject = rec.detail.get("node") if rec.kind is StopKind.NODE_LEFT else rec.by_node
+        if rec.kind is StopKind.NODE_LEFT and subject not in members:
+            raise BadRecord(f"node_left names {str(subject)[:80]!r}, not a node of round {rec.round}")
+        g = rec.detail.get("group_rank")
+        if g is not None and subject in members and g != members.index(subject):
+            raise BadRecord(f"group_rank {g} is not the place of {str(subject)[:80]!r} in round {rec.round}")
+
+    def _joined(self, store: TCPStore, r: int, node_id: str) -> bool:
+        """Whether NODE_ID has a valid join record in round R (looked for only for a standby's stop record)."""
+        return node_id in self._joined_ids(store, r, self._slot_limit())
+
+    def _joined_ids(self, store: TCPStore, r: int, limit: int) -> set[str]:
+        """The node ids with a valid join record among round R's first LIMIT slots (the counter says how many)."""
+        count = self._count(self.keys.r(r, "count"), 0, lambda probe: self._join_slots_used(probe, r))
+        count = min(count, limit) if count >= 0 else limit
+        joins = (self._read_if(store, self.keys.join(r, j), r, parse_join) for j in range(count))
+        return {j["node_id"] for j in joins if j is not None}
+
     def _raise_if_finished(self, store: TCPStore) -> None:
         rec = self._read_if(store, self.keys.finished, JOB_WIDE, parse_stop)
+        if rec is not None and self._stop_of(store, rec.round) != rec:  # it must repeat a valid stop record
+            self._bad_record(self.keys.finished, store.get(self.keys.finished),
+                             BadRecord(f"it does not match the stop record of round {rec.round}"), fatal=False)
+            rec = None
         if rec is not None:
             how = "succeeded" if rec.kind is StopKind.SUCCEEDED else f"gave up after {rec.restart_count} restarts"
             raise JobFinished(f"job {self.settings.run_id} already {how} (round {rec.round})")
@@ -574,7 +624,7 @@ class Rendezvous:
         """Round R's valid stop record, if it has one yet (a forged one does not count)."""
         if r in self._stops:
             return self._stops[r]
-        rec = self._read_if(store, self.keys.r(r, "stop"), r, _stop_parser(r))
+        rec = self._read_if(store, self.keys.r(r, "stop"), r, self._stop_parser(store, r))
         if rec is not None:
             self._stops[r] = rec
         return rec
@@ -587,10 +637,30 @@ class Rendezvous:
             r += 1
         return r
 
+    def _slot_limit(self) -> int:
+        """How many join slots of a round anybody looks at (members, standbys and a margin)."""
+        return 2 * self.settings.max_nodes + 64
+
     def _join(self, store: TCPStore, r: int) -> None:
-        j = self._count(self.keys.r(r, "count"), 1, lambda probe: self._join_slots_used(probe, r)) - 1
-        key = self.keys.join(r, j)
-        store.set(key, self._seal(key, r, {**self.info._asdict(), "node_rank": self.settings.node_rank}))
+        """Claim a free join slot of round R with this node's signed join record.
+
+        The counter only proposes a slot: the record goes in with compare_set, so a slot already holding a value
+        (a forged one, or a racing joiner's after a repaired counter) is never overwritten, and a proposal past
+        the slots anybody reads (a forged bump) makes the joiner take the first free slot instead.
+        """
+        content = {**self.info._asdict(), "node_rank": self.settings.node_rank}
+        limit = self._slot_limit()
+        for _ in range(PUT_TRIES):
+            j = self._count(self.keys.r(r, "count"), 1, lambda probe: self._join_slots_used(probe, r)) - 1
+            if not 0 <= j < limit:
+                j = self._free_slot(store, r, limit)
+            key = self.keys.join(r, j)
+            value = self._seal(key, r, content)
+            if store.compare_set(key, "", value) == value.encode():
+                break
+        else:
+            raise BadStoreRecord(f"round {r}: every join slot this agent tried was taken by another program; keep "
+                                 "the endpoint's port private to the job's nodes")
         self._joiner = j
         log.debug("joined round %d as joiner %d", r, j)
         self.events.emit(RdzvJoin(round=r, node_id=self.node_id))
@@ -620,8 +690,10 @@ class Rendezvous:
                     return record
             self._raise_if_finished(store)
             count = self._count(self.keys.r(r, "count"), 0, lambda probe: self._join_slots_used(probe, r))
+            if not 0 <= count <= self._slot_limit():
+                count = self._slot_limit()  # bumped by another program: joiners took free slots from 0 up
             now = time.monotonic()
-            valid, pending = self._gather_joins(store, r, count, slots, now) if count >= s.min_nodes else (0, 0)
+            valid, pending = self._gather_joins(store, r, max(count, self._joiner + 1), slots, now)
             if valid >= s.min_nodes:
                 min_seen = min_seen if min_seen is not None else now
                 if valid >= s.max_nodes or (now - min_seen >= s.last_call_timeout and not pending):
@@ -629,20 +701,29 @@ class Rendezvous:
                     continue
             elif now - started > s.join_timeout:
                 raise RendezvousTimeout(
-                    f"rendezvous round {r} timed out after {s.join_timeout:g} s with {valid or count} of "
-                    f"{self._nodes_text()} nodes joined; start the agents on the missing nodes or raise "
-                    "--rdzv-conf join_timeout"
+                    f"rendezvous round {r} timed out after {s.join_timeout:g} s with {valid} of "
+                    f"{self._nodes_text()} nodes joined; {self._refused_text()}start the agents on the missing "
+                    "nodes or raise --rdzv-conf join_timeout"
                 )
             if not follower:
                 backoff.sleep()
 
+    def _refused_text(self) -> str:
+        """On the store host: where agents with another job secret came from, for the timeout message."""
+        refused = self.rs.refused
+        if not refused:
+            return ""
+        return (f"{len(refused)} agent(s) tried to join with another job secret (from {', '.join(refused[:3])}"
+                f"{', ...' if len(refused) > 3 else ''}): give every agent the same secret file; ")
+
     def _gather_joins(self, store: TCPStore, r: int, count: int, slots: _JoinSlots, now: float) -> tuple[int, int]:
         """Read the join slots not known yet: (valid joins, slots still waiting for their record).
 
-        A slot whose record is missing or invalid for JOIN_SLOT_GRACE is left out (the counter was bumped, or the
-        record written, by a program without the secret). At most 2 * max nodes + 64 slots are looked at.
+        Joiners claim slots with compare_set, so a slot holding an invalid value never gets a real record: it is
+        left out at once. An empty slot is left out after JOIN_SLOT_GRACE (its counter value was taken by a
+        program without the secret). At most 2 * max nodes + 64 slots are looked at.
         """
-        todo = slots.open_slots(count, 2 * self.settings.max_nodes + 64)
+        todo = slots.open_slots(count, self._slot_limit())
         if todo:
             present = _present_slots(store, todo, [self.keys.join(r, j) for j in todo])
             raws = store.multi_get([self.keys.join(r, j) for j in present]) if present else []
@@ -651,11 +732,13 @@ class Rendezvous:
                     slots.valid[j] = self._check(self.keys.join(r, j), r, raw, parse_join)
                 except BadRecord as exc:
                     self._bad_record(self.keys.join(r, j), raw, exc, fatal=False)
-            for j in todo:
-                if j not in slots.valid and now - slots.first_seen.setdefault(j, now) > JOIN_SLOT_GRACE:
                     slots.dropped.add(j)
-                    log.warning("round %d: join slot %d has no valid join record after %g s; left out", r, j,
-                                JOIN_SLOT_GRACE)
+            late = [j for j in todo if j not in slots.valid and j not in slots.dropped
+                    and now - slots.first_seen.setdefault(j, now) > JOIN_SLOT_GRACE]
+            if late:
+                slots.dropped.update(late)
+                log.warning("round %d: %d join slot(s) without a join record after %g s are left out (taken by "
+                            "another program?)", r, len(late), JOIN_SLOT_GRACE)
         pending = sum(1 for j in todo if j not in slots.valid and j not in slots.dropped)
         return len(slots.joined()), pending
 
@@ -843,7 +926,7 @@ class Rendezvous:
         give_up = kind in FAULT_KINDS and ((spends and count > self.max_restarts) or bool(detail.get("no_restart")))
         mine = StopRecord(r, kind, self.node_id, dict(detail), count, give_up)
         key = self.keys.r(r, "stop")
-        rec, won = self._put_first(store, key, r, self._seal(key, r, mine), _stop_parser(r))
+        rec, won = self._put_first(store, key, r, self._seal(key, r, mine), self._stop_parser(store, r))
         if won:
             if give_up or kind is StopKind.SUCCEEDED:  # late agents learn from it that the job is over
                 store.set(self.keys.finished, self._seal(self.keys.finished, JOB_WIDE, mine))
@@ -859,8 +942,9 @@ class Rendezvous:
                 return
             self._stops_seen.add(rec.round)
             self._stops[rec.round] = rec
-        if self._result is not None and self._result.round == rec.round:
-            self._count(self.keys.r(rec.round, "acked"), 1, lambda probe: 0)
+        if self._result is not None and self._result.round == rec.round:  # signed: a counter could be bumped
+            key = self.keys.ack(rec.round, self._result.group_rank)
+            store.set(key, self._seal(key, rec.round, {"node_id": self.node_id}))
         log.info("round %d stopped: %s by %s (restarts %d%s)", rec.round, rec.kind, rec.by_node,
                  rec.restart_count, ", giving up" if rec.give_up else "")
         self.events.emit(RdzvStop(round=rec.round, kind=str(rec.kind), by_node=rec.by_node,
@@ -876,10 +960,7 @@ class Rendezvous:
             if closed is None:
                 return 0
             members = {n.node_id for n in closed["nodes"]}
-            count = min(self._count(self.keys.r(round, "count"), 0, lambda probe: self._join_slots_used(probe, round)),
-                        len(members) + 64)
-            joins = (self._read_if(store, self.keys.join(round, j), round, parse_join) for j in range(count))
-            return len({j["node_id"] for j in joins if j is not None and j["node_id"] not in members})
+            return len(self._joined_ids(store, round, len(members) + 64) - members)
 
     def wait_stop(self, round: int) -> StopRecord:
         """Block until ROUND has a valid stop record (for a watcher thread; uses its own connection)."""
@@ -887,7 +968,7 @@ class Rendezvous:
             store = self._client("watch")
             key = self.keys.r(round, "stop")
             self._wait_for_key(store, key)
-            rec = self._wait_valid(store, key, round, _stop_parser(round))
+            rec = self._wait_valid(store, key, round, self._stop_parser(store, round))
             self._saw_stop(store, rec)
             return rec
 
@@ -920,13 +1001,16 @@ class Rendezvous:
             g = g if g is not None else members.index(self.node_id)
             key = self.keys.succeeded(round, g)
             store.set(key, self._seal(key, round, {"node_id": self.node_id}))
-            done = self._count(self.keys.r(round, "succeeded"), 1,
-                               lambda probe: sum(probe.check([self.keys.succeeded(round, i)]) for i in range(len(members))))
-            if done >= len(members) and self._all_succeeded(store, round, members):
+            # the last node to write its record finds them all (no counter: one a program could bump or lower)
+            if self._all_succeeded(store, round, members):
                 self._report_stop(store, round, StopKind.SUCCEEDED, {"nodes": len(members)})
 
     def _all_succeeded(self, store: TCPStore, r: int, members: list[str]) -> bool:
-        keys = [self.keys.succeeded(r, g) for g in range(len(members))]
+        return self._all_signed(store, r, [self.keys.succeeded(r, g) for g in range(len(members))], members)
+
+    def _all_signed(self, store: TCPStore, r: int, keys: list[str], members: list[str]) -> bool:
+        """True when each of KEYS holds a valid record of round R naming the member at its place (one check, and
+        one multi_get once all exist)."""
         if not store.check(keys):
             return False
         for g, (key, raw) in enumerate(zip(keys, store.multi_get(keys))):
@@ -1026,8 +1110,9 @@ class Rendezvous:
             if not store.check([self.keys.r(res.round, "stop")]):
                 return
             deadline = time.monotonic() + min(self.settings.keepalive_timeout, LINGER_MAX)
-            while self._count(self.keys.r(res.round, "acked"), 0, lambda probe: 0) < len(res.nodes) \
-                    and time.monotonic() < deadline:
+            keys = [self.keys.ack(res.round, g) for g in range(len(res.nodes))]
+            members = [n.node_id for n in res.nodes]
+            while not self._all_signed(store, res.round, keys, members) and time.monotonic() < deadline:
                 time.sleep(MAX_POLL)
 
     def close(self) -> None:
