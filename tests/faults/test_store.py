@@ -15,6 +15,7 @@ from torch.distributed import TCPStore
 from nvrx.launcher.agent.rdzv_auth import RecordAuth, load_secret
 from nvrx.launcher.agent.rdzv_records import BadRecord, parse_closed, parse_join, parse_pg
 from nvrx.launcher.agent.rendezvous import parse_stop
+from nvrx.events import StopDetail
 
 from tests.conftest import free_port, listening, one_line_error, wait_for
 from tests.faults.conftest import one_line
@@ -185,7 +186,7 @@ def test_any_store_value_is_a_record_or_a_bad_record(raw):
         except BadRecord:
             continue
         if parse is parse_stop:
-            assert isinstance(rec.detail, dict) and isinstance(rec.give_up, bool) and rec.round >= 0
+            assert isinstance(rec.detail, StopDetail) and isinstance(rec.give_up, bool) and rec.round >= 0
         elif parse is parse_closed:
             assert all(isinstance(n["nproc"], int) and n["nproc"] >= 1 for n in rec["nodes"])
         elif parse is parse_pg and "error" not in rec:

@@ -42,7 +42,8 @@ from nvrx.launcher.agent.store import (
     open_rendezvous_store,
 )
 from nvrx.common.net import resolve
-from nvrx.events import EventLog
+from nvrx.events import EventLog, StopDetail
+from nvrx.launcher.agent.restart_policy import RestartPolicy
 from nvrx.common.net import start_store_server
 from tests.conftest import wait_for
 
@@ -129,7 +130,7 @@ class Cluster:
         rs = open_rendezvous_store(settings)
         self.stores.append(rs)
         log = EventLog(None, node_id)
-        agent = Agent(rs, Rendezvous(rs, settings, max_restarts, log, node_id=node_id), [])
+        agent = Agent(rs, Rendezvous(rs, settings, RestartPolicy(max_restarts), log, node_id=node_id), [])
         log.subscribe(agent.record)
         self.agents.append(agent)
         return agent
@@ -203,7 +204,7 @@ def test_restart_round_keeps_group_ranks(cluster: Cluster) -> None:
     s = make_settings(free_port())
     a, b = cluster.agent(s, "node-a"), cluster.agent(s, "node-b")
     r0a, _ = in_parallel(a.rdzv.next_round, b.rdzv.next_round)
-    a.rdzv.report_stop(0, "failed", {"rank": 0, "exitcode": 1})
+    a.rdzv.report_stop(0, "failed", StopDetail(rank=0, exitcode=1))
     assert b.rdzv.wait_stop(0).kind == "failed"
 
     r1a, r1b = in_parallel(a.rdzv.next_round, b.rdzv.next_round)
@@ -258,7 +259,7 @@ def test_standby_ends_a_silent_round(cluster: Cluster) -> None:
     r1 = b.rdzv.next_round()
     assert (r1.round, r1.nodes[0].node_id) == (1, "node-b")
     stop = a.rdzv.wait_stop(0)
-    assert (stop.kind, stop.detail["node"], stop.restart_count) == ("node_left", "node-a", 1)
+    assert (stop.kind, stop.detail.node, stop.restart_count) == ("node_left", "node-a", 1)
 
 
 def test_fixed_node_rank_is_the_group_rank(cluster: Cluster) -> None:
@@ -297,11 +298,11 @@ def test_restart_budget_is_job_wide(cluster: Cluster) -> None:
     a, b = cluster.agent(s, "node-a", max_restarts=1), cluster.agent(s, "node-b", max_restarts=1)
     in_parallel(a.rdzv.next_round, b.rdzv.next_round)
     sa, sb = in_parallel(
-        lambda: a.rdzv.report_stop(0, "failed", {"rank": 0}),
-        lambda: b.rdzv.report_stop(0, "failed", {"rank": 2}),
+        lambda: a.rdzv.report_stop(0, "failed", StopDetail(rank=0)),
+        lambda: b.rdzv.report_stop(0, "failed", StopDetail(rank=2)),
     )
     assert sa == sb and (sa.restart_count, sa.give_up) == (1, False)  # counted once
-    assert a.rdzv.report_stop(0, "node_left", {}) == sa  # idempotent: the first record stands
+    assert a.rdzv.report_stop(0, "node_left", StopDetail()) == sa  # idempotent: the first record stands
     assert len(a.evs("rdzv_stop")) == 1
 
     # node b leaves; a new agent (new node id, new connection) takes its place
@@ -311,7 +312,7 @@ def test_restart_budget_is_job_wide(cluster: Cluster) -> None:
     assert r1a.restart_count == r1b.restart_count == 1
     assert (r1a.group_rank, r1b.group_rank) == (0, 1)
 
-    final = b2.rdzv.report_stop(1, "failed", {"rank": 3})
+    final = b2.rdzv.report_stop(1, "failed", StopDetail(rank=3))
     assert (final.restart_count, final.give_up) == (2, True)
     assert StopRecord.from_json(final.to_json()) == final
     late = cluster.agent(s, "node-late", max_restarts=1)
@@ -331,7 +332,7 @@ def test_keepalive_reports_a_silent_node(cluster: Cluster) -> None:
     b.rdzv.stop_keepalive()
     with ThreadPoolExecutor(max_workers=1) as pool:
         stop = pool.submit(a.rdzv.wait_stop, 0).result(timeout=WAIT)
-    assert (stop.kind, stop.by_node, stop.detail) == ("node_left", "node-a", {"node": "node-b", "group_rank": 1})
+    assert (stop.kind, stop.by_node, stop.detail.to_fields()) == ("node_left", "node-a", {"node": "node-b", "group_rank": 1})
     assert stop.restart_count == 1
     a.rdzv.stop_keepalive()
 
@@ -371,7 +372,7 @@ def test_forged_records_cannot_form_stop_or_keep_alive(cluster: Cluster) -> None
     with ThreadPoolExecutor(max_workers=1) as pool:
         watching = pool.submit(b.rdzv.wait_stop, 1)
         assert not wait_for(watching.done, 1.0)  # the replay ends nothing
-        a.rdzv.report_stop(1, "interrupted", {"signum": 15})
+        a.rdzv.report_stop(1, "interrupted", StopDetail(signum=15))
         assert (watching.result(timeout=WAIT).kind, watching.result().restart_count) == ("interrupted", 1)
 
 
@@ -434,7 +435,7 @@ def test_a_stop_record_naming_a_node_outside_the_round_is_refused(cluster: Clust
                       {**outsider, "kind": "failed", "by_node": "node-a", "detail": {"group_rank": 1}}):
             evil.set(key, a.rs.auth.seal(key, 0, wrong))
             assert not wait_for(watching.done, 0.5)
-        a.rdzv.report_stop(0, "failed", {"rank": 0, "group_rank": 0})
+        a.rdzv.report_stop(0, "failed", StopDetail(rank=0, group_rank=0))
         assert (watching.result(timeout=WAIT).kind, watching.result().by_node) == ("failed", "node-a")
     problems = [e["problem"] for e in b.evs("rdzv_bad_record")]
     assert any("'old-node' is not a node of round 0" in p for p in problems), problems
@@ -473,7 +474,7 @@ def test_records_of_an_earlier_launch_are_refused() -> None:
         with ThreadPoolExecutor(max_workers=1) as pool:
             watching = pool.submit(other.rdzv.wait_stop, 0)
             assert not wait_for(watching.done, 1.0)  # launch A's "succeeded" ends nothing
-            host.rdzv.report_stop(0, "interrupted", {"signum": 15})
+            host.rdzv.report_stop(0, "interrupted", StopDetail(signum=15))
             assert watching.result(timeout=WAIT).kind == "interrupted"
         forged = {e["key"] for e in host.evs("rdzv_forged_record") + other.evs("rdzv_forged_record")}
         assert {"nvrx/job/r0/stop", "nvrx/job/finished"} <= forged, forged
@@ -501,7 +502,7 @@ def test_wait_stop_raises_when_the_store_is_lost() -> None:
     host = c.agent(s, "node-a")
     client = c.agent(s, "node-b")
     host.rdzv.next_round()  # round 0 closes with the host alone (last call 0)
-    host.rdzv.report_stop(0, "interrupted", {})
+    host.rdzv.report_stop(0, "interrupted", StopDetail())
     client.rdzv.wait_stop(0)  # a stopped round: returns at once, and the watcher's own connection now exists
     with ThreadPoolExecutor(max_workers=1) as pool:
         watching = pool.submit(client.rdzv.wait_stop, 1)  # polls that connection until the host goes

@@ -37,7 +37,6 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import asdict
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch.distributed as dist
@@ -45,8 +44,9 @@ from torch.distributed import TCPStore
 
 from nvrx.launcher.agent.config import RdzvSettings
 from nvrx.launcher.agent.rdzv_auth import JOB_WIDE, ForgedRecord, RejectedRecords
-from nvrx.launcher.agent.rdzv_records import (FAULT_KINDS, BadRecord, NodeInfo, RoundResult, StopKind, StopRecord,
-                                         parse_closed, parse_join, parse_pg)
+from nvrx.launcher.agent.rdzv_records import (BadRecord, NodeInfo, RoundResult, StopKind, StopRecord, parse_closed,
+                                              parse_join, parse_pg)
+from nvrx.launcher.agent.restart_policy import RestartPolicy
 from nvrx.launcher.agent.store import (
     PortInUse,
     RendezvousError,
@@ -55,7 +55,7 @@ from nvrx.launcher.agent.store import (
     advertised_address,
     master_addr_for_ranks,
 )
-from nvrx.events import EventLog, RdzvJoin, RdzvRound, RdzvStandby, RdzvStop, StopDetail, field_problem, spec_of
+from nvrx.events import EventLog, RdzvJoin, RdzvRound, RdzvStandby, RdzvStop, StopDetail
 from nvrx.common.net import port_in_use, start_store_server
 from nvrx.common.errors import NvrxError
 
@@ -74,20 +74,15 @@ LINGER_MAX = 10.0  # how long the store host waits for peers to read the final s
 JOIN_SLOT_GRACE = 10.0
 FORGED_POLL_MAX = 0.5  # seconds between looks at a key that holds a forged value, waiting for the real one
 PUT_TRIES = 64  # compare_set attempts against values that keep being replaced by forged ones
-_DETAIL_SPEC = spec_of(StopDetail)
 
 
 class BadStoreRecord(RendezvousError):
     """A record in the rendezvous store that this agent cannot ignore is malformed: the job ends (one line)."""
 
 
-def parse_stop(raw: bytes) -> StopRecord:
-    """A stop record from the store with its detail checked against the event schema (it is logged as is)."""
-    rec = StopRecord.from_json(raw)
-    problem = field_problem(rec.detail, _DETAIL_SPEC, "detail.")
-    if problem is not None:
-        raise BadRecord(problem)
-    return rec
+def parse_stop(raw: bytes | str) -> StopRecord:
+    """A stop record from the store, its reason checked against the event schema (it is logged as is)."""
+    return StopRecord.from_json(raw)
 
 
 class RendezvousTimeout(RendezvousError):
@@ -247,8 +242,8 @@ def _parse_hint(body: str) -> int:
 
 class KeepaliveTask:
     """One node's keepalive in one round: each tick writes its next signed beat and looks at its ring
-    neighbours (reporting node_left for one silent past keepalive_timeout). Driven by the agent's own thread,
-    or by a SharedKeepalive."""
+    neighbours (reporting node_left for one silent past keepalive_timeout). Driven by the agent's own thread
+    (bench/bench_rendezvous.py drives many from one thread)."""
 
     def __init__(self, rdzv: "Rendezvous", result: RoundResult) -> None:
         self.rdzv = rdzv
@@ -267,112 +262,26 @@ class KeepaliveTask:
             self.watching = self.rdzv._watch_once(store, self.round, self.alive)
 
 
-class SharedKeepalive:
-    """Drives the keepalive tasks of many simulated agents in one process from one thread and one connection,
-    every INTERVAL seconds, instead of a thread and a connection per agent (which starve each other on a few
-    cores: beats come late and healthy nodes are reported silent). Each task does exactly what it does on an
-    agent's own thread, including its first beat at once when it starts."""
-
-    def __init__(self, connect: Callable[[], TCPStore], interval: float) -> None:
-        self._connect = connect
-        self._interval = interval
-        self._tasks: list[KeepaliveTask] = []
-        self._fresh: list[KeepaliveTask] = []  # added since the last pass: beat now, not at the next pass
-        self._lock = threading.Lock()  # held while a tick runs, so remove() returns only after the task's last tick
-        self._wake = threading.Event()
-        self._stop = False
-        self._thread: threading.Thread | None = None
-        self.slowest_pass = 0.0  # seconds: the longest pass over all tasks (beats come that far apart at worst)
-
-    def add(self, task: KeepaliveTask) -> None:
-        with self._lock:
-            self._tasks.append(task)
-            self._fresh.append(task)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="nvrx-shared-keepalive", daemon=True)
-                self._thread.start()
-        self._wake.set()
-
-    def remove(self, task: KeepaliveTask) -> None:
-        with self._lock:
-            for tasks in (self._tasks, self._fresh):
-                if task in tasks:
-                    tasks.remove(task)
-
-    def close(self) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(self._interval + 5.0)
-
-    def _run(self) -> None:
-        store = self._connect()
-        next_pass = time.monotonic()
-        while not self._stop:
-            self._wake.clear()  # before taking the fresh tasks: one added from now on wakes the next wait at once
-            started = time.monotonic()
-            full = started >= next_pass
-            with self._lock:
-                due, self._fresh = (list(self._tasks) if full else self._fresh), []
-                for task in due:
-                    try:
-                        task.tick(store)
-                    except (dist.DistError, RendezvousError) as exc:
-                        log.warning("keepalive of %s stopped (%s)", task.rdzv.node_id, str(exc).splitlines()[0])
-                        self._tasks.remove(task)
-            if full:
-                self.slowest_pass = max(self.slowest_pass, time.monotonic() - started)
-                next_pass += self._interval
-            self._wake.wait(max(0.0, next_pass - time.monotonic()))
-
-
-class SharedRecords:
-    """Records already checked and parsed, shared by the simulated agents of one process (keyed by store key,
-    round and the exact bytes): N agents in one process reading the same 1,024-node closed record would otherwise
-    spend N times what each real agent spends once on its own node. Parsed records are never modified."""
-
-    LIMIT = 4096
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._parsed: dict[tuple[str, int, bytes], Any] = {}
-
-    def check(self, key: str, r: int, raw: bytes | str, check: Callable[[], T]) -> T:
-        ident = (key, r, raw.encode() if isinstance(raw, str) else bytes(raw))
-        with self._lock:
-            if ident in self._parsed:
-                return self._parsed[ident]
-        value = check()  # BadRecord: not cached, every agent reports it as it would alone
-        with self._lock:
-            if len(self._parsed) >= self.LIMIT:
-                self._parsed.clear()
-            self._parsed[ident] = value
-        return value
-
-
 class Rendezvous:
-    """One agent's view of the job-wide rendezvous: rounds, stops, the restart budget, keepalive."""
+    """One agent's view of the job-wide rendezvous: rounds, membership, the signed records, keepalive.
+
+    What a stop costs (the restart budget, giving up) is the agent's POLICY (restart_policy.py), asked when this
+    agent writes a stop record. bench/bench_rendezvous.py subclasses it for simulated agents (one connection,
+    one keepalive thread and one record cache per process): _client, _check, start_keepalive, stop_keepalive.
+    """
 
     def __init__(
         self,
         rs: RendezvousStore,
         settings: RdzvSettings,
-        max_restarts: int,
+        policy: RestartPolicy,
         events: EventLog,
         node_id: str | None = None,
-        shared_keepalive: "SharedKeepalive | None" = None,
-        one_connection: bool = False,
-        shared_records: "SharedRecords | None" = None,
     ) -> None:
-        """SHARED_KEEPALIVE, ONE_CONNECTION and SHARED_RECORDS are for simulated agents (bench/bench_rendezvous.py):
-        many agents in one process beat from one thread, an agent that makes one call at a time uses its main
-        connection for every purpose, and the agents of a process check and parse each identical record once. A
-        real agent has none of them: its watcher and keepalive threads need connections of their own, and it
-        reads each record once anyway."""
         self.rs = rs
         self.auth = rs.auth
         self.settings = settings
-        self.max_restarts = max_restarts
+        self.policy = policy
         self.events = events
         self.keys = _Keys(settings.run_id)
         addr = advertised_address(settings, rs.host, rs.port)
@@ -391,9 +300,6 @@ class Rendezvous:
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()
         self._ka_task: KeepaliveTask | None = None
-        self._shared_keepalive = shared_keepalive
-        self._one_connection = one_connection
-        self._shared_records = shared_records
         self._joiner = 0  # this agent's join index in the round it is joining
 
     @property
@@ -404,7 +310,7 @@ class Rendezvous:
 
     def _client(self, purpose: str = "main") -> TCPStore:
         """The main client for short calls; one extra connection per background purpose."""
-        if (purpose == "main" or self._one_connection) and self.rs.store is not None:
+        if purpose == "main" and self.rs.store is not None:
             return self.rs.store
         with self._lock:
             if purpose not in self._clients:
@@ -425,13 +331,11 @@ class Rendezvous:
                 "the agent hosting it has probably exited"
             ) from None
 
-    def _seal(self, key: str, r: int, content: Any) -> str:
-        return self.auth.seal(key, r, content if isinstance(content, dict) else asdict(content))
+    def _seal(self, key: str, r: int, content: dict | StopRecord) -> str:
+        return self.auth.seal(key, r, content.fields() if isinstance(content, StopRecord) else content)
 
     def _check(self, key: str, r: int, raw: bytes, parse: Callable[[str], T]) -> T:
         """RAW read from KEY as the record PARSE makes of it, if it is signed for KEY and round R (BadRecord if not)."""
-        if self._shared_records is not None:
-            return self._shared_records.check(key, r, raw, lambda: parse(self.auth.open(key, r, raw)))
         return parse(self.auth.open(key, r, raw))
 
     def _read(self, store: TCPStore, key: str, r: int, parse: Callable[[str], T], fatal: bool) -> T | None:
@@ -561,10 +465,10 @@ class Rendezvous:
             raise BadRecord(f"by_node {rec.by_node[:80]!r} is not a node of round {rec.round}")
         if rec.kind is StopKind.SCALE_UP and rec.by_node in members:
             raise BadRecord(f"scale_up by {rec.by_node[:80]!r}, a member of round {rec.round}, not a standby")
-        subject = rec.detail.get("node") if rec.kind is StopKind.NODE_LEFT else rec.by_node
+        subject = rec.detail.node if rec.kind is StopKind.NODE_LEFT else rec.by_node
         if rec.kind is StopKind.NODE_LEFT and subject not in members:
             raise BadRecord(f"node_left names {str(subject)[:80]!r}, not a node of round {rec.round}")
-        g = rec.detail.get("group_rank")
+        g = rec.detail.group_rank
         if g is not None and subject in members and g != members.index(subject):
             raise BadRecord(f"group_rank {g} is not the place of {str(subject)[:80]!r} in round {rec.round}")
 
@@ -618,7 +522,7 @@ class Rendezvous:
         """Rounds advance only through stop records; write one if the caller skipped it."""
         if self._result and self._stop_of(store, self._result.round) is None:
             log.warning("round %d has no stop record; recording it as interrupted", self._result.round)
-            self._report_stop(store, self._result.round, StopKind.INTERRUPTED, {"node": self.node_id})
+            self._report_stop(store, self._result.round, StopKind.INTERRUPTED, StopDetail(node=self.node_id))
 
     def _stop_of(self, store: TCPStore, r: int) -> StopRecord | None:
         """Round R's valid stop record, if it has one yet (a forged one does not count)."""
@@ -865,7 +769,7 @@ class Rendezvous:
         msg = (f"--master-port {port} is already in use on node {self.info.addr} ({why}); choose a free port, "
                f"or drop --master-port to let nvrx pick a fresh one per round")
         if nnodes > 1:
-            self._report_stop(store, r, StopKind.FAILED, {"describe": msg, "no_restart": True, "round": r})
+            self._report_stop(store, r, StopKind.FAILED, StopDetail(describe=msg, no_restart=True, round=r))
         raise PortInUse(msg)
 
     def _standby(self, store: TCPStore, r: int, record: dict) -> None:
@@ -875,7 +779,7 @@ class Rendezvous:
         log.info("round %d already running with %d nodes; standing by (%s)", r, len(record["nodes"]), reason)
         self.events.emit(RdzvStandby(round=r, node_id=self.node_id, reason=reason, nodes=len(record["nodes"])))
         if room:
-            self._report_stop(store, r, StopKind.SCALE_UP, {"node": self.node_id})
+            self._report_stop(store, r, StopKind.SCALE_UP, StopDetail(node=self.node_id))
             return
         self._wait_standby(store, r, record)
 
@@ -891,14 +795,15 @@ class Rendezvous:
                 self._read_beats(store, r, alive)
                 silent = alive.silent()
                 if silent:
-                    self._report_stop(store, r, StopKind.NODE_LEFT, {"node": silent[0], "group_rank": silent[1]})
+                    self._report_stop(store, r, StopKind.NODE_LEFT, StopDetail(node=silent[0], group_rank=silent[1]))
                 next_check = time.monotonic() + self.settings.keepalive_interval
             backoff.sleep()
 
-    # ------------------------------------------------------------ stops and the restart budget
+    # ------------------------------------------------------------ stops
 
-    def report_stop(self, round: int, kind: StopKind | str, detail: dict) -> StopRecord:
-        """End ROUND; idempotent across nodes: the first record wins and is returned to everyone."""
+    def report_stop(self, round: int, kind: StopKind | str, detail: StopDetail) -> StopRecord:
+        """End ROUND for the reason DETAIL; idempotent across nodes: the first record wins and is returned to
+        everyone. Its restart count and give-up flag are the agent's policy's verdict."""
         with self._store_errors():
             return self._report_stop(self._client(), round, kind, detail)
 
@@ -912,7 +817,7 @@ class Rendezvous:
         prev = self._stop_of(store, r - 1) if r > 0 else None  # a round that never closed (not ours to end)
         return prev.restart_count if prev is not None else 0
 
-    def _report_stop(self, store: TCPStore, r: int, kind: StopKind | str, detail: dict) -> StopRecord:
+    def _report_stop(self, store: TCPStore, r: int, kind: StopKind | str, detail: StopDetail) -> StopRecord:
         try:
             kind = StopKind(kind)
         except ValueError:
@@ -921,15 +826,13 @@ class Rendezvous:
         if known is not None:
             self._saw_stop(store, known)
             return known
-        spends = kind in FAULT_KINDS and not detail.get("leaves")  # a node leaving for a standby: no restart
-        count = self._round_restarts(store, r) + (1 if spends else 0)
-        give_up = kind in FAULT_KINDS and ((spends and count > self.max_restarts) or bool(detail.get("no_restart")))
-        mine = StopRecord(r, kind, self.node_id, dict(detail), count, give_up)
+        count, give_up = self.policy.decide(kind, detail, self._round_restarts(store, r))
+        mine = StopRecord(r, kind, self.node_id, detail, count, give_up)
         key = self.keys.r(r, "stop")
         rec, won = self._put_first(store, key, r, self._seal(key, r, mine), self._stop_parser(store, r))
         if won:
             if give_up or kind is StopKind.SUCCEEDED:  # late agents learn from it that the job is over
-                store.set(self.keys.finished, self._seal(self.keys.finished, JOB_WIDE, mine))
+                store.set(self.keys.finished, self._seal(self.keys.finished, JOB_WIDE, mine.fields()))
             store.set(self.keys.hint, self._seal(self.keys.hint, JOB_WIDE, {"round": r + 1}))
         self._stops[r] = rec
         self._saw_stop(store, rec)
@@ -948,7 +851,7 @@ class Rendezvous:
         log.info("round %d stopped: %s by %s (restarts %d%s)", rec.round, rec.kind, rec.by_node,
                  rec.restart_count, ", giving up" if rec.give_up else "")
         self.events.emit(RdzvStop(round=rec.round, kind=str(rec.kind), by_node=rec.by_node,
-                                  detail=StopDetail.of(rec.detail), restart_count=rec.restart_count,
+                                  detail=rec.detail, restart_count=rec.restart_count,
                                   give_up=rec.give_up))
 
     def standbys(self, round: int) -> int:
@@ -1003,7 +906,7 @@ class Rendezvous:
             store.set(key, self._seal(key, round, {"node_id": self.node_id}))
             # the last node to write its record finds them all (no counter: one a program could bump or lower)
             if self._all_succeeded(store, round, members):
-                self._report_stop(store, round, StopKind.SUCCEEDED, {"nodes": len(members)})
+                self._report_stop(store, round, StopKind.SUCCEEDED, StopDetail(nodes=len(members)))
 
     def _all_succeeded(self, store: TCPStore, r: int, members: list[str]) -> bool:
         return self._all_signed(store, r, [self.keys.succeeded(r, g) for g in range(len(members))], members)
@@ -1026,14 +929,11 @@ class Rendezvous:
     # ------------------------------------------------------------ keepalive
 
     def start_keepalive(self, result: RoundResult) -> None:
-        """Beat this node's signed sequence and watch neighbours until stop_keepalive(): on a thread of its own
-        with its own connection, or on the shared driver given at construction (simulated agents)."""
+        """Beat this node's signed sequence and watch neighbours until stop_keepalive(), on a thread of its own
+        with its own connection."""
         self.stop_keepalive()
         task = KeepaliveTask(self, result)
         self._ka_task = task
-        if self._shared_keepalive is not None:
-            self._shared_keepalive.add(task)
-            return
         self._ka_stop = threading.Event()
         self._ka_thread = threading.Thread(
             target=self._keepalive_loop,
@@ -1047,8 +947,6 @@ class Rendezvous:
         """Stop beating; returns when the last beat was written (wall clock), None if there was none."""
         self._ka_stop.set()
         task, self._ka_task = self._ka_task, None
-        if task is not None and self._shared_keepalive is not None:
-            self._shared_keepalive.remove(task)  # returns after the task's last tick
         if self._ka_thread is not None:
             self._ka_thread.join(timeout=self.settings.keepalive_interval + 5.0)
             self._ka_thread = None
@@ -1091,7 +989,7 @@ class Rendezvous:
         if silent is None:
             return True
         log.warning("node %s (group rank %d) stopped beating for %g s", silent[0], silent[1], alive.timeout)
-        self._report_stop(store, r, StopKind.NODE_LEFT, {"node": silent[0], "group_rank": silent[1]})
+        self._report_stop(store, r, StopKind.NODE_LEFT, StopDetail(node=silent[0], group_rank=silent[1]))
         return False
 
     # ------------------------------------------------------------ shutdown
