@@ -479,9 +479,16 @@ class Rendezvous:
     def _joined_ids(self, store: TCPStore, r: int, limit: int) -> set[str]:
         """The node ids with a valid join record among round R's first LIMIT slots (the counter says how many)."""
         count = self._count(self.keys.r(r, "count"), 0, lambda probe: self._join_slots_used(probe, r))
-        count = min(count, limit) if count >= 0 else limit
-        joins = (self._read_if(store, self.keys.join(r, j), r, parse_join) for j in range(count))
-        return {j["node_id"] for j in joins if j is not None}
+        slots = list(range(min(count, limit) if count >= 0 else limit))
+        keys = [self.keys.join(r, j) for j in slots]
+        present = [keys[j] for j in _present_slots(store, slots, keys)] if keys else []
+        ids = set()
+        for key, raw in zip(present, store.multi_get(present) if present else []):
+            try:
+                ids.add(self._check(key, r, raw, parse_join)["node_id"])
+            except BadRecord as exc:
+                self._bad_record(key, raw, exc, fatal=False)
+        return ids
 
     def _raise_if_finished(self, store: TCPStore) -> None:
         rec = self._read_if(store, self.keys.finished, JOB_WIDE, parse_stop)
