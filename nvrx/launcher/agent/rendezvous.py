@@ -648,8 +648,9 @@ class Rendezvous:
                     and now - slots.first_seen.setdefault(j, now) > JOIN_SLOT_GRACE]
             if late:
                 slots.dropped.update(late)
-                log.warning("round %d: %d join slot(s) without a join record after %g s are left out (taken by "
-                            "another program?)", r, len(late), JOIN_SLOT_GRACE)
+                # no count in the line: the slots come from the join counter, which anybody can move
+                log.warning("round %d: join slots without a join record after %g s are left out (taken by another "
+                            "program?)", r, JOIN_SLOT_GRACE)
         pending = sum(1 for j in todo if j not in slots.valid and j not in slots.dropped)
         return len(slots.joined()), pending
 
