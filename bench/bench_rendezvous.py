@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -39,16 +40,21 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from nvrx.launcher.agent.config import RdzvSettings  # noqa: E402
 from nvrx.launcher.agent.rdzv_auth import generate_secret, load_secret  # noqa: E402
-from nvrx.launcher.agent.rendezvous import Rendezvous, SharedKeepalive, SharedRecords  # noqa: E402
-from nvrx.launcher.agent.rdzv_records import StopKind  # noqa: E402
+from nvrx.launcher.agent.rendezvous import KeepaliveTask, Rendezvous  # noqa: E402
+from nvrx.launcher.agent.rdzv_errors import RendezvousError  # noqa: E402
+from nvrx.launcher.agent.rdzv_records import RoundResult, StopKind  # noqa: E402
+from nvrx.launcher.agent.restart_policy import RestartPolicy  # noqa: E402
+from nvrx.events import StopDetail  # noqa: E402
 from nvrx.launcher.agent.store import _join, open_rendezvous_store  # noqa: E402
 from nvrx.events import EventLog  # noqa: E402
 
@@ -85,6 +91,124 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# ---------------------------------------------------------------- many simulated agents in one process
+
+T = TypeVar("T")
+log = logging.getLogger("bench_rendezvous")
+
+
+class SharedKeepalive:
+    """Drives the keepalive tasks of many simulated agents in one process from one thread and one connection,
+    every INTERVAL seconds, instead of a thread and a connection per agent (which starve each other on a few
+    cores: beats come late and healthy nodes are reported silent). Each task does exactly what it does on an
+    agent's own thread, including its first beat at once when it starts."""
+
+    def __init__(self, connect: Callable[[], TCPStore], interval: float) -> None:
+        self._connect = connect
+        self._interval = interval
+        self._tasks: list[KeepaliveTask] = []
+        self._fresh: list[KeepaliveTask] = []  # added since the last pass: beat now, not at the next pass
+        self._lock = threading.Lock()  # held while a tick runs, so remove() returns only after the task's last tick
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.slowest_pass = 0.0  # seconds: the longest pass over all tasks (beats come that far apart at worst)
+
+    def add(self, task: KeepaliveTask) -> None:
+        with self._lock:
+            self._tasks.append(task)
+            self._fresh.append(task)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="nvrx-shared-keepalive", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def remove(self, task: KeepaliveTask) -> None:
+        with self._lock:
+            for tasks in (self._tasks, self._fresh):
+                if task in tasks:
+                    tasks.remove(task)
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(self._interval + 5.0)
+
+    def _run(self) -> None:
+        store = self._connect()
+        next_pass = time.monotonic()
+        while not self._stop:
+            self._wake.clear()  # before taking the fresh tasks: one added from now on wakes the next wait at once
+            started = time.monotonic()
+            full = started >= next_pass
+            with self._lock:
+                due, self._fresh = (list(self._tasks) if full else self._fresh), []
+                for task in due:
+                    try:
+                        task.tick(store)
+                    except (dist.DistError, RendezvousError) as exc:
+                        log.warning("keepalive of %s stopped (%s)", task.rdzv.node_id, str(exc).splitlines()[0])
+                        self._tasks.remove(task)
+            if full:
+                self.slowest_pass = max(self.slowest_pass, time.monotonic() - started)
+                next_pass += self._interval
+            self._wake.wait(max(0.0, next_pass - time.monotonic()))
+
+
+class SharedRecords:
+    """Records already checked and parsed, shared by the simulated agents of one process (keyed by store key,
+    round and the exact bytes): N agents in one process reading the same 1,024-node closed record would otherwise
+    spend N times what each real agent spends once on its own node. Parsed records are never modified."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parsed: dict[tuple[str, int, bytes], Any] = {}
+
+    def check(self, key: str, r: int, raw: bytes | str, check: Callable[[], T]) -> T:
+        ident = (key, r, raw.encode() if isinstance(raw, str) else bytes(raw))
+        with self._lock:
+            if ident in self._parsed:
+                return self._parsed[ident]
+        value = check()  # BadRecord: not cached, every agent reports it as it would alone
+        with self._lock:
+            if len(self._parsed) >= self.LIMIT:
+                self._parsed.clear()
+            self._parsed[ident] = value
+        return value
+
+
+
+class SimRendezvous(Rendezvous):
+    """The real Rendezvous of a simulated agent, light enough for hundreds per process: its one connection for
+    every purpose (it makes one call at a time), its keepalive on the process's SharedKeepalive, and records
+    checked and parsed once per process (SharedRecords). Every store request and check is the real one."""
+
+    def __init__(self, *args: Any, keepalive: "SharedKeepalive", records: "SharedRecords", **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._shared_keepalive = keepalive
+        self._shared_records = records
+
+    def _client(self, purpose: str = "main"):
+        return self.rs.store if self.rs.store is not None else super()._client(purpose)
+
+    def _check(self, key: str, r: int, raw: bytes, parse: Callable[[str], T]) -> T:
+        return self._shared_records.check(key, r, raw, lambda: super(SimRendezvous, self)._check(key, r, raw, parse))
+
+    def start_keepalive(self, result: RoundResult) -> None:
+        self.stop_keepalive()
+        self._ka_task = KeepaliveTask(self, result)
+        self._shared_keepalive.add(self._ka_task)
+
+    def stop_keepalive(self) -> float | None:
+        task, self._ka_task = self._ka_task, None
+        if task is not None:
+            self._shared_keepalive.remove(task)  # returns after the task's last tick
+        return (task.last_beat or None) if task is not None else None
+
+
 # ---------------------------------------------------------------- one simulated agent
 
 
@@ -103,9 +227,12 @@ class SimAgent:
                  keepalive: SharedKeepalive | None = None, records: SharedRecords | None = None) -> None:
         # the others join as agents on other machines would (the endpoint is not theirs to host)
         self.rs = open_rendezvous_store(settings) if host else _join(settings.host, settings.port, settings, False)
-        self.rdzv = Rendezvous(self.rs, settings, max_restarts=100,
-                               events=EventLog(log_dir / f"agent-{name}.jsonl", source="agent"), node_id=name,
-                               shared_keepalive=keepalive, one_connection=not host, shared_records=records)
+        events = EventLog(log_dir / f"agent-{name}.jsonl", source="agent")
+        if host:
+            self.rdzv = Rendezvous(self.rs, settings, RestartPolicy(100), events, node_id=name)
+        else:
+            self.rdzv = SimRendezvous(self.rs, settings, RestartPolicy(100), events, node_id=name,
+                                      keepalive=keepalive, records=records)
         self.t: dict[str, float] = {}
 
     def run(self, victim: bool, go: threading.Event, kill: threading.Event, counter) -> None:
@@ -264,7 +391,7 @@ def measure(n: int, procs: int) -> dict:
     cpu1, t_cpu1 = me.cpu_times(), time.monotonic()
     probe_ms = probe_latency(host.rs.new_client())
     t_fail = time.time()
-    host.rdzv.report_stop(r0.round, StopKind.FAILED, {"rank": 0, "node": host.rdzv.node_id})
+    host.rdzv.report_stop(r0.round, StopKind.FAILED, StopDetail(rank=0, group_rank=r0.group_rank))
     r1 = host.rdzv.next_round()
     host.t["r1"] = host.view(r1)
     host.rdzv.start_keepalive(r1)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import socket
+import threading
 import time
 
 import pytest
@@ -15,6 +17,8 @@ from torch.distributed import TCPStore
 from nvrx.launcher.agent.rdzv_auth import RecordAuth, load_secret
 from nvrx.launcher.agent.rdzv_records import BadRecord, parse_closed, parse_join, parse_pg
 from nvrx.launcher.agent.rendezvous import parse_stop
+from nvrx.launcher.agent.store import learn_launch
+from nvrx.events import StopDetail
 
 from tests.conftest import free_port, listening, one_line_error, wait_for
 from tests.faults.conftest import one_line
@@ -88,16 +92,124 @@ def test_stop_record_naming_no_rank_says_who_wrote_it(job):
                      env={"FAULT_STEP_TIME": "0.1", "NVRX_JOB_SECRET_FILE": str(secret)})
     job.wait_running()
     store = _client(job.ports[0])
-    # written with the job's secret, as an agent of the job would (one without it is ignored: test_rendezvous_auth)
-    record = {"round": 0, "kind": "failed", "by_node": "intruder", "detail": {}, "restart_count": 1, "give_up": True}
-    assert store.compare_set("nvrx/norank/r0/stop", "", RecordAuth("norank", load_secret(secret), True, "test").seal(
-        "nvrx/norank/r0/stop", 0, record))
+    # written with the job's secret for this launch, as an agent of the job would (learnt from the store host like
+    # any joining agent; one without the secret is ignored: test_rendezvous_auth), naming the round's one node
+    auth = learn_launch(store, RecordAuth("norank", load_secret(secret), True, "test"), "127.0.0.1", job.ports[0], 60)
+    (node,) = next(e["nodes"] for e in job.events("norank") if e["ev"] == "rdzv_round")
+    record = {"round": 0, "kind": "failed", "by_node": node, "detail": {}, "restart_count": 1, "give_up": True}
+    assert store.compare_set("nvrx/norank/r0/stop", "", auth.seal("nvrx/norank/r0/stop", 0, record))
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1, err
     assert "None" not in err, err
-    assert "node intruder reported a failure naming no rank" in err
+    assert f"node {node} reported a failure naming no rank" in err
     res = job.run_inspect("norank")
-    assert "None" not in res.stdout and "reported by node intruder that names no rank" in res.stdout
+    # inspect names the node as its event files do (its node name, else the id the record gives)
+    names = (node, socket.gethostname())
+    assert "None" not in res.stdout and any(f"reported by node {n} that names no rank" in res.stdout for n in names)
+    job.ledger.assert_no_saved_work_lost()
+    job.assert_clean()
+
+
+def _secret_file(path):
+    path.write_bytes(b"s3cret-for-this-job-only-0123456789")
+    path.chmod(0o600)
+    return path
+
+
+def _two_agents(job, run_id: str, secret, steps: int, fault: str, *extra: str):
+    """Two agents of one job on 127.0.0.1 with a job secret: (port, the store host's process, the other's)."""
+    port = free_port()
+    job.ports.append(port)
+    args = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--nproc-per-node", "1",
+            "--term-timeout", "5", *extra, *job.train(steps, fault)]
+    env = {"FAULT_STEP_TIME": "0.1", "NVRX_JOB_SECRET_FILE": str(secret)}
+    host = job.start(*args, env=env)
+    assert wait_for(lambda: listening(port), 60)  # hosting the store, not only started
+    return port, host, job.start(*args, env=env)
+
+
+def _capture(port: int, keys: list[str], into: dict[str, bytes]) -> threading.Thread:
+    """A thread that copies KEYS from the store at PORT as soon as each is written (what a spy of launch A keeps)."""
+    def run() -> None:
+        spy = _client(port)
+        for key in keys:
+            spy.wait([key], datetime.timedelta(seconds=300))
+            into[key] = spy.get(key)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_replay_from_an_earlier_launch_ends_nothing(job, tmp_path):
+    """Fault: signed records of an earlier launch of the same run id and job secret (as `nvrx resume` relaunches in
+    one allocation), copied into the next launch's store: the finished record before its second agent joins,
+    launch A's "succeeded" stop record while its ranks run.
+    Outcome: every record is bound to its launch (a nonce the store host draws): the copies do not check and are
+    ignored (event rdzv_forged_record); the new launch trains to its last step and both agents exit 0.
+    """
+    run, secret, p = "relaunch", _secret_file(tmp_path / "secret"), "nvrx/relaunch/"
+    port = free_port()
+    job.ports.append(port)
+
+    def launch(steps: int) -> list[str]:
+        return ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run, "--nproc-per-node", "1",
+                "--term-timeout", "5", *job.train(steps)]
+
+    env = {"FAULT_STEP_TIME": "0.1", "NVRX_JOB_SECRET_FILE": str(secret)}
+    saved: dict[str, bytes] = {}
+    host = job.start(*launch(3), env=env)
+    assert wait_for(lambda: listening(port), 60)
+    spy = _capture(port, [p + "r0/closed", p + "r0/stop", p + "finished"], saved)
+    other = job.start(*launch(3), env=env)
+    assert (host.wait(timeout=180), other.wait(timeout=180)) == (0, 0)
+    spy.join(10)
+    assert len(saved) == 3 and b'"kind":"succeeded"' in saved[p + "r0/stop"], saved
+    for f in job.out.glob("running.*"):
+        f.unlink()  # launch B's ranks announce themselves afresh
+
+    host = job.start(*launch(40), env=env)  # launch B: 37 more steps, about 4 s
+    assert wait_for(lambda: listening(port), 60)
+    evil = _client(port)
+    evil.set(p + "finished", saved[p + "finished"])  # launch A's "the job succeeded", for the joining agent
+    evil.set(p + "r0/closed", saved[p + "r0/closed"])
+    other = job.start(*launch(40), env=env)
+    job.wait_running(rank=0, attempt=0, timeout=180)
+    evil.set(p + "r0/stop", saved[p + "r0/stop"])  # launch A's "succeeded", while launch B's ranks run
+    out_h, err_h = host.communicate(timeout=180)
+    out_o, err_o = other.communicate(timeout=180)
+    assert (host.returncode, other.returncode) == (0, 0), (err_h, err_o)
+    one_line(err_h), one_line(err_o)
+    finished = [e["step"] for e in job.ledger.entries() if e["ev"] == "finished"]
+    assert finished == [3, 40], job.ledger.entries()  # launch B ran to its end
+    job.ledger.assert_no_saved_work_lost()
+    events = job.events(run)
+    forged = {e["key"] for e in events if e["ev"] == "rdzv_forged_record"}
+    assert {p + "finished", p + "r0/closed", p + "r0/stop"} <= forged, forged
+    assert "copied from another key, round, run or launch" in err_h + err_o
+    assert "already" not in err_h + err_o  # no agent took launch A's end for this launch's
+    job.assert_clean()
+
+
+def test_a_forged_join_counter_bump_decides_nothing(job, tmp_path):
+    """Fault: a program without the job secret adds 1000 to the next round's join counter while two agents train.
+    Outcome: counters only wake agents up: after round 0's crash the agents claim free join slots and restart at
+    once (not after join_timeout); the job finishes, exit 0, and no message repeats the forged number.
+    """
+    run = "bumped"
+    port, host, other = _two_agents(job, run, _secret_file(tmp_path / "secret"), 40, "crash", "--max-restarts", "1",
+                                    "--rdzv-conf", "join_timeout=30")
+    job.wait_running(rank=0, attempt=0, timeout=180)
+    store = _client(port)
+    store.add(f"nvrx/{run}/r1/count", 1000)
+    out_h, err_h = host.communicate(timeout=180)
+    out_o, err_o = other.communicate(timeout=180)
+    assert (host.returncode, other.returncode) == (0, 0), (err_h, err_o)
+    one_line(err_h), one_line(err_o)
+    assert not re.search(r"\b100[0-2]\b", err_h + err_o), err_h + err_o
+    rounds = [e for e in job.events(run) if e["ev"] == "rdzv_round" and e["round"] == 1]
+    assert len(rounds) == 2 and all(e["waited"] < 20 for e in rounds), rounds
+    assert job.ledger.finished()
     job.ledger.assert_no_saved_work_lost()
     job.assert_clean()
 
@@ -185,7 +297,7 @@ def test_any_store_value_is_a_record_or_a_bad_record(raw):
         except BadRecord:
             continue
         if parse is parse_stop:
-            assert isinstance(rec.detail, dict) and isinstance(rec.give_up, bool) and rec.round >= 0
+            assert isinstance(rec.detail, StopDetail) and isinstance(rec.give_up, bool) and rec.round >= 0
         elif parse is parse_closed:
             assert all(isinstance(n["nproc"], int) and n["nproc"] >= 1 for n in rec["nodes"])
         elif parse is parse_pg and "error" not in rec:

@@ -24,8 +24,9 @@ from nvrx.launcher.agent.agent import Agent
 from nvrx.launcher.agent.config import LaunchConfig, RdzvSettings, WorkerSettings
 from nvrx.launcher.agent.rdzv_records import StopKind
 from nvrx.launcher.agent.rendezvous import Rendezvous
+from nvrx.launcher.agent.restart_policy import RestartPolicy
 from nvrx.launcher.agent.store import RendezvousStore, open_rendezvous_store
-from nvrx.events import EventLog
+from nvrx.events import EventLog, StopDetail
 from nvrx.common import exit_codes
 
 RANK = 'eval "what=\\${PLAN_$NVRX_ROUND:-hold}"; if [ "$what" = hold ]; then exec sleep 600; fi; exit "$what"'
@@ -47,7 +48,8 @@ class Job:
                                      nproc_per_node=1, node_rank=None, local_addr=None, join_timeout=WAIT,
                                      last_call_timeout=0.1, keepalive_interval=0.05, keepalive_timeout=WAIT)
         self.peer_store: RendezvousStore = open_rendezvous_store(self.settings)  # first on the port: it hosts
-        self.peer = Rendezvous(self.peer_store, self.settings, max_restarts, EventLog(None, "peer"), node_id="peer")
+        self.peer = Rendezvous(self.peer_store, self.settings, RestartPolicy(max_restarts), EventLog(None, "peer"),
+                               node_id="peer")
         self.events: list[dict[str, Any]] = []
         self._changed = threading.Condition()
         log = EventLog(None, "agent")
@@ -99,7 +101,7 @@ class Job:
         except BaseException:
             # free the agent (it would wait for this peer until WAIT): end whatever round is open
             self.peer.report_stop(self.peer._open_round(self.peer_store.store, 0), "interrupted",
-                                  {"signum": int(signal.SIGKILL)})
+                                  StopDetail(signum=int(signal.SIGKILL)))
             raise
 
     def close(self) -> None:
@@ -143,7 +145,8 @@ def test_peer_fault_sends_the_agent_to_the_next_round(job_factory, transitions, 
 
     def peer_script(peer: Rendezvous) -> Any:
         join_and_beat(peer)
-        peer.report_stop(0, kind, {"rank": 1})
+        # node_left names the node that fell silent (a member of the round: here the peer itself)
+        peer.report_stop(0, kind, StopDetail(rank=1, node="peer" if kind is StopKind.NODE_LEFT else None))
         r1 = join_and_beat(peer)  # returns only once the agent joined round 1 too
         peer.node_succeeded(1)
         return r1, peer.wait_stop(1)
@@ -152,7 +155,8 @@ def test_peer_fault_sends_the_agent_to_the_next_round(job_factory, transitions, 
     assert code == exit_codes.OK
     assert (r1.round, len(r1.nodes), r1.restart_count) == (1, 2, 1)
     assert (stop.kind, stop.give_up) == (StopKind.SUCCEEDED, False)
-    assert job.agent.failures == [{"round": 0, "kind": kind, "rank": 1}]
+    named = {"node": "peer"} if kind is StopKind.NODE_LEFT else {}
+    assert job.agent.failures == [{"round": 0, "kind": kind, "rank": 1, **named}]
     r0_exit = job.wait_event("rank_exit", attempt=0)
     assert r0_exit["signal"] == "SIGTERM"  # the held rank was stopped for the restart
     assert transitions() == ["round 1: running -> succeeded"]  # round 0 ended by the peer's record alone
@@ -164,7 +168,7 @@ def test_peer_fault_with_the_budget_spent_gives_up(job_factory, transitions) -> 
 
     def peer_script(peer: Rendezvous) -> Any:
         join_and_beat(peer)
-        return peer.report_stop(0, "failed", {"rank": 1, "exitcode": 1})
+        return peer.report_stop(0, "failed", StopDetail(rank=1, exitcode=1))
 
     code, stop = job.run(peer_script)
     assert stop.give_up and stop.restart_count == 1
@@ -181,7 +185,7 @@ def test_peer_steering_code_ends_the_job_with_it(job_factory) -> None:
     def peer_script(peer: Rendezvous) -> Any:
         join_and_beat(peer)
         steer = exit_codes.RESUME_ELSEWHERE
-        return peer.report_stop(0, "failed", {"rank": 1, "exitcode": steer, "steer": steer, "no_restart": True})
+        return peer.report_stop(0, "failed", StopDetail(rank=1, exitcode=steer, steer=steer, no_restart=True))
 
     code, stop = job.run(peer_script)
     assert stop.give_up and stop.restart_count == 1  # budget left, but the rank asked for no restart
@@ -195,7 +199,7 @@ def test_peer_interrupt_passes_its_signal_to_the_ranks(job_factory, transitions)
     def peer_script(peer: Rendezvous) -> Any:
         join_and_beat(peer)
         job.wait_event("rank_start", attempt=0)
-        return peer.report_stop(0, "interrupted", {"signal": "SIGUSR1", "signum": int(signal.SIGUSR1)})
+        return peer.report_stop(0, "interrupted", StopDetail(signal="SIGUSR1", signum=int(signal.SIGUSR1)))
 
     code, stop = job.run(peer_script)
     assert stop.by_node == "peer"
@@ -223,8 +227,8 @@ def test_local_failure_is_reported_then_the_next_round_succeeds(job_factory, tra
     code, stop = job.run(peer_script)
     assert code == exit_codes.OK
     assert (stop.kind, stop.by_node, stop.restart_count, stop.give_up) == ("failed", job.agent_node, 1, False)
-    rank = stop.detail["rank"]  # 0 or 1: group ranks of newcomers follow their node ids
-    assert stop.detail["exitcode"] == 3 and stop.detail["describe"] == f"rank {rank} (local 0) exited with code 3"
+    rank = stop.detail.rank  # 0 or 1: group ranks of newcomers follow their node ids
+    assert stop.detail.exitcode == 3 and stop.detail.describe == f"rank {rank} (local 0) exited with code 3"
     assert transitions() == ["round 0: running -> failed", "round 1: running -> succeeded"]
 
 
@@ -233,8 +237,9 @@ def test_local_success_then_peer_failure_restarts_the_round(job_factory, transit
 
     def peer_script(peer: Rendezvous) -> Any:
         join_and_beat(peer)
-        job.wait_key("r0/succeeded")  # the agent's node reported all its ranks done
-        first = peer.report_stop(0, "failed", {"rank": 1})
+        g = job.wait_event("rdzv_round", round=0)["group_rank"]
+        job.wait_key(f"r0/succeeded/{g}")  # the agent's node reported all its ranks done
+        first = peer.report_stop(0, "failed", StopDetail(rank=1))
         join_and_beat(peer)
         peer.node_succeeded(1)
         peer.wait_stop(1)
@@ -257,7 +262,7 @@ def test_both_nodes_succeeding_ends_the_job(job_factory, transitions) -> None:
 
     code, stop = job.run(peer_script)
     assert code == exit_codes.OK
-    assert (stop.kind, stop.restart_count, stop.detail) == ("succeeded", 0, {"nodes": 2})
+    assert (stop.kind, stop.restart_count, stop.detail.to_fields()) == ("succeeded", 0, {"nodes": 2})
     assert transitions() == ["round 0: running -> succeeded"]
 
 
@@ -271,7 +276,7 @@ def test_signal_to_the_agent_interrupts_the_round_for_every_node(job_factory, tr
         return peer.wait_stop(0)
 
     code, stop = job.run(peer_script)
-    assert (stop.kind, stop.by_node, stop.detail["signal"]) == ("interrupted", job.agent_node, "SIGTERM")
+    assert (stop.kind, stop.by_node, stop.detail.signal) == ("interrupted", job.agent_node, "SIGTERM")
     assert code == exit_codes.interrupted(signal.SIGTERM)
     assert job.wait_event("rank_exit", attempt=0)["signal"] == "SIGTERM"
     assert transitions() == ["round 0: running -> interrupted"]

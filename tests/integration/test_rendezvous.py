@@ -7,6 +7,8 @@ as clients, exactly like several agents on one machine) and its own Rendezvous.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import socket
 import threading
 import time
@@ -40,7 +42,8 @@ from nvrx.launcher.agent.store import (
     open_rendezvous_store,
 )
 from nvrx.common.net import resolve
-from nvrx.events import EventLog
+from nvrx.events import EventLog, StopDetail
+from nvrx.launcher.agent.restart_policy import RestartPolicy
 from nvrx.common.net import start_store_server
 from tests.conftest import wait_for
 
@@ -127,7 +130,7 @@ class Cluster:
         rs = open_rendezvous_store(settings)
         self.stores.append(rs)
         log = EventLog(None, node_id)
-        agent = Agent(rs, Rendezvous(rs, settings, max_restarts, log, node_id=node_id), [])
+        agent = Agent(rs, Rendezvous(rs, settings, RestartPolicy(max_restarts), log, node_id=node_id), [])
         log.subscribe(agent.record)
         self.agents.append(agent)
         return agent
@@ -201,7 +204,7 @@ def test_restart_round_keeps_group_ranks(cluster: Cluster) -> None:
     s = make_settings(free_port())
     a, b = cluster.agent(s, "node-a"), cluster.agent(s, "node-b")
     r0a, _ = in_parallel(a.rdzv.next_round, b.rdzv.next_round)
-    a.rdzv.report_stop(0, "failed", {"rank": 0, "exitcode": 1})
+    a.rdzv.report_stop(0, "failed", StopDetail(rank=0, exitcode=1))
     assert b.rdzv.wait_stop(0).kind == "failed"
 
     r1a, r1b = in_parallel(a.rdzv.next_round, b.rdzv.next_round)
@@ -256,7 +259,7 @@ def test_standby_ends_a_silent_round(cluster: Cluster) -> None:
     r1 = b.rdzv.next_round()
     assert (r1.round, r1.nodes[0].node_id) == (1, "node-b")
     stop = a.rdzv.wait_stop(0)
-    assert (stop.kind, stop.detail["node"], stop.restart_count) == ("node_left", "node-a", 1)
+    assert (stop.kind, stop.detail.node, stop.restart_count) == ("node_left", "node-a", 1)
 
 
 def test_fixed_node_rank_is_the_group_rank(cluster: Cluster) -> None:
@@ -295,11 +298,11 @@ def test_restart_budget_is_job_wide(cluster: Cluster) -> None:
     a, b = cluster.agent(s, "node-a", max_restarts=1), cluster.agent(s, "node-b", max_restarts=1)
     in_parallel(a.rdzv.next_round, b.rdzv.next_round)
     sa, sb = in_parallel(
-        lambda: a.rdzv.report_stop(0, "failed", {"rank": 0}),
-        lambda: b.rdzv.report_stop(0, "failed", {"rank": 2}),
+        lambda: a.rdzv.report_stop(0, "failed", StopDetail(rank=0)),
+        lambda: b.rdzv.report_stop(0, "failed", StopDetail(rank=2)),
     )
     assert sa == sb and (sa.restart_count, sa.give_up) == (1, False)  # counted once
-    assert a.rdzv.report_stop(0, "node_left", {}) == sa  # idempotent: the first record stands
+    assert a.rdzv.report_stop(0, "node_left", StopDetail()) == sa  # idempotent: the first record stands
     assert len(a.evs("rdzv_stop")) == 1
 
     # node b leaves; a new agent (new node id, new connection) takes its place
@@ -309,7 +312,7 @@ def test_restart_budget_is_job_wide(cluster: Cluster) -> None:
     assert r1a.restart_count == r1b.restart_count == 1
     assert (r1a.group_rank, r1b.group_rank) == (0, 1)
 
-    final = b2.rdzv.report_stop(1, "failed", {"rank": 3})
+    final = b2.rdzv.report_stop(1, "failed", StopDetail(rank=3))
     assert (final.restart_count, final.give_up) == (2, True)
     assert StopRecord.from_json(final.to_json()) == final
     late = cluster.agent(s, "node-late", max_restarts=1)
@@ -329,7 +332,7 @@ def test_keepalive_reports_a_silent_node(cluster: Cluster) -> None:
     b.rdzv.stop_keepalive()
     with ThreadPoolExecutor(max_workers=1) as pool:
         stop = pool.submit(a.rdzv.wait_stop, 0).result(timeout=WAIT)
-    assert (stop.kind, stop.by_node, stop.detail) == ("node_left", "node-a", {"node": "node-b", "group_rank": 1})
+    assert (stop.kind, stop.by_node, stop.detail.to_fields()) == ("node_left", "node-a", {"node": "node-b", "group_rank": 1})
     assert stop.restart_count == 1
     a.rdzv.stop_keepalive()
 
@@ -369,30 +372,114 @@ def test_forged_records_cannot_form_stop_or_keep_alive(cluster: Cluster) -> None
     with ThreadPoolExecutor(max_workers=1) as pool:
         watching = pool.submit(b.rdzv.wait_stop, 1)
         assert not wait_for(watching.done, 1.0)  # the replay ends nothing
-        a.rdzv.report_stop(1, "interrupted", {"signum": 15})
+        a.rdzv.report_stop(1, "interrupted", StopDetail(signum=15))
         assert (watching.result(timeout=WAIT).kind, watching.result().restart_count) == ("interrupted", 1)
 
 
 def test_counters_overwritten_with_garbage_are_reported_and_repaired(cluster: Cluster) -> None:
-    """A plain TCPStore client without the secret overwrites the join, success and ack counters with non-integers
-    (the store drops any connection that then adds to such a value): the agents report each (rdzv_forged_record),
-    repair it and the round forms and succeeds as usual."""
+    """A plain TCPStore client without the secret overwrites the join counter with a non-integer (the store drops
+    any connection that then adds to such a value): the agents report it (rdzv_forged_record), repair it and the
+    round forms and succeeds as usual."""
     s = make_settings(free_port(), job_secret=b"the-job-secret-0123456789", job_secret_file="test")
     a, b = cluster.agent(s, "node-a"), cluster.agent(s, "node-b")
     evil, p = forger(s.port), "nvrx/job/"
     evil.set(p + "r0/count", "not-a-number")
     ra, rb = in_parallel(a.rdzv.next_round, b.rdzv.next_round)
     assert [n.node_id for n in ra.nodes] == [n.node_id for n in rb.nodes] == ["node-a", "node-b"]
-    evil.set(p + "r0/succeeded", "garbage")
-    evil.set(p + "r0/acked", "{}")
     a.rdzv.node_succeeded(0)
     b.rdzv.node_succeeded(0)
     stop = a.rdzv.wait_stop(0)
     assert (stop.kind, stop.restart_count, stop.give_up) == ("succeeded", 0, False)
     assert b.rdzv.wait_stop(0) == stop
     forged = {e["key"] for e in a.evs("rdzv_forged_record") + b.evs("rdzv_forged_record")}
-    assert {p + "r0/count", p + "r0/succeeded", p + "r0/acked"} <= forged, forged
+    assert p + "r0/count" in forged, forged
     assert int(evil.add(p + "r0/count", 0)) == 2  # repaired to the slots in use
+
+
+@pytest.mark.parametrize("bump", [1000, -1000])
+def test_a_forged_counter_bump_decides_nothing(cluster: Cluster, bump: int, caplog: pytest.LogCaptureFixture) -> None:
+    """The join counter moved by a program without the secret (issue 26: +1000 made both agents time out with
+    "1002 of 2 nodes joined"): the joiners claim free slots, the round closes at once, no message repeats the
+    forged number. Success needs every member's signed record whatever a counter says."""
+    s = make_settings(free_port(), job_secret=b"the-job-secret-0123456789", join_timeout=30.0)
+    a, b = cluster.agent(s, "node-a"), cluster.agent(s, "node-b")
+    evil, p = forger(s.port), "nvrx/job/"
+    evil.add(p + "r0/count", bump)
+    started = time.monotonic()
+    ra, rb = in_parallel(a.rdzv.next_round, b.rdzv.next_round, timeout=40)
+    assert time.monotonic() - started < 10  # not join_timeout
+    assert [n.node_id for n in ra.nodes] == [n.node_id for n in rb.nodes] == ["node-a", "node-b"]
+    evil.add(p + "r0/succeeded", 1000)  # the success counter of earlier versions: means nothing now
+    a.rdzv.node_succeeded(0)
+    assert not a.stopped(0)  # node-b has not said so
+    b.rdzv.node_succeeded(0)
+    assert a.rdzv.wait_stop(0).kind == "succeeded"
+    assert str(abs(bump)) not in caplog.text and str(abs(bump) + 2) not in caplog.text
+
+
+def test_a_stop_record_naming_a_node_outside_the_round_is_refused(cluster: Cluster) -> None:
+    """A stop record signed with the job secret but naming a node that is not in the round (writer, or the node a
+    node_left is about, or a group rank that is not the writer's place) is ignored and reported."""
+    secret = b"the-job-secret-0123456789"
+    s = make_settings(free_port(), job_secret=secret)
+    a, b = cluster.agent(s, "node-a"), cluster.agent(s, "node-b")
+    in_parallel(a.rdzv.next_round, b.rdzv.next_round)
+    evil, key = forger(s.port), "nvrx/job/r0/stop"
+    outsider = {"round": 0, "kind": "succeeded", "by_node": "old-node", "detail": {}, "restart_count": 0,
+                "give_up": False}
+    assert evil.compare_set(key, "", a.rs.auth.seal(key, 0, outsider)) == a.rs.auth.seal(key, 0, outsider).encode()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        watching = pool.submit(b.rdzv.wait_stop, 0)
+        assert not wait_for(watching.done, 1.0)  # refused: nothing ended
+        for wrong in ({**outsider, "kind": "node_left", "by_node": "node-a", "detail": {"node": "old-node"}},
+                      {**outsider, "kind": "failed", "by_node": "node-a", "detail": {"group_rank": 1}}):
+            evil.set(key, a.rs.auth.seal(key, 0, wrong))
+            assert not wait_for(watching.done, 0.5)
+        a.rdzv.report_stop(0, "failed", StopDetail(rank=0, group_rank=0))
+        assert (watching.result(timeout=WAIT).kind, watching.result().by_node) == ("failed", "node-a")
+    problems = [e["problem"] for e in b.evs("rdzv_bad_record")]
+    assert any("'old-node' is not a node of round 0" in p for p in problems), problems
+    assert any("group_rank 1 is not the place of 'node-a'" in p for p in problems), problems
+
+
+def test_records_of_an_earlier_launch_are_refused() -> None:
+    """`nvrx resume` relaunches with the same run id and secret: every record of launch A (a signed stop record,
+    the finished record, the greeting's answer) copied into launch B's store fails the check."""
+    s = make_settings(free_port(), job_secret=b"the-job-secret-0123456789", job_secret_file="test")
+    saved: dict[str, bytes] = {}
+    launch_a = Cluster()
+    try:
+        a, b = launch_a.agent(s, "node-a"), launch_a.agent(s, "node-b")
+        in_parallel(a.rdzv.next_round, b.rdzv.next_round)
+        a.rdzv.node_succeeded(0)
+        b.rdzv.node_succeeded(0)
+        assert a.rdzv.wait_stop(0).kind == "succeeded"
+        spy = forger(s.port)
+        for key in ("nvrx/job/r0/stop", "nvrx/job/finished", "nvrx/job/r0/closed"):
+            saved[key] = spy.get(key)
+        assert a.rs.auth.launch != "" and a.rs.auth.launch == b.rs.auth.launch
+        launch = a.rs.auth.launch
+    finally:
+        launch_a.close()
+    launch_b = Cluster()
+    try:
+        host = launch_b.agent(s, "node-a2")
+        evil = forger(s.port)
+        for key, raw in saved.items():
+            evil.set(key, raw)
+        other = launch_b.agent(s, "node-b2")
+        assert host.rs.auth.launch == other.rs.auth.launch != launch
+        ra, rb = in_parallel(host.rdzv.next_round, other.rdzv.next_round)  # not JobFinished: the replay is refused
+        assert ra.round == 0 and [n.node_id for n in ra.nodes] == ["node-a2", "node-b2"]
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            watching = pool.submit(other.rdzv.wait_stop, 0)
+            assert not wait_for(watching.done, 1.0)  # launch A's "succeeded" ends nothing
+            host.rdzv.report_stop(0, "interrupted", StopDetail(signum=15))
+            assert watching.result(timeout=WAIT).kind == "interrupted"
+        forged = {e["key"] for e in host.evs("rdzv_forged_record") + other.evs("rdzv_forged_record")}
+        assert {"nvrx/job/r0/stop", "nvrx/job/finished"} <= forged, forged
+    finally:
+        launch_b.close()
 
 
 def test_an_empty_join_slot_is_left_out_after_a_grace(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -414,10 +501,11 @@ def test_wait_stop_raises_when_the_store_is_lost() -> None:
     s = make_settings(free_port(), min_nodes=1, max_nodes=2, last_call_timeout=0.0)
     host = c.agent(s, "node-a")
     client = c.agent(s, "node-b")
-    host.rdzv.report_stop(7, "interrupted", {})
-    client.rdzv.wait_stop(7)  # a stopped round: returns at once, and the watcher's own connection now exists
+    host.rdzv.next_round()  # round 0 closes with the host alone (last call 0)
+    host.rdzv.report_stop(0, "interrupted", StopDetail())
+    client.rdzv.wait_stop(0)  # a stopped round: returns at once, and the watcher's own connection now exists
     with ThreadPoolExecutor(max_workers=1) as pool:
-        watching = pool.submit(client.rdzv.wait_stop, 0)  # polls that connection until the host goes
+        watching = pool.submit(client.rdzv.wait_stop, 1)  # polls that connection until the host goes
         host.rdzv.close()
         host.rs.close()
         with pytest.raises(RendezvousError, match="lost the rendezvous store"):
@@ -566,3 +654,50 @@ def test_watched_nodes_are_ring_neighbours() -> None:
     assert [g for g, _ in watched_nodes(res)] == [1, 2, 6, 7]
     small = dataclasses.replace(res, nodes=nodes[:3], group_rank=1)
     assert [g for g, _ in watched_nodes(small)] == [0, 2]
+
+
+def test_the_host_names_an_agent_with_another_secret_at_once(cluster: Cluster,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A joiner with another job secret (or none) is refused with one line; the store host says at once, in one
+    warning line, that it tried to join and from where, and its own join timeout repeats it."""
+    import os
+
+    s = make_settings(free_port(), job_secret=b"the-job-secret-0123456789", job_secret_file="/p/a", join_timeout=1.0)
+    host = cluster.agent(s, "node-a")
+    wrong = dataclasses.replace(s, job_secret=b"another-secret-of-another-job", job_secret_file="/p/b")
+    with pytest.raises(RendezvousMismatch, match="differs"):
+        open_rendezvous_store(wrong)
+    where = f"host {socket.gethostname()} (pid {os.getpid()})"
+    assert wait_for(lambda: host.rs.refused == [where], WAIT), host.rs.refused
+    lines = [r.getMessage() for r in caplog.records if "tried to join" in r.getMessage()]
+    assert lines == [f"an agent on {where} tried to join job job with a different job secret (its secret: file /p/b); "
+                     "it was refused: give every agent of the job the same secret file (NVRX_JOB_SECRET_FILE)"], lines
+    with pytest.raises(RendezvousTimeout, match=f"1 agent\\(s\\) tried to join with another job secret \\(from "
+                                                f"{re.escape(where)}\\)"):
+        host.rdzv.next_round()
+
+
+def test_a_forged_answer_to_the_greeting_is_not_taken() -> None:
+    """An answer to a joiner's greeting written by a program without the secret (or copied from an earlier
+    launch) does not check; the joiner waits for the host's own answer and gets the host's launch."""
+    from torch.distributed import TCPStore
+
+    from nvrx.launcher.agent import store as store_mod
+    from nvrx.launcher.agent.rdzv_auth import RecordAuth
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    auth = RecordAuth("job", b"k" * 32, True, "test")
+    joiner, evil = (TCPStore("127.0.0.1", server.port, is_master=False) for _ in range(2))
+    got: list[RecordAuth] = []
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        learning = pool.submit(store_mod.learn_launch, joiner, auth, "127.0.0.1", server.port, 10.0)
+        hello = json.loads(server.queue_pop(store_mod.HELLO_QUEUE, block=True))  # the "host" takes the greeting
+        key = store_mod.LAUNCH_KEY + hello["challenge"]
+        old = auth.for_launch("").seal(store_mod.LAUNCH_KEY + "0" * 32, -1, {"launch": "old", "challenge": "0" * 32})
+        evil.set(key, old)  # an earlier launch's answer, moved to this challenge's key
+        assert not wait_for(learning.done, 0.5)
+        evil.set(key, auth.for_launch("").seal(key, -1, {"launch": "old", "challenge": "f" * 32}))  # wrong challenge
+        assert not wait_for(learning.done, 0.5)
+        server.set(key, auth.for_launch("").seal(key, -1, {"launch": "fresh", "challenge": hello["challenge"]}))
+        got.append(learning.result(timeout=WAIT))
+    assert got[0].launch == "fresh"

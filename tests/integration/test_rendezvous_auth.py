@@ -3,13 +3,15 @@ program without the secret writing straight into their rendezvous store with a p
 
 What a forger can no longer do: stop the job, end it as failed or succeeded, spend the restart budget, keep a
 node alive, or replay a record of an earlier round. What it gets: its records ignored, logged and shown by
-`nvrx inspect`. Agents whose secrets differ stop at once with one line (exit 2) instead of hanging.
+`nvrx inspect`. Agents whose secrets differ stop at once with one line (exit 2) instead of hanging, and the store
+host names them at once. (Replays from an earlier launch and forged counter bumps: tests/faults/test_store.py.)
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -114,7 +116,12 @@ def test_agents_with_different_secrets_fail_at_once(job: FaultJob, tmp_path: Pat
     assert "protected by a job secret and this agent has none" in one_line(res.stderr)
     assert not [e for e in job.events("mismatch") if e["ev"] == "rdzv_join" and e.get("round") != 0]
     host.terminate()
-    host.communicate(timeout=60)
+    _, err = host.communicate(timeout=60)
+    # the host said so at once (join_timeout is 600 s), naming where each came from
+    where = f"an agent on host {socket.gethostname()} (pid "
+    assert f"{where}" in err and "tried to join job mismatch with a different job secret (its secret: file " \
+        f"{wrong})" in err, err
+    assert "tried to join job mismatch with no job secret (its secret: none)" in err, err
     job.assert_clean()
 
 

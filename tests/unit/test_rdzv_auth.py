@@ -38,6 +38,11 @@ def test_sign_verify_round_trip_and_replay() -> None:
         RecordAuth("other", b"k" * 32, True, "test").open(key, 3, sealed)
     with pytest.raises(ForgedRecord):  # another secret
         RecordAuth("job", b"x" * 32, True, "test").open(key, 3, sealed)
+    launch_a, launch_b = auth.for_launch("a" * 32), auth.for_launch("b" * 32)
+    assert json.loads(launch_a.open(key, 3, launch_a.seal(key, 3, {"x": 1}))) == {"x": 1}
+    with pytest.raises(ForgedRecord, match="launch"):  # the same run id and secret, an earlier launch (nvrx resume)
+        launch_b.open(key, 3, launch_a.seal(key, 3, {"x": 1}))
+    assert launch_a.proof() == launch_b.proof() == auth.proof()  # the secret's proof does not depend on the launch
     with pytest.raises(ForgedRecord):  # a body changed after signing
         auth.open(key, 3, sealed.replace("failed", "succeeded"))
     with pytest.raises(ForgedRecord, match="malformed signature"):

@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
 
 from nvrx.common import exit_codes, rerun_exit
@@ -25,11 +25,13 @@ from nvrx.launcher.agent.node_health import NodeHealthChecks
 from nvrx.launcher.agent.local_ckpt_dir import LOCAL_CKPT_DIR_ENV, claim_job_session, remove_job_session
 from nvrx.launcher.agent.rank_monitors import RankMonitorGroup
 from nvrx.launcher.agent.rdzv_errors import RendezvousError
-from nvrx.launcher.agent.rdzv_records import FAULT_KINDS, RoundResult, StopKind, StopRecord
+from nvrx.launcher.agent.rdzv_records import RoundResult, StopKind, StopRecord
+from nvrx.launcher.agent.restart_policy import FAULT_KINDS, RestartPolicy
 from nvrx.launcher.agent.stragglers import StragglerAggregator
 from nvrx.launcher.agent.worker_group import RankExit, RankSpec, WorkerGroup
-from nvrx.events import (AgentSignal as AgentSignalEvent, AgentStart, EventLog, FtConfig, FtConfigInfo,
-                             HealthCheckInfo, InprocessRankLost, JobEnd, JobFailure, NodeHealth)
+from nvrx.events import (AgentSignal as AgentSignalEvent, AgentStart, EventLog, FtConfig, FtConfigInfo, HangInfo,
+                             HealthCheckInfo, InprocessRankLost, JobEnd, JobFailure, NodeHealth, RankErrorInfo,
+                             StopDetail)
 from nvrx.monitors.ft_config import FaultToleranceConfig
 
 if TYPE_CHECKING:  # both import torch: the agent does so only after the fork server started importing it
@@ -206,7 +208,7 @@ class Agent:
             self.events.emit(FtConfig(config=FtConfigInfo.of(self.cfg.ft.to_dict())))
         with self._signals_raise():
             self._rs = open_rendezvous_store(self.cfg.rdzv)
-        self._rdzv = Rendezvous(self._rs, self.cfg.rdzv, self.cfg.max_restarts, self.events)
+        self._rdzv = Rendezvous(self._rs, self.cfg.rdzv, RestartPolicy(self.cfg.max_restarts), self.events)
         if self.monitors is not None and self.cfg.ft is not None:
             self._stragglers = StragglerAggregator(self.cfg.ft, self.monitors, self.events, self._rs,
                                                    self.cfg.rdzv.run_id, self.cfg.node_name, self._rdzv.node_id)
@@ -419,10 +421,10 @@ class Agent:
                 log.warning("node %s cannot leave the job for a standby (%s): the job ends with %d", self._node,
                             why, exit_codes.RESUME_ELSEWHERE)
         else:
-            detail.pop("no_restart", None)
             step = f" to re-run step {note.step} on other hardware" if note is not None else ""
-            detail.update(leaves=suspects, describe=f"{detail['describe']}: node(s) {', '.join(suspects)} leave the "
-                                                    f"job{step}; the other nodes go on in place")
+            detail = replace(detail, no_restart=None, leaves=suspects,
+                             describe=f"{detail.describe}: node(s) {', '.join(suspects)} leave the job{step}; the "
+                                      "other nodes go on in place")
         self._rdzv.report_stop(result.round, StopKind.FAILED, detail)
         return True
 
@@ -465,11 +467,13 @@ class Agent:
         describe = f"rank {rank} (local {lr}) asked to {what} through its monitor: {req.get('description')}"
         log.error("%s", describe)
         self._transition(result, RoundState.FAILED)  # RUNNING -> FAILED: the job ends with the rank's steering code
-        detail = {"rank": rank, "local_rank": lr, "group_rank": result.group_rank, "pid": req.get("pid"),
-                  "describe": describe, "round": result.round, "steer": steer, "no_restart": True}
+        pid = req.get("pid")
+        detail = StopDetail(rank=rank, local_rank=lr, group_rank=result.group_rank,
+                            pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+                            describe=describe, round=result.round, steer=steer, no_restart=True)
         if steer == exit_codes.RESUME_ELSEWHERE and self._swap_refused(result, 1) is None:
-            detail.pop("no_restart")  # only this node leaves: a standby or the remaining nodes go on (_conclude)
-            detail["leaves"] = [self._node]
+            # only this node leaves: a standby or the remaining nodes go on (_conclude)
+            detail = replace(detail, no_restart=None, leaves=[self._node])
         self._rdzv.report_stop(result.round, StopKind.FAILED, detail)
 
     def _transition(self, result: RoundResult, new: RoundState) -> None:
@@ -492,9 +496,9 @@ class Agent:
             return False
         if self._monitor_failure_round != result.round:  # once per round: another node's stop may win it
             self._monitor_failure_round = result.round
-            detail = {"local_rank": failure["local_rank"], "rank": result.rank_offset + failure["local_rank"],
-                      "group_rank": result.group_rank, "round": result.round, "describe": failure["describe"],
-                      "monitor_failed": True, "no_restart": True}
+            detail = StopDetail(local_rank=failure["local_rank"], rank=result.rank_offset + failure["local_rank"],
+                                group_rank=result.group_rank, round=result.round, describe=failure["describe"],
+                                monitor_failed=True, no_restart=True)
             self._rdzv.report_stop(result.round, StopKind.FAILED, detail)
         return True
 
@@ -517,7 +521,7 @@ class Agent:
     def _monitor_env(self, local_rank: int) -> dict[str, str]:
         return self.monitors.rank_env(local_rank) if self.monitors is not None else {}
 
-    def _failure_detail(self, result: RoundResult, ex: RankExit) -> dict[str, Any]:
+    def _failure_detail(self, result: RoundResult, ex: RankExit) -> StopDetail:
         hang = self.monitors.hang_reason(ex.local_rank, ex.pid) if self.monitors is not None else None
         describe = ex.describe()
         error = read_error_file(self._round_error_files.get(ex.local_rank))
@@ -533,14 +537,13 @@ class Agent:
                 hang = {**hang, "stalled_first": result.rank_offset + first[0]}
                 describe += (f"; rank {result.rank_offset + first[0]} (local {first[0]}) stopped making progress "
                              f"{first[1]:.2f} s earlier")
-        detail = {"rank": ex.global_rank, "local_rank": ex.local_rank, "group_rank": result.group_rank,
-                  "pid": ex.pid, "exitcode": ex.exitcode, "signal": ex.signal, "abandoned": ex.abandoned,
-                  "tail": list(ex.tail), "describe": describe, "round": result.round, "hang": hang,
-                  "error": error.to_fields() if error is not None else None}
-        if ex.exitcode in exit_codes.STEERING_CODES:
-            # The rank asks the resume logic for something a restart in place cannot give: end the job with its code.
-            detail.update(no_restart=True, steer=ex.exitcode)
-        return detail
+        steering = ex.exitcode in exit_codes.STEERING_CODES
+        # A steering code asks the resume logic for something a restart in place cannot give: end the job with it.
+        return StopDetail(rank=ex.global_rank, local_rank=ex.local_rank, group_rank=result.group_rank, pid=ex.pid,
+                          exitcode=ex.exitcode, signal=ex.signal, abandoned=ex.abandoned, tail=list(ex.tail),
+                          describe=describe, round=result.round, hang=HangInfo.of(hang) if hang else None,
+                          error=RankErrorInfo.of(error.to_fields()) if error is not None else None,
+                          no_restart=True if steering else None, steer=ex.exitcode if steering else None)
 
     def _stalled_first(self, local_rank: int) -> tuple[int, float] | None:
         """Another local rank whose progress stopped before LOCAL_RANK's (the likelier culprit), and by how much."""
@@ -560,7 +563,7 @@ class Agent:
         name = signal.Signals(signum).name
         self.events.emit(AgentSignalEvent(signal=name, phase="running", round=result.round))
         self.workers.signal_all(signum)
-        self._rdzv.report_stop(result.round, StopKind.INTERRUPTED, {"signal": name, "signum": int(signum)})
+        self._rdzv.report_stop(result.round, StopKind.INTERRUPTED, StopDetail(signal=name, signum=int(signum)))
 
     def _conclude(self, result: RoundResult, record: StopRecord) -> int | None:
         """Act on the round's stop record: finish, give up, or stop ranks for the next round."""
@@ -571,7 +574,7 @@ class Agent:
                 remove_job_session(self.cfg.workers.base_env.get(LOCAL_CKPT_DIR_ENV), self.cfg.rdzv.run_id)
             return exit_codes.OK
         if record.kind is StopKind.INTERRUPTED:
-            signum = int(record.detail.get("signum") or signal.SIGTERM)
+            signum = int(record.detail.signum or signal.SIGTERM)
             if self._state is not RoundState.INTERRUPTED:  # another node was signalled: pass the same signal on, once
                 self.workers.signal_all(signum)
             self._let_ranks_finish(self.cfg.workers.term_timeout)
@@ -579,19 +582,19 @@ class Agent:
             return exit_codes.interrupted(signum)
         self.workers.stop()
         if record.kind in FAULT_KINDS:
-            named = {} if record.detail.get("rank") is not None else {"node": record.by_node}  # who said so
-            self.failures.append({**named, **record.detail, "round": record.round, "kind": record.kind})
+            named = {} if record.detail.rank is not None else {"node": record.by_node}  # who said so
+            self.failures.append({**named, **record.detail.to_fields(), "round": record.round, "kind": record.kind})
         if record.give_up:
-            steer = record.detail.get("steer")
+            steer = record.detail.steer
             return steer if steer in exit_codes.STEERING_CODES else exit_codes.FAILED
-        leaves = record.detail.get("leaves") or []
+        leaves = record.detail.leaves or []
         if record.kind is StopKind.FAILED and self._node in leaves:
             if self._rs is not None and self._rs.is_host:  # the others need its store: it stays (and re-runs here)
                 log.warning("node %s is suspected but hosts the rendezvous store: it stays in the job", self._node)
                 return None
             self._end_detail = "left the job: its rank exited 16 (resume on other hardware); the others go on"
             log.error("node %s leaves the job (exit %d): %s", self._node, exit_codes.RESUME_ELSEWHERE,
-                      record.detail.get("describe"))
+                      record.detail.describe)
             return exit_codes.RESUME_ELSEWHERE
         return None
 

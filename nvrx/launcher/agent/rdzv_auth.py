@@ -3,9 +3,16 @@
 torch's TCPStore has no authentication: any process that reaches the endpoint can read and write any key.
 So every control record an agent acts on (join, closed round, stop, finished, keepalive, round hint,
 process-group address, straggler reports and exclusion marks) is stored as ``nvrx1:<hex MAC>:<record JSON>``,
-where the MAC (HMAC-SHA-256 with the job secret) covers the run id, the round and the store key it was written
-to, besides the record. (No JSON envelope: a 256-node closed record is parsed once, not twice.) A record copied to another key, round or
-run fails the check (replay), and so does anything written without the secret: the agents ignore it.
+where the MAC (HMAC-SHA-256 with the job secret) covers the run id, the launch, the round and the store key it was
+written to, besides the record. (No JSON envelope: a 256-node closed record is parsed once, not twice.) A record
+copied to another key, round, run or launch fails the check (replay), and so does anything written without the
+secret: the agents ignore it.
+
+The launch is a random nonce the store host draws when it starts hosting (``new_launch``). `nvrx resume`
+relaunches inside one Slurm allocation with the same run id and secret; without the nonce, a record of an earlier
+launch would be valid in the next one. A joiner learns the nonce from the host by challenge and response
+(nvrx/launcher/agent/store.py): the host's answer is signed over the joiner's fresh challenge, so an answer
+copied from an earlier launch does not check either.
 
 Torch-free (the CLI's config builder loads the secret before torch is imported).
 """
@@ -21,7 +28,7 @@ import secrets
 import stat
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +43,7 @@ JOB_WIDE = -1  # the "round" of records that belong to no round (finished, round
 # Used when a multi-node job has no secret file: records keep their shape and replay checks, but anybody can
 # compute this MAC; the agents say so once at start.
 PUBLIC_KEY = b"nvrx-rendezvous-without-a-job-secret"
-_DOMAIN = b"nvrx-rdzv-record/1"
+_DOMAIN = b"nvrx-rdzv-record/2"  # /2: the MAC covers the launch
 _PROOF_LABEL = b"nvrx-rdzv-secret-proof/1"
 _PREFIX = b"nvrx1:"
 _MAC_HEX = 64
@@ -44,7 +51,12 @@ _MAC_HEX = 64
 
 class ForgedRecord(BadRecord):
     """A well-formed envelope whose MAC does not check: written without the job secret, or copied from
-    another key, round or run (replay)."""
+    another key, round, run or launch (replay)."""
+
+
+def new_launch() -> str:
+    """A fresh launch nonce (hex), drawn once by the agent that hosts the store."""
+    return secrets.token_hex(16)
 
 
 def load_secret(path: str | Path) -> bytes:
@@ -96,14 +108,20 @@ class RecordAuth:
     key: bytes = field(repr=False)
     authenticated: bool  # False: the public key (no secret configured); records are checked, not authenticated
     source: str  # where the key came from, for messages: "file PATH" | "generated" | "none"
+    launch: str = ""  # the launch nonce (new_launch); "" only until a joiner has it (the greeting itself)
 
     @classmethod
     def unauthenticated(cls, run_id: str) -> "RecordAuth":
         return cls(run_id, PUBLIC_KEY, False, "none")
 
+    def for_launch(self, launch: str) -> "RecordAuth":
+        """The same key, signing and checking the records of LAUNCH."""
+        return replace(self, launch=launch)
+
     def mac(self, key_name: str, round: int, body: bytes) -> bytes:
-        """HMAC-SHA-256 over the run id, the round, the store key and the body (hex)."""
-        msg = b"\0".join((_DOMAIN, self.run_id.encode(), str(round).encode(), key_name.encode(), body))
+        """HMAC-SHA-256 over the run id, the launch, the round, the store key and the body (hex)."""
+        msg = b"\0".join((_DOMAIN, self.run_id.encode(), self.launch.encode(), str(round).encode(),
+                          key_name.encode(), body))
         return hmac.new(self.key, msg, hashlib.sha256).hexdigest().encode()
 
     def seal(self, key_name: str, round: int, content: dict) -> str:
@@ -128,7 +146,7 @@ class RecordAuth:
             raise ForgedRecord("malformed signature")
         if not hmac.compare_digest(mac, self.mac(key_name, round, body)):
             raise ForgedRecord("signature does not match: written without the job secret, or copied from another "
-                               "key, round or run")
+                               "key, round, run or launch")
         try:
             return body.decode()
         except UnicodeDecodeError:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from nvrx.common.errors import NvrxError
+from nvrx.events import StopDetail, field_problem, spec_of
 
 MAX_RECORD_BYTES = 1 << 20  # a real record is a few KiB (a stop record carries 20 output lines)
 MAX_NODES = 1 << 16
@@ -31,7 +32,7 @@ class StopKind(str, enum.Enum):
         return self.value
 
 
-FAULT_KINDS = (StopKind.FAILED, StopKind.NODE_LEFT)  # only these spend the restart budget
+_DETAIL_SPEC = spec_of(StopDetail)
 
 
 class NodeInfo(NamedTuple):
@@ -62,24 +63,39 @@ class RoundResult:
         return sum(n.nproc for n in self.nodes[: self.group_rank])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StopRecord:
+    """The record that ended a round. Its reason is typed (``StopDetail``, the event schema's record: the same
+    fields the rdzv_stop event logs), so readers use attributes (``rec.detail.steer``), never keys of a dict."""
+
     round: int
     kind: StopKind  # a plain string in the store; made a StopKind on construction
     by_node: str
-    detail: dict
+    detail: StopDetail
     restart_count: int
     give_up: bool  # a fault with the restart budget spent (or a rank asking for no restart): the job ends
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", StopKind(self.kind))
 
+    def fields(self) -> dict[str, Any]:
+        """The record as JSON-ready fields (what the store holds)."""
+        return {"round": self.round, "kind": self.kind.value, "by_node": self.by_node,
+                "detail": self.detail.to_fields(), "restart_count": self.restart_count, "give_up": self.give_up}
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), default=str, separators=(",", ":"))
+        return json.dumps(self.fields(), default=str, separators=(",", ":"))
+
+    def __eq__(self, other: object) -> bool:  # by value (StopDetail, an event record, compares by identity)
+        return isinstance(other, StopRecord) and self.fields() == other.fields()
+
+    def __hash__(self) -> int:
+        return hash(self.to_json())
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> "StopRecord":
-        """Parse a stop record from the store, checking every field; BadRecord if it is not one we wrote."""
+        """Parse a stop record from the store, checking every field (the detail against the event schema);
+        BadRecord if it is not one we wrote."""
         obj = _json_object(raw)
         kind = obj.get("kind")
         if not isinstance(kind, str) or kind not in {k.value for k in StopKind}:
@@ -89,10 +105,16 @@ class StopRecord:
         _need(obj, "by_node", _is_name)
         _need(obj, "detail", lambda v: isinstance(v, dict))
         _need(obj, "give_up", lambda v: isinstance(v, bool))
+        problem = field_problem(obj["detail"], _DETAIL_SPEC, "detail.")
+        if problem is not None:
+            raise BadRecord(problem)
+        if obj["detail"].keys() - StopDetail.F.__dict__.keys():
+            raise BadRecord(f"detail has unknown fields {sorted(obj['detail'].keys() - StopDetail.F.__dict__.keys())}")
         signum = obj["detail"].get("signum")
         if signum is not None and not (_is_count(signum) and 0 < signum < 128):
             raise BadRecord(f"detail.signum is {_shown(signum)}, not a signal number")
-        return cls(obj["round"], StopKind(kind), obj["by_node"], obj["detail"], obj["restart_count"], obj["give_up"])
+        return cls(obj["round"], StopKind(kind), obj["by_node"], StopDetail.of(obj["detail"]), obj["restart_count"],
+                   obj["give_up"])
 
 
 class BadRecord(NvrxError, ValueError):

@@ -2,21 +2,25 @@
 
 Every (re)start of the ranks is a new round. Store layout, all under ``nvrx/<run id>/``:
 
-* ``r<N>/count``          join counter (a hint); joiner j writes ``r<N>/join/<j>`` (NodeInfo)
+* ``r<N>/count``          join counter (a hint: where a joiner starts looking for a free slot, and how many slots
+                          the closer looks at); joiner j claims ``r<N>/join/<j>`` (NodeInfo) with compare_set
 * ``r<N>/closed``         the round's membership in group-rank order and its restart count; first valid writer wins
 * ``r<N>/pg``             where the ranks' process-group store of round N listens
 * ``r<N>/stop``           the StopRecord that ended round N (first valid writer wins, compare_set); it carries
-                          the job-wide restart count, which the next round's closed record takes over
-* ``r<N>/succeeded/<g>``  group rank g's ranks all exited 0 (``r<N>/succeeded``: a counter, only a wake-up hint)
+                          the job-wide restart count, which the next round's closed record takes over. It must name
+                          members of round N (a standby's scale_up: a node that joined it)
+* ``r<N>/succeeded/<g>``  group rank g's ranks all exited 0
+* ``r<N>/ack/<g>``        group rank g saw the stop record (the store host lingers for these before it exits)
 * ``r<N>/beat/<node id>`` keepalive: a sequence number that must keep growing
 * ``finished``            written when the job succeeded or gave up; late agents get JobFinished
 * ``round``               hint: the newest round that may be open (only a starting point for scans)
 
 Every record is JSON (never pickle) in a signed envelope (nvrx/launcher/agent/rdzv_auth.py): its HMAC covers the run
-id, the round and the key, so a value written without the job secret, or copied from another round or run, is
-ignored and reported (rdzv_forged_record). Counters (``count``, ``succeeded``, ``acked``) are only hints that
-something may have changed: no decision rests on a counter anyone could bump. A forged value cannot block a
-real one either: the first *valid* record wins (compare_set replaces exactly the forged bytes it read).
+id, the launch (a nonce the store host draws), the round and the key, so a value written without the job secret,
+or copied from another round, run or launch, is ignored and reported (rdzv_forged_record). The only counter left,
+``count``, is a hint: a forged bump costs at most a delay, never a decision or a number in a message. A forged
+value cannot block a real one either: the first *valid* record wins (compare_set replaces exactly the forged bytes
+it read).
 
 Waiting is done by short polls with check() (a timed-out torch wait prints C++ warnings); blocking get/wait is
 used only for keys that another agent is in the middle of writing.
@@ -33,7 +37,6 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import asdict
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch.distributed as dist
@@ -41,8 +44,9 @@ from torch.distributed import TCPStore
 
 from nvrx.launcher.agent.config import RdzvSettings
 from nvrx.launcher.agent.rdzv_auth import JOB_WIDE, ForgedRecord, RejectedRecords
-from nvrx.launcher.agent.rdzv_records import (FAULT_KINDS, BadRecord, NodeInfo, RoundResult, StopKind, StopRecord,
-                                         parse_closed, parse_join, parse_pg)
+from nvrx.launcher.agent.rdzv_records import (BadRecord, NodeInfo, RoundResult, StopKind, StopRecord, parse_closed,
+                                              parse_join, parse_pg)
+from nvrx.launcher.agent.restart_policy import RestartPolicy
 from nvrx.launcher.agent.store import (
     PortInUse,
     RendezvousError,
@@ -51,7 +55,7 @@ from nvrx.launcher.agent.store import (
     advertised_address,
     master_addr_for_ranks,
 )
-from nvrx.events import EventLog, RdzvJoin, RdzvRound, RdzvStandby, RdzvStop, StopDetail, field_problem, spec_of
+from nvrx.events import EventLog, RdzvJoin, RdzvRound, RdzvStandby, RdzvStop, StopDetail
 from nvrx.common.net import port_in_use, start_store_server
 from nvrx.common.errors import NvrxError
 
@@ -70,20 +74,15 @@ LINGER_MAX = 10.0  # how long the store host waits for peers to read the final s
 JOIN_SLOT_GRACE = 10.0
 FORGED_POLL_MAX = 0.5  # seconds between looks at a key that holds a forged value, waiting for the real one
 PUT_TRIES = 64  # compare_set attempts against values that keep being replaced by forged ones
-_DETAIL_SPEC = spec_of(StopDetail)
 
 
 class BadStoreRecord(RendezvousError):
     """A record in the rendezvous store that this agent cannot ignore is malformed: the job ends (one line)."""
 
 
-def parse_stop(raw: bytes) -> StopRecord:
-    """A stop record from the store with its detail checked against the event schema (it is logged as is)."""
-    rec = StopRecord.from_json(raw)
-    problem = field_problem(rec.detail, _DETAIL_SPEC, "detail.")
-    if problem is not None:
-        raise BadRecord(problem)
-    return rec
+def parse_stop(raw: bytes | str) -> StopRecord:
+    """A stop record from the store, its reason checked against the event schema (it is logged as is)."""
+    return StopRecord.from_json(raw)
 
 
 class RendezvousTimeout(RendezvousError):
@@ -144,6 +143,9 @@ class _Keys:
 
     def succeeded(self, n: int, g: int) -> str:
         return f"{self.prefix}r{n}/succeeded/{g}"
+
+    def ack(self, n: int, g: int) -> str:
+        return f"{self.prefix}r{n}/ack/{g}"
 
 
 class _Backoff:
@@ -224,15 +226,6 @@ class _JoinSlots:
         return list(out.values())
 
 
-def _stop_parser(r: int) -> Callable[[str], StopRecord]:
-    def parse(body: str) -> StopRecord:
-        rec = parse_stop(body)
-        if rec.round != r:
-            raise BadRecord(f"round is {rec.round}, not {r}")
-        return rec
-    return parse
-
-
 def _parse_seq(body: str) -> int:
     seq = json.loads(body).get("seq") if body.startswith("{") else None
     if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
@@ -249,8 +242,8 @@ def _parse_hint(body: str) -> int:
 
 class KeepaliveTask:
     """One node's keepalive in one round: each tick writes its next signed beat and looks at its ring
-    neighbours (reporting node_left for one silent past keepalive_timeout). Driven by the agent's own thread,
-    or by a SharedKeepalive."""
+    neighbours (reporting node_left for one silent past keepalive_timeout). Driven by the agent's own thread
+    (bench/bench_rendezvous.py drives many from one thread)."""
 
     def __init__(self, rdzv: "Rendezvous", result: RoundResult) -> None:
         self.rdzv = rdzv
@@ -269,112 +262,26 @@ class KeepaliveTask:
             self.watching = self.rdzv._watch_once(store, self.round, self.alive)
 
 
-class SharedKeepalive:
-    """Drives the keepalive tasks of many simulated agents in one process from one thread and one connection,
-    every INTERVAL seconds, instead of a thread and a connection per agent (which starve each other on a few
-    cores: beats come late and healthy nodes are reported silent). Each task does exactly what it does on an
-    agent's own thread, including its first beat at once when it starts."""
-
-    def __init__(self, connect: Callable[[], TCPStore], interval: float) -> None:
-        self._connect = connect
-        self._interval = interval
-        self._tasks: list[KeepaliveTask] = []
-        self._fresh: list[KeepaliveTask] = []  # added since the last pass: beat now, not at the next pass
-        self._lock = threading.Lock()  # held while a tick runs, so remove() returns only after the task's last tick
-        self._wake = threading.Event()
-        self._stop = False
-        self._thread: threading.Thread | None = None
-        self.slowest_pass = 0.0  # seconds: the longest pass over all tasks (beats come that far apart at worst)
-
-    def add(self, task: KeepaliveTask) -> None:
-        with self._lock:
-            self._tasks.append(task)
-            self._fresh.append(task)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="nvrx-shared-keepalive", daemon=True)
-                self._thread.start()
-        self._wake.set()
-
-    def remove(self, task: KeepaliveTask) -> None:
-        with self._lock:
-            for tasks in (self._tasks, self._fresh):
-                if task in tasks:
-                    tasks.remove(task)
-
-    def close(self) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(self._interval + 5.0)
-
-    def _run(self) -> None:
-        store = self._connect()
-        next_pass = time.monotonic()
-        while not self._stop:
-            self._wake.clear()  # before taking the fresh tasks: one added from now on wakes the next wait at once
-            started = time.monotonic()
-            full = started >= next_pass
-            with self._lock:
-                due, self._fresh = (list(self._tasks) if full else self._fresh), []
-                for task in due:
-                    try:
-                        task.tick(store)
-                    except (dist.DistError, RendezvousError) as exc:
-                        log.warning("keepalive of %s stopped (%s)", task.rdzv.node_id, str(exc).splitlines()[0])
-                        self._tasks.remove(task)
-            if full:
-                self.slowest_pass = max(self.slowest_pass, time.monotonic() - started)
-                next_pass += self._interval
-            self._wake.wait(max(0.0, next_pass - time.monotonic()))
-
-
-class SharedRecords:
-    """Records already checked and parsed, shared by the simulated agents of one process (keyed by store key,
-    round and the exact bytes): N agents in one process reading the same 1,024-node closed record would otherwise
-    spend N times what each real agent spends once on its own node. Parsed records are never modified."""
-
-    LIMIT = 4096
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._parsed: dict[tuple[str, int, bytes], Any] = {}
-
-    def check(self, key: str, r: int, raw: bytes | str, check: Callable[[], T]) -> T:
-        ident = (key, r, raw.encode() if isinstance(raw, str) else bytes(raw))
-        with self._lock:
-            if ident in self._parsed:
-                return self._parsed[ident]
-        value = check()  # BadRecord: not cached, every agent reports it as it would alone
-        with self._lock:
-            if len(self._parsed) >= self.LIMIT:
-                self._parsed.clear()
-            self._parsed[ident] = value
-        return value
-
-
 class Rendezvous:
-    """One agent's view of the job-wide rendezvous: rounds, stops, the restart budget, keepalive."""
+    """One agent's view of the job-wide rendezvous: rounds, membership, the signed records, keepalive.
+
+    What a stop costs (the restart budget, giving up) is the agent's POLICY (restart_policy.py), asked when this
+    agent writes a stop record. bench/bench_rendezvous.py subclasses it for simulated agents (one connection,
+    one keepalive thread and one record cache per process): _client, _check, start_keepalive, stop_keepalive.
+    """
 
     def __init__(
         self,
         rs: RendezvousStore,
         settings: RdzvSettings,
-        max_restarts: int,
+        policy: RestartPolicy,
         events: EventLog,
         node_id: str | None = None,
-        shared_keepalive: "SharedKeepalive | None" = None,
-        one_connection: bool = False,
-        shared_records: "SharedRecords | None" = None,
     ) -> None:
-        """SHARED_KEEPALIVE, ONE_CONNECTION and SHARED_RECORDS are for simulated agents (bench/bench_rendezvous.py):
-        many agents in one process beat from one thread, an agent that makes one call at a time uses its main
-        connection for every purpose, and the agents of a process check and parse each identical record once. A
-        real agent has none of them: its watcher and keepalive threads need connections of their own, and it
-        reads each record once anyway."""
         self.rs = rs
         self.auth = rs.auth
         self.settings = settings
-        self.max_restarts = max_restarts
+        self.policy = policy
         self.events = events
         self.keys = _Keys(settings.run_id)
         addr = advertised_address(settings, rs.host, rs.port)
@@ -393,9 +300,6 @@ class Rendezvous:
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()
         self._ka_task: KeepaliveTask | None = None
-        self._shared_keepalive = shared_keepalive
-        self._one_connection = one_connection
-        self._shared_records = shared_records
         self._joiner = 0  # this agent's join index in the round it is joining
 
     @property
@@ -406,7 +310,7 @@ class Rendezvous:
 
     def _client(self, purpose: str = "main") -> TCPStore:
         """The main client for short calls; one extra connection per background purpose."""
-        if (purpose == "main" or self._one_connection) and self.rs.store is not None:
+        if purpose == "main" and self.rs.store is not None:
             return self.rs.store
         with self._lock:
             if purpose not in self._clients:
@@ -427,13 +331,11 @@ class Rendezvous:
                 "the agent hosting it has probably exited"
             ) from None
 
-    def _seal(self, key: str, r: int, content: Any) -> str:
-        return self.auth.seal(key, r, content if isinstance(content, dict) else asdict(content))
+    def _seal(self, key: str, r: int, content: dict | StopRecord) -> str:
+        return self.auth.seal(key, r, content.fields() if isinstance(content, StopRecord) else content)
 
     def _check(self, key: str, r: int, raw: bytes, parse: Callable[[str], T]) -> T:
         """RAW read from KEY as the record PARSE makes of it, if it is signed for KEY and round R (BadRecord if not)."""
-        if self._shared_records is not None:
-            return self._shared_records.check(key, r, raw, lambda: parse(self.auth.open(key, r, raw)))
         return parse(self.auth.open(key, r, raw))
 
     def _read(self, store: TCPStore, key: str, r: int, parse: Callable[[str], T], fatal: bool) -> T | None:
@@ -492,6 +394,14 @@ class Rendezvous:
                 return j + 1
         return 0
 
+    def _free_slot(self, store: TCPStore, r: int, limit: int) -> int:
+        """The first join slot of round R that holds nothing (the counter proposed one nobody reads)."""
+        for j in range(limit):
+            if not store.check([self.keys.join(r, j)]):
+                return j
+        raise BadStoreRecord(f"round {r}: all {limit} join slots are taken (another program filled them); keep the "
+                             "endpoint's port private to the job's nodes")
+
     def _drop_client(self, purpose: str) -> None:
         with self._lock:
             self._clients.pop(purpose, None)
@@ -533,8 +443,59 @@ class Rendezvous:
                 return None
             backoff.sleep()
 
+    def _stop_parser(self, store: TCPStore, r: int) -> Callable[[str], StopRecord]:
+        """Parses a stop record of round R and checks that the nodes it names are in that round."""
+        def parse(body: str) -> StopRecord:
+            rec = parse_stop(body)
+            if rec.round != r:
+                raise BadRecord(f"round is {rec.round}, not {r}")
+            self._check_stop_nodes(store, rec)
+            return rec
+        return parse
+
+    def _check_stop_nodes(self, store: TCPStore, rec: StopRecord) -> None:
+        """BadRecord unless REC names members of its round: its writer (a standby asking to scale up, or reporting
+        a silent member: a node that joined the round) and the node and group rank it is about."""
+        closed = self._closed_of(store, rec.round)
+        if closed is None:
+            raise BadRecord(f"round {rec.round} has no valid closed record")
+        members = [n.node_id for n in closed["nodes"]]
+        standby_ok = rec.kind in (StopKind.SCALE_UP, StopKind.NODE_LEFT)
+        if rec.by_node not in members and not (standby_ok and self._joined(store, rec.round, rec.by_node)):
+            raise BadRecord(f"by_node {rec.by_node[:80]!r} is not a node of round {rec.round}")
+        if rec.kind is StopKind.SCALE_UP and rec.by_node in members:
+            raise BadRecord(f"scale_up by {rec.by_node[:80]!r}, a member of round {rec.round}, not a standby")
+        subject = rec.detail.node if rec.kind is StopKind.NODE_LEFT else rec.by_node
+        if rec.kind is StopKind.NODE_LEFT and subject not in members:
+            raise BadRecord(f"node_left names {str(subject)[:80]!r}, not a node of round {rec.round}")
+        g = rec.detail.group_rank
+        if g is not None and subject in members and g != members.index(subject):
+            raise BadRecord(f"group_rank {g} is not the place of {str(subject)[:80]!r} in round {rec.round}")
+
+    def _joined(self, store: TCPStore, r: int, node_id: str) -> bool:
+        """Whether NODE_ID has a valid join record in round R (looked for only for a standby's stop record)."""
+        return node_id in self._joined_ids(store, r, self._slot_limit())
+
+    def _joined_ids(self, store: TCPStore, r: int, limit: int) -> set[str]:
+        """The node ids with a valid join record among round R's first LIMIT slots (the counter says how many)."""
+        count = self._count(self.keys.r(r, "count"), 0, lambda probe: self._join_slots_used(probe, r))
+        slots = list(range(min(count, limit) if count >= 0 else limit))
+        keys = [self.keys.join(r, j) for j in slots]
+        present = [keys[j] for j in _present_slots(store, slots, keys)] if keys else []
+        ids = set()
+        for key, raw in zip(present, store.multi_get(present) if present else []):
+            try:
+                ids.add(self._check(key, r, raw, parse_join)["node_id"])
+            except BadRecord as exc:
+                self._bad_record(key, raw, exc, fatal=False)
+        return ids
+
     def _raise_if_finished(self, store: TCPStore) -> None:
         rec = self._read_if(store, self.keys.finished, JOB_WIDE, parse_stop)
+        if rec is not None and self._stop_of(store, rec.round) != rec:  # it must repeat a valid stop record
+            self._bad_record(self.keys.finished, store.get(self.keys.finished),
+                             BadRecord(f"it does not match the stop record of round {rec.round}"), fatal=False)
+            rec = None
         if rec is not None:
             how = "succeeded" if rec.kind is StopKind.SUCCEEDED else f"gave up after {rec.restart_count} restarts"
             raise JobFinished(f"job {self.settings.run_id} already {how} (round {rec.round})")
@@ -568,13 +529,13 @@ class Rendezvous:
         """Rounds advance only through stop records; write one if the caller skipped it."""
         if self._result and self._stop_of(store, self._result.round) is None:
             log.warning("round %d has no stop record; recording it as interrupted", self._result.round)
-            self._report_stop(store, self._result.round, StopKind.INTERRUPTED, {"node": self.node_id})
+            self._report_stop(store, self._result.round, StopKind.INTERRUPTED, StopDetail(node=self.node_id))
 
     def _stop_of(self, store: TCPStore, r: int) -> StopRecord | None:
         """Round R's valid stop record, if it has one yet (a forged one does not count)."""
         if r in self._stops:
             return self._stops[r]
-        rec = self._read_if(store, self.keys.r(r, "stop"), r, _stop_parser(r))
+        rec = self._read_if(store, self.keys.r(r, "stop"), r, self._stop_parser(store, r))
         if rec is not None:
             self._stops[r] = rec
         return rec
@@ -587,10 +548,30 @@ class Rendezvous:
             r += 1
         return r
 
+    def _slot_limit(self) -> int:
+        """How many join slots of a round anybody looks at (members, standbys and a margin)."""
+        return 2 * self.settings.max_nodes + 64
+
     def _join(self, store: TCPStore, r: int) -> None:
-        j = self._count(self.keys.r(r, "count"), 1, lambda probe: self._join_slots_used(probe, r)) - 1
-        key = self.keys.join(r, j)
-        store.set(key, self._seal(key, r, {**self.info._asdict(), "node_rank": self.settings.node_rank}))
+        """Claim a free join slot of round R with this node's signed join record.
+
+        The counter only proposes a slot: the record goes in with compare_set, so a slot already holding a value
+        (a forged one, or a racing joiner's after a repaired counter) is never overwritten, and a proposal past
+        the slots anybody reads (a forged bump) makes the joiner take the first free slot instead.
+        """
+        content = {**self.info._asdict(), "node_rank": self.settings.node_rank}
+        limit = self._slot_limit()
+        for _ in range(PUT_TRIES):
+            j = self._count(self.keys.r(r, "count"), 1, lambda probe: self._join_slots_used(probe, r)) - 1
+            if not 0 <= j < limit:
+                j = self._free_slot(store, r, limit)
+            key = self.keys.join(r, j)
+            value = self._seal(key, r, content)
+            if store.compare_set(key, "", value) == value.encode():
+                break
+        else:
+            raise BadStoreRecord(f"round {r}: every join slot this agent tried was taken by another program; keep "
+                                 "the endpoint's port private to the job's nodes")
         self._joiner = j
         log.debug("joined round %d as joiner %d", r, j)
         self.events.emit(RdzvJoin(round=r, node_id=self.node_id))
@@ -620,8 +601,10 @@ class Rendezvous:
                     return record
             self._raise_if_finished(store)
             count = self._count(self.keys.r(r, "count"), 0, lambda probe: self._join_slots_used(probe, r))
+            if not 0 <= count <= self._slot_limit():
+                count = self._slot_limit()  # bumped by another program: joiners took free slots from 0 up
             now = time.monotonic()
-            valid, pending = self._gather_joins(store, r, count, slots, now) if count >= s.min_nodes else (0, 0)
+            valid, pending = self._gather_joins(store, r, max(count, self._joiner + 1), slots, now)
             if valid >= s.min_nodes:
                 min_seen = min_seen if min_seen is not None else now
                 if valid >= s.max_nodes or (now - min_seen >= s.last_call_timeout and not pending):
@@ -629,20 +612,29 @@ class Rendezvous:
                     continue
             elif now - started > s.join_timeout:
                 raise RendezvousTimeout(
-                    f"rendezvous round {r} timed out after {s.join_timeout:g} s with {valid or count} of "
-                    f"{self._nodes_text()} nodes joined; start the agents on the missing nodes or raise "
-                    "--rdzv-conf join_timeout"
+                    f"rendezvous round {r} timed out after {s.join_timeout:g} s with {valid} of "
+                    f"{self._nodes_text()} nodes joined; {self._refused_text()}start the agents on the missing "
+                    "nodes or raise --rdzv-conf join_timeout"
                 )
             if not follower:
                 backoff.sleep()
 
+    def _refused_text(self) -> str:
+        """On the store host: where agents with another job secret came from, for the timeout message."""
+        refused = self.rs.refused
+        if not refused:
+            return ""
+        return (f"{len(refused)} agent(s) tried to join with another job secret (from {', '.join(refused[:3])}"
+                f"{', ...' if len(refused) > 3 else ''}): give every agent the same secret file; ")
+
     def _gather_joins(self, store: TCPStore, r: int, count: int, slots: _JoinSlots, now: float) -> tuple[int, int]:
         """Read the join slots not known yet: (valid joins, slots still waiting for their record).
 
-        A slot whose record is missing or invalid for JOIN_SLOT_GRACE is left out (the counter was bumped, or the
-        record written, by a program without the secret). At most 2 * max nodes + 64 slots are looked at.
+        Joiners claim slots with compare_set, so a slot holding an invalid value never gets a real record: it is
+        left out at once. An empty slot is left out after JOIN_SLOT_GRACE (its counter value was taken by a
+        program without the secret). At most 2 * max nodes + 64 slots are looked at.
         """
-        todo = slots.open_slots(count, 2 * self.settings.max_nodes + 64)
+        todo = slots.open_slots(count, self._slot_limit())
         if todo:
             present = _present_slots(store, todo, [self.keys.join(r, j) for j in todo])
             raws = store.multi_get([self.keys.join(r, j) for j in present]) if present else []
@@ -651,11 +643,14 @@ class Rendezvous:
                     slots.valid[j] = self._check(self.keys.join(r, j), r, raw, parse_join)
                 except BadRecord as exc:
                     self._bad_record(self.keys.join(r, j), raw, exc, fatal=False)
-            for j in todo:
-                if j not in slots.valid and now - slots.first_seen.setdefault(j, now) > JOIN_SLOT_GRACE:
                     slots.dropped.add(j)
-                    log.warning("round %d: join slot %d has no valid join record after %g s; left out", r, j,
-                                JOIN_SLOT_GRACE)
+            late = [j for j in todo if j not in slots.valid and j not in slots.dropped
+                    and now - slots.first_seen.setdefault(j, now) > JOIN_SLOT_GRACE]
+            if late:
+                slots.dropped.update(late)
+                # no count in the line: the slots come from the join counter, which anybody can move
+                log.warning("round %d: join slots without a join record after %g s are left out (taken by another "
+                            "program?)", r, JOIN_SLOT_GRACE)
         pending = sum(1 for j in todo if j not in slots.valid and j not in slots.dropped)
         return len(slots.joined()), pending
 
@@ -782,7 +777,7 @@ class Rendezvous:
         msg = (f"--master-port {port} is already in use on node {self.info.addr} ({why}); choose a free port, "
                f"or drop --master-port to let nvrx pick a fresh one per round")
         if nnodes > 1:
-            self._report_stop(store, r, StopKind.FAILED, {"describe": msg, "no_restart": True, "round": r})
+            self._report_stop(store, r, StopKind.FAILED, StopDetail(describe=msg, no_restart=True, round=r))
         raise PortInUse(msg)
 
     def _standby(self, store: TCPStore, r: int, record: dict) -> None:
@@ -792,7 +787,7 @@ class Rendezvous:
         log.info("round %d already running with %d nodes; standing by (%s)", r, len(record["nodes"]), reason)
         self.events.emit(RdzvStandby(round=r, node_id=self.node_id, reason=reason, nodes=len(record["nodes"])))
         if room:
-            self._report_stop(store, r, StopKind.SCALE_UP, {"node": self.node_id})
+            self._report_stop(store, r, StopKind.SCALE_UP, StopDetail(node=self.node_id))
             return
         self._wait_standby(store, r, record)
 
@@ -808,14 +803,15 @@ class Rendezvous:
                 self._read_beats(store, r, alive)
                 silent = alive.silent()
                 if silent:
-                    self._report_stop(store, r, StopKind.NODE_LEFT, {"node": silent[0], "group_rank": silent[1]})
+                    self._report_stop(store, r, StopKind.NODE_LEFT, StopDetail(node=silent[0], group_rank=silent[1]))
                 next_check = time.monotonic() + self.settings.keepalive_interval
             backoff.sleep()
 
-    # ------------------------------------------------------------ stops and the restart budget
+    # ------------------------------------------------------------ stops
 
-    def report_stop(self, round: int, kind: StopKind | str, detail: dict) -> StopRecord:
-        """End ROUND; idempotent across nodes: the first record wins and is returned to everyone."""
+    def report_stop(self, round: int, kind: StopKind | str, detail: StopDetail) -> StopRecord:
+        """End ROUND for the reason DETAIL; idempotent across nodes: the first record wins and is returned to
+        everyone. Its restart count and give-up flag are the agent's policy's verdict."""
         with self._store_errors():
             return self._report_stop(self._client(), round, kind, detail)
 
@@ -829,7 +825,7 @@ class Rendezvous:
         prev = self._stop_of(store, r - 1) if r > 0 else None  # a round that never closed (not ours to end)
         return prev.restart_count if prev is not None else 0
 
-    def _report_stop(self, store: TCPStore, r: int, kind: StopKind | str, detail: dict) -> StopRecord:
+    def _report_stop(self, store: TCPStore, r: int, kind: StopKind | str, detail: StopDetail) -> StopRecord:
         try:
             kind = StopKind(kind)
         except ValueError:
@@ -838,15 +834,13 @@ class Rendezvous:
         if known is not None:
             self._saw_stop(store, known)
             return known
-        spends = kind in FAULT_KINDS and not detail.get("leaves")  # a node leaving for a standby: no restart
-        count = self._round_restarts(store, r) + (1 if spends else 0)
-        give_up = kind in FAULT_KINDS and ((spends and count > self.max_restarts) or bool(detail.get("no_restart")))
-        mine = StopRecord(r, kind, self.node_id, dict(detail), count, give_up)
+        count, give_up = self.policy.decide(kind, detail, self._round_restarts(store, r))
+        mine = StopRecord(r, kind, self.node_id, detail, count, give_up)
         key = self.keys.r(r, "stop")
-        rec, won = self._put_first(store, key, r, self._seal(key, r, mine), _stop_parser(r))
+        rec, won = self._put_first(store, key, r, self._seal(key, r, mine), self._stop_parser(store, r))
         if won:
             if give_up or kind is StopKind.SUCCEEDED:  # late agents learn from it that the job is over
-                store.set(self.keys.finished, self._seal(self.keys.finished, JOB_WIDE, mine))
+                store.set(self.keys.finished, self._seal(self.keys.finished, JOB_WIDE, mine.fields()))
             store.set(self.keys.hint, self._seal(self.keys.hint, JOB_WIDE, {"round": r + 1}))
         self._stops[r] = rec
         self._saw_stop(store, rec)
@@ -859,12 +853,13 @@ class Rendezvous:
                 return
             self._stops_seen.add(rec.round)
             self._stops[rec.round] = rec
-        if self._result is not None and self._result.round == rec.round:
-            self._count(self.keys.r(rec.round, "acked"), 1, lambda probe: 0)
+        if self._result is not None and self._result.round == rec.round:  # signed: a counter could be bumped
+            key = self.keys.ack(rec.round, self._result.group_rank)
+            store.set(key, self._seal(key, rec.round, {"node_id": self.node_id}))
         log.info("round %d stopped: %s by %s (restarts %d%s)", rec.round, rec.kind, rec.by_node,
                  rec.restart_count, ", giving up" if rec.give_up else "")
         self.events.emit(RdzvStop(round=rec.round, kind=str(rec.kind), by_node=rec.by_node,
-                                  detail=StopDetail.of(rec.detail), restart_count=rec.restart_count,
+                                  detail=rec.detail, restart_count=rec.restart_count,
                                   give_up=rec.give_up))
 
     def standbys(self, round: int) -> int:
@@ -876,10 +871,7 @@ class Rendezvous:
             if closed is None:
                 return 0
             members = {n.node_id for n in closed["nodes"]}
-            count = min(self._count(self.keys.r(round, "count"), 0, lambda probe: self._join_slots_used(probe, round)),
-                        len(members) + 64)
-            joins = (self._read_if(store, self.keys.join(round, j), round, parse_join) for j in range(count))
-            return len({j["node_id"] for j in joins if j is not None and j["node_id"] not in members})
+            return len(self._joined_ids(store, round, len(members) + 64) - members)
 
     def wait_stop(self, round: int) -> StopRecord:
         """Block until ROUND has a valid stop record (for a watcher thread; uses its own connection)."""
@@ -887,7 +879,7 @@ class Rendezvous:
             store = self._client("watch")
             key = self.keys.r(round, "stop")
             self._wait_for_key(store, key)
-            rec = self._wait_valid(store, key, round, _stop_parser(round))
+            rec = self._wait_valid(store, key, round, self._stop_parser(store, round))
             self._saw_stop(store, rec)
             return rec
 
@@ -920,13 +912,16 @@ class Rendezvous:
             g = g if g is not None else members.index(self.node_id)
             key = self.keys.succeeded(round, g)
             store.set(key, self._seal(key, round, {"node_id": self.node_id}))
-            done = self._count(self.keys.r(round, "succeeded"), 1,
-                               lambda probe: sum(probe.check([self.keys.succeeded(round, i)]) for i in range(len(members))))
-            if done >= len(members) and self._all_succeeded(store, round, members):
-                self._report_stop(store, round, StopKind.SUCCEEDED, {"nodes": len(members)})
+            # the last node to write its record finds them all (no counter: one a program could bump or lower)
+            if self._all_succeeded(store, round, members):
+                self._report_stop(store, round, StopKind.SUCCEEDED, StopDetail(nodes=len(members)))
 
     def _all_succeeded(self, store: TCPStore, r: int, members: list[str]) -> bool:
-        keys = [self.keys.succeeded(r, g) for g in range(len(members))]
+        return self._all_signed(store, r, [self.keys.succeeded(r, g) for g in range(len(members))], members)
+
+    def _all_signed(self, store: TCPStore, r: int, keys: list[str], members: list[str]) -> bool:
+        """True when each of KEYS holds a valid record of round R naming the member at its place (one check, and
+        one multi_get once all exist)."""
         if not store.check(keys):
             return False
         for g, (key, raw) in enumerate(zip(keys, store.multi_get(keys))):
@@ -942,14 +937,11 @@ class Rendezvous:
     # ------------------------------------------------------------ keepalive
 
     def start_keepalive(self, result: RoundResult) -> None:
-        """Beat this node's signed sequence and watch neighbours until stop_keepalive(): on a thread of its own
-        with its own connection, or on the shared driver given at construction (simulated agents)."""
+        """Beat this node's signed sequence and watch neighbours until stop_keepalive(), on a thread of its own
+        with its own connection."""
         self.stop_keepalive()
         task = KeepaliveTask(self, result)
         self._ka_task = task
-        if self._shared_keepalive is not None:
-            self._shared_keepalive.add(task)
-            return
         self._ka_stop = threading.Event()
         self._ka_thread = threading.Thread(
             target=self._keepalive_loop,
@@ -963,8 +955,6 @@ class Rendezvous:
         """Stop beating; returns when the last beat was written (wall clock), None if there was none."""
         self._ka_stop.set()
         task, self._ka_task = self._ka_task, None
-        if task is not None and self._shared_keepalive is not None:
-            self._shared_keepalive.remove(task)  # returns after the task's last tick
         if self._ka_thread is not None:
             self._ka_thread.join(timeout=self.settings.keepalive_interval + 5.0)
             self._ka_thread = None
@@ -1007,7 +997,7 @@ class Rendezvous:
         if silent is None:
             return True
         log.warning("node %s (group rank %d) stopped beating for %g s", silent[0], silent[1], alive.timeout)
-        self._report_stop(store, r, StopKind.NODE_LEFT, {"node": silent[0], "group_rank": silent[1]})
+        self._report_stop(store, r, StopKind.NODE_LEFT, StopDetail(node=silent[0], group_rank=silent[1]))
         return False
 
     # ------------------------------------------------------------ shutdown
@@ -1026,8 +1016,9 @@ class Rendezvous:
             if not store.check([self.keys.r(res.round, "stop")]):
                 return
             deadline = time.monotonic() + min(self.settings.keepalive_timeout, LINGER_MAX)
-            while self._count(self.keys.r(res.round, "acked"), 0, lambda probe: 0) < len(res.nodes) \
-                    and time.monotonic() < deadline:
+            keys = [self.keys.ack(res.round, g) for g in range(len(res.nodes))]
+            members = [n.node_id for n in res.nodes]
+            while not self._all_signed(store, res.round, keys, members) and time.monotonic() < deadline:
                 time.sleep(MAX_POLL)
 
     def close(self) -> None:

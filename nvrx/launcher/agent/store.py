@@ -5,6 +5,11 @@ everybody else connects as a client. The host writes a few meta keys once so a c
 tell "our rendezvous, same job" from "some other program on that port" and from "a
 different job", and fail with one clear line instead of hanging.
 
+Each launch has its own nonce (rdzv_auth.new_launch), drawn by the host and covered by every record's MAC. A
+joiner learns it by greeting the host: it pushes a challenge (and its secret's proof, host name and pid) onto a
+queue in the store; the host's LaunchGreeter answers with the nonce, signed over that challenge. An agent whose
+secret differs is named on the host at once (one warning line), instead of the host waiting out join_timeout.
+
 Two torch behaviours shape this module:
 * a TCPStore client that connects to a listener which never answers blocks forever in its
   handshake, so the handshake runs in a helper thread with a deadline;
@@ -17,8 +22,10 @@ from __future__ import annotations
 import datetime
 import errno
 import hmac
+import json
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -28,8 +35,9 @@ import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from nvrx.launcher.agent.config import RdzvSettings
-from nvrx.launcher.agent.rdzv_auth import SECRET_FILE_ENV, RecordAuth, generate_secret
 from nvrx.common.torch_log import quiet_cpp_warnings
+from nvrx.launcher.agent.rdzv_auth import JOB_WIDE, SECRET_FILE_ENV, RecordAuth, generate_secret, new_launch
+from nvrx.launcher.agent.rdzv_records import BadRecord
 from nvrx.common.net import (DEFAULT_OP_TIMEOUT, bind_listen, is_loopback, is_loopback_ip, local_bind_address, resolve,
                              serve_store)
 from nvrx.launcher.agent.rdzv_errors import EndpointUnreachable, PortInUse, RendezvousError, RendezvousMismatch
@@ -37,12 +45,17 @@ from nvrx.launcher.agent.rdzv_errors import EndpointUnreachable, PortInUse, Rend
 log = logging.getLogger(__name__)
 
 MAGIC_KEY = "nvrx/meta/magic"
-MAGIC_VALUE = "nvrx-rendezvous/1"
+MAGIC_VALUE = "nvrx-rendezvous/2"  # /2: records are bound to the launch; joiners greet the host
 RUN_ID_KEY = "nvrx/meta/run_id"
 NPROC_KEY = "nvrx/meta/nproc_per_node"
 AUTH_KEY = "nvrx/meta/auth"  # RecordAuth.proof() of the host: "secret:<hmac>" or "none:<hmac>", never the secret
+HELLO_QUEUE = "nvrx/meta/hello"  # joiners push their greeting (JSON); the host's LaunchGreeter pops and answers
+LAUNCH_KEY = "nvrx/meta/launch/"  # + the joiner's challenge: the host's signed answer {launch, challenge}
+MAX_HELLO_BYTES = 4096
+REFUSED_REPORTS = 20  # agents with another secret named per host: a flood of forged greetings cannot fill the log
 
 HANDSHAKE_TIMEOUT = 5.0  # a real store answers in milliseconds; longer means "not a store"
+GREETER_WAIT = datetime.timedelta(days=1)  # the greeter's blocking pop; the store wakes it for each greeting
 PROBE_TIMEOUT = 1.0  # per plain-socket connect attempt
 
 
@@ -252,7 +265,10 @@ def verify_meta(store: TCPStore, settings: RdzvSettings, host: str, port: int, t
             "use the same --nproc-per-node on every node"
         )
     if auth is not None:
-        _verify_secret(_meta_text(store, AUTH_KEY, host, port), auth, host, port)
+        theirs = _meta_text(store, AUTH_KEY, host, port)
+        if not hmac.compare_digest(theirs.encode(), auth.proof().encode()):
+            _greet(store, auth, secrets.token_hex(16))  # so the host names this agent at once, then refuse
+        _verify_secret(theirs, auth, host, port)
 
 
 def _verify_secret(theirs: str, auth: RecordAuth, host: str, port: int) -> None:
@@ -283,18 +299,151 @@ def _meta_text(store: TCPStore, key: str, host: str, port: int) -> str:
     return text
 
 
+# ---------------------------------------------------------------- the launch greeting
+
+
+def _greet(store: TCPStore, auth: RecordAuth, challenge: str) -> None:
+    """Push this agent's greeting: its challenge, its secret's proof and where it runs (for the host's log)."""
+    hello = {"challenge": challenge, "proof": auth.proof(), "host": socket.gethostname()[:200], "pid": os.getpid(),
+             "secret": auth.source[:300]}
+    store.queue_push(HELLO_QUEUE, json.dumps(hello))
+
+
+def learn_launch(store: TCPStore, auth: RecordAuth, host: str, port: int, wait: float) -> RecordAuth:
+    """AUTH bound to the launch of the store host at HOST:PORT, learnt by challenge and response.
+
+    The answer is signed (with the launch-less key) at a key named by this agent's fresh challenge, so neither a
+    value written without the secret nor an answer copied from an earlier launch checks. The greeting is pushed
+    again every HANDSHAKE_TIMEOUT seconds (another program may have taken it off the queue) until WAIT runs out.
+    """
+    challenge = secrets.token_hex(16)
+    key = LAUNCH_KEY + challenge
+    base = auth.for_launch("")
+    deadline = time.monotonic() + wait
+    while True:
+        _greet(store, auth, challenge)
+        resend = min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT)
+        while time.monotonic() < resend:
+            if _poll_for_key(store, key, max(0.0, resend - time.monotonic())):
+                launch = _answer_launch(base, key, store.get(key), challenge)
+                if launch is not None:
+                    return auth.for_launch(launch)
+                time.sleep(0.05)  # a forged answer: the host's replaces it
+        if time.monotonic() >= deadline:
+            raise RendezvousError(
+                f"the agent hosting the rendezvous at {host}:{port} did not answer this agent's greeting within "
+                f"{wait:g} s (overloaded, or another program is taking greetings off the store); relaunch, and keep "
+                "the endpoint's port private to the job's nodes"
+            )
+
+
+def _answer_launch(base: RecordAuth, key: str, raw: bytes, challenge: str) -> str | None:
+    """The launch nonce in the host's answer RAW, if it is signed for KEY and names CHALLENGE."""
+    try:
+        answer = json.loads(base.open(key, JOB_WIDE, raw))
+    except (BadRecord, ValueError) as exc:
+        log.warning("ignored an answer to this agent's greeting that the store host did not sign (%s)", exc)
+        return None
+    launch = answer.get("launch") if isinstance(answer, dict) else None
+    if answer.get("challenge") != challenge or not isinstance(launch, str) or not 0 < len(launch) <= 64:
+        return None
+    return launch
+
+
+def _parse_hello(raw: bytes) -> dict | None:
+    """A greeting popped from the queue, or None when it is not one (anybody can push to the queue)."""
+    if len(raw) > MAX_HELLO_BYTES:
+        return None
+    try:
+        hello = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(hello, dict):
+        return None
+    challenge, proof = hello.get("challenge"), hello.get("proof")
+    if not (isinstance(challenge, str) and len(challenge) == 32 and all(c in "0123456789abcdef" for c in challenge)):
+        return None
+    return hello if isinstance(proof, str) and len(proof) <= 256 else None
+
+
+class LaunchGreeter:
+    """On the store host: answers every joiner's greeting with the launch nonce, signed over its challenge, and
+    names at once (one warning line, where it came from) any agent that tried to join with another secret.
+
+    One daemon thread with a connection of its own, blocked in the store's queue pop (no polling)."""
+
+    def __init__(self, host: str, port: int, auth: RecordAuth, run_id: str) -> None:
+        self.auth = auth
+        self.run_id = run_id
+        self.refused: list[str] = []  # "host H (pid P)" of agents with another secret, in order (at most REFUSED_REPORTS)
+        self._base = auth.for_launch("")
+        self._stopping = False
+        self._store = TCPStore(host, port, is_master=False, timeout=GREETER_WAIT)
+        self._thread = threading.Thread(target=self._run, name="nvrx-rdzv-greeter", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            try:
+                raw = self._store.queue_pop(HELLO_QUEUE, block=True)
+            except dist.DistError:  # the store stopped (the agent is exiting)
+                return
+            if not self._stopping:
+                self.answer(bytes(raw))
+
+    def answer(self, raw: bytes) -> None:
+        """Answer one greeting RAW (ignored when it is not one)."""
+        hello = _parse_hello(raw)
+        if hello is None:
+            log.debug("ignored a malformed greeting in the rendezvous store (%d bytes)", len(raw))
+            return
+        if not hmac.compare_digest(hello["proof"].encode(), self.auth.proof().encode()):
+            self._refuse(hello)
+            return
+        key = LAUNCH_KEY + hello["challenge"]
+        self._store.set(key, self._base.seal(key, JOB_WIDE, {"launch": self.auth.launch,
+                                                             "challenge": hello["challenge"]}))
+
+    def _refuse(self, hello: dict) -> None:
+        where = f"host {str(hello.get('host'))[:200]!s} (pid {str(hello.get('pid'))[:12]})"
+        if len(self.refused) >= REFUSED_REPORTS or where in self.refused:
+            return
+        self.refused.append(where)
+        theirs = "no job secret" if str(hello["proof"]).startswith("none:") else "a different job secret"
+        source = str(hello.get("secret"))[:300] if hello.get("secret") else "?"
+        log.warning("an agent on %s tried to join job %s with %s (its secret: %s); it was refused: give every agent "
+                    "of the job the same secret file (%s)", where, self.run_id, theirs, source, SECRET_FILE_ENV)
+
+    def close(self, store: TCPStore | None) -> None:
+        """Wake the thread through STORE (another connection: its own is blocked in the pop) so it ends."""
+        self._stopping = True
+        if store is not None:
+            try:
+                store.queue_push(HELLO_QUEUE, b"")
+            except dist.DistError:
+                pass
+        self._thread.join(1.0)
+
+
 # ---------------------------------------------------------------- the public object
 
 
 class RendezvousStore:
     """This agent's handle on the rendezvous store: the server itself on the host, a client elsewhere."""
 
-    def __init__(self, store: TCPStore, is_host: bool, host: str, port: int, auth: RecordAuth) -> None:
+    def __init__(self, store: TCPStore, is_host: bool, host: str, port: int, auth: RecordAuth,
+                 greeter: LaunchGreeter | None = None) -> None:
         self.store: TCPStore | None = store
-        self.auth = auth  # signs and checks every control record (nvrx/launcher/agent/rdzv_auth.py)
+        self.auth = auth  # signs and checks every control record of this launch (nvrx/launcher/agent/rdzv_auth.py)
         self.is_host = is_host
         self.host = host
         self.port = port
+        self.greeter = greeter  # on the host of a multi-node job: answers joiners' greetings
+
+    @property
+    def refused(self) -> list[str]:
+        """Where agents with another job secret came from (host only; empty elsewhere)."""
+        return list(self.greeter.refused) if self.greeter is not None else []
 
     def new_client(self, timeout: float = DEFAULT_OP_TIMEOUT) -> TCPStore:
         """An extra connection, so one thread's blocking wait never stalls another's calls."""
@@ -308,6 +457,8 @@ class RendezvousStore:
 
     def close(self) -> None:
         """Drop the store; on the host this stops the server for every agent."""
+        if self.greeter is not None:
+            self.greeter.close(self.store)
         self.store = None
 
     def __repr__(self) -> str:
@@ -319,10 +470,11 @@ def _host(addr: str, port: int, settings: RdzvSettings) -> RendezvousStore:
     sock = bind_listen(addr, port)
     actual = sock.getsockname()[1]
     store = serve_store(sock, addr)
-    auth = record_auth(settings)
+    auth = record_auth(settings).for_launch(new_launch())
+    greeter = None if settings.standalone or port == 0 else LaunchGreeter(addr, actual, auth, settings.run_id)
     _write_meta(store, settings, auth)
     log.info("hosting the rendezvous store on %s:%d", addr, actual)
-    return RendezvousStore(store, True, addr, actual, auth)
+    return RendezvousStore(store, True, addr, actual, auth, greeter)
 
 
 def _join(host: str, port: int, settings: RdzvSettings, local_port_taken: bool) -> RendezvousStore:
@@ -331,6 +483,7 @@ def _join(host: str, port: int, settings: RdzvSettings, local_port_taken: bool) 
     store = connect_client(host, port, wait, handshake, refused_means_port_in_use=local_port_taken)
     auth = record_auth(settings)
     verify_meta(store, settings, host, port, handshake, auth)
+    auth = learn_launch(store, auth, host, port, max(handshake, settings.join_timeout))
     log.info("joined the rendezvous store at %s:%d", host, port)
     return RendezvousStore(store, False, host, port, auth)
 
