@@ -66,13 +66,19 @@ class PeriodicCheckpointer:
     collective, it creates a gloo group for the checkpoint's own collectives). False: ``step`` publishes inline.
     COPY_IN_BACKGROUND: leave the copy of parameters and optimizer state to that thread (see above).
     ``copy_wait_seconds``: how long optimizer steps waited for such copies.
+    SAVE_ON_FAILURE: under ``nvrx launch --jit-ckpt``, when another rank fails, the lowest surviving rank saves
+    the state of the last completed optimizer step as ``jit_step_<steps done>`` before the job restarts
+    (``nvrx.ckpt.jit``). It declares MODEL / OPTIMIZER replicated on every rank of the group (DDP); sharded
+    state is detected and falls back to the newest periodic checkpoint. Needs ``step`` once per optimizer step.
+    STATE values are saved as they are at that moment.
     """
 
     def __init__(self, root: str | os.PathLike, *, model: Any = None, optimizer: Any = None,
                  state: dict[str, Any] | None = None, every_steps: int | None = None,
                  every_seconds: float | None = None, keep_last: int | None = 2, process_group: Any = None,
                  files_per_rank: int = 1, checkpointer: AsyncCheckpointer | None = None,
-                 verify: str | None = "full", background: bool = True, copy_in_background: bool = True) -> None:
+                 verify: str | None = "full", background: bool = True, copy_in_background: bool = True,
+                 save_on_failure: bool = False) -> None:
         if every_steps is None and every_seconds is None:
             raise ValueError("give every_steps, every_seconds or both")
         if every_steps is not None and every_steps < 1:
@@ -110,6 +116,48 @@ class PeriodicCheckpointer:
         self._overlap = bool(copy_in_background and self._finalizer is not None and optimizer is not None)
         if self._overlap:
             optimizer.register_step_pre_hook(self._before_optimizer_step)
+        self._jit = self._arm_jit(keep_last) if save_on_failure else None
+        self._marker = (0, 0)  # (steps done at the last step() call or resume, the gate's optimizer steps then)
+
+    # ------------------------------------------------------------------ save on failure
+
+    def _arm_jit(self, keep_last: int | None) -> Any:
+        """Register the just-in-time checkpoint of this state (only under `nvrx launch --jit-ckpt`)."""
+        from nvrx.ckpt import jit
+
+        if self.optimizer is None or self.model is None:
+            raise ValueError("save_on_failure needs model= and optimizer= (it saves the last completed optimizer step)")
+        if not jit.enabled():
+            log.info("save_on_failure=True has no effect without `nvrx launch --jit-ckpt`")
+            return None
+        saver = jit.JitCheckpointer(self.root, self.optimizer, self._jit_state, self._jit_steps,
+                                    self._newest_steps, keep_last=keep_last)
+        jit.register(saver)
+        return saver
+
+    def _jit_state(self) -> dict[str, Any]:
+        """The state dict, built on the JIT thread: never by initialising an optimizer that has not stepped."""
+        if not self._optimizer_ready():
+            raise CheckpointError("the optimizer has not stepped yet: no state to save")
+        return self._state_dict()
+
+    def _jit_steps(self, gate_steps: int) -> int | str:
+        """The steps done that the model and optimizer hold now, from the optimizer steps since the last ``step``."""
+        done, at = self._marker
+        if gate_steps - at in (0, 1):  # (1: the optimizer stepped, step() for that step was not called yet)
+            return done + gate_steps - at
+        return (f"the optimizer stepped {gate_steps - at} times since the last PeriodicCheckpointer.step() call: "
+                "cannot tell which step the state holds (call step() once per optimizer step)")
+
+    def _newest_steps(self) -> int | None:
+        """Steps held by the newest published checkpoint under ROOT, from its name (None: none)."""
+        from nvrx.ckpt import jit
+
+        newest = find_latest_checkpoint(self.root, verify=None)
+        if newest is None:
+            return None
+        digits = newest.path.name.removeprefix(jit.NAME_PREFIX).removeprefix("step_")
+        return int(digits) if digits.isdigit() else None
 
     # ------------------------------------------------------------------ resume
 
@@ -139,6 +187,8 @@ class PeriodicCheckpointer:
             raise CheckpointError(f"{info.path} was not written by PeriodicCheckpointer (no {STEP_KEY})")
         self.last_saved = steps
         self._last_save_time = time.monotonic()
+        self._done = steps
+        self._marker = (steps, self._jit.gate.steps if self._jit is not None else 0)
         log.info("resumed from %s (%d steps done)", info.path, steps)
         return steps
 
@@ -173,6 +223,8 @@ class PeriodicCheckpointer:
             if self._finalizer is not None:  # its thread too, so the first save pays what later ones do
                 self._finalizer.start_thread()
         done = self._done = step + 1
+        if self._jit is not None:
+            self._marker = (done, self._jit.gate.steps)  # one assignment: the JIT thread reads both at once
         if self._falls_due(done):
             self._due = True
         # Every rank takes the same collectives and acts on their common answer: a rank that was still
@@ -328,6 +380,9 @@ class PeriodicCheckpointer:
                 self.save(self._done)
                 self.wait()
         finally:
+            if self._jit is not None:  # training is over: nothing to save on a failure from here on
+                self._jit.close()
+                self._jit = None
             if self._finalizer is not None:
                 self._finalizer.stop()
         self.checkpointer.finalize_before_exit()

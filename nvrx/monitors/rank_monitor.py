@@ -61,6 +61,7 @@ from nvrx.monitors.auto_timeout import AutoTimeout, AutoTimeoutChange
 from nvrx.monitors.rank_activity import ActivityWatch, busy_peer
 from nvrx.monitors.straggler import TimingSampler
 from nvrx.monitors.heartbeat import Slot, SlotSnapshot
+from nvrx.monitors.jit_relay import JitRelay
 from nvrx.monitors.sections import SectionRegistry, SectionStats
 from nvrx.monitors.ft_config import FaultToleranceConfig, inactive_settings_line
 from nvrx.monitors.timeouts import HeartbeatStats, TimeoutTracker, Timeouts, state_file
@@ -233,6 +234,7 @@ class RankMonitor:
         self.generation = 0
         self.stopping: str | None = None
         self.conns: dict[socket.socket, Conn] = {}
+        self.jit = JitRelay()  # just-in-time checkpoint requests, agent -> rank -> agent (nvrx.monitors.jit_relay)
         self.sel = selectors.DefaultSelector()
         ensure_private_dir(self.shm_path.parent)
         self.slot = Slot.create(self.shm_path)
@@ -613,6 +615,7 @@ class RankMonitor:
         except (KeyError, ValueError):
             pass
         conn.sock.close()
+        self.jit.dropped(conn, self._reply)
         if self.session is not None and self.session.conn is conn:
             self._end_session("rank_disconnected")
 
@@ -620,8 +623,8 @@ class RankMonitor:
     def _handle(self, conn: Conn, msg: dict[str, Any]) -> None:
         op = msg.get("op")
         if not conn.authed:
-            handler = {"init": self._op_init, "attach": self._op_attach,
-                       "stop_monitor": self._op_stop_monitor}.get(op)
+            handler = {"init": self._op_init, "attach": self._op_attach, "stop_monitor": self._op_stop_monitor,
+                       "jit_wait": self._op_jit_wait, "jit_request": self._op_jit_request}.get(op)
         else:
             handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) and op.isidentifier() else None
         if handler is None:
@@ -844,6 +847,33 @@ class RankMonitor:
         except OSError as exc:  # BlockingIOError (an agent that does not read), EPIPE (no agent)
             log.warning("cannot pass the workload control request to the agent: %s", exc)
             return False
+
+    def _op_jit_wait(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """The rank's JIT thread parks this connection until the agent asks for a save (no reply until then)."""
+        if not self._check_token(conn, msg):
+            return None
+        proc = self._verified_proc(conn, msg)
+        conn.authed = True  # (its process holds the token: it may answer with jit_result)
+        self.jit.park(conn, proc.pid)
+        log.debug("rank %d: JIT saver of pid %d waiting", self.rank, proc.pid)
+        return None
+
+    def _op_jit_request(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """The agent asks the rank for a just-in-time checkpoint; answered when the rank answers (or now)."""
+        if not self._check_token(conn, msg):
+            return None
+        request = {k: msg.get(k) for k in ("round", "lost", "deadline", "world_size")}
+        log.info("rank %d: the agent asks for a just-in-time checkpoint (lost ranks %s)", self.rank, request["lost"])
+        return self.jit.ask(conn, request, self._reply)
+
+    def _op_jit_result(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """The rank's JIT thread reports its save; passed on to the agent."""
+        result = {k: msg.get(k) for k in ("saved", "path", "step", "error", "seconds", "skipped")}
+        if not self.jit.answer(conn, result, self._reply):
+            raise ValueError("no JIT request is waiting for this answer")
+        log.info("rank %d: just-in-time checkpoint %s", self.rank,
+                 f"saved: {result['path']}" if result["saved"] else f"not saved: {result['error']}")
+        return {}
 
     def _op_shutdown(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         self._refresh_observations()

@@ -67,6 +67,11 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                                                                         "used when active ranks are lost.")),
     (("--async-ckpt",), dict(is_flag=True, help="Start each rank's persistent checkpoint writer process at rank start "
                                                 "(used by ckpt.async_save; README: Asynchronous checkpointing).")),
+    (("--jit-ckpt",), dict(is_flag=True, help="When a rank fails, ask the survivors to save their last completed "
+                                              "step before they are stopped (PeriodicCheckpointer(save_on_failure="
+                                              "True); README: Just-in-time checkpoint).")),
+    (("--jit-ckpt-timeout",), dict(default=None, help="Seconds a just-in-time checkpoint may take before the restart "
+                                                      "goes on without it (default 5).")),
     (("--local-ckpt-dir",), dict(default=None, help="Node-local directory for ckpt.local checkpoints, passed to ranks as "
                                                     "NVRX_LOCAL_CKPT_DIR (README: Local checkpoints with replication).")),
     (("--fault-tol-cfg-path", "--ft-cfg-path"), dict(default=None, help="YAML with FaultToleranceConfig fields "

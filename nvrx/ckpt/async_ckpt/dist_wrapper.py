@@ -16,6 +16,19 @@ import torch.distributed as dist
 from nvrx.ckpt.errors import CheckpointError
 
 
+class _Solo:
+    """``process_group=SOLO``: this process saves alone, with no collective even when a process group exists.
+
+    A just-in-time checkpoint (``nvrx.ckpt.jit``) is written by one surviving replica while its peers are dead
+    or blocked: a collective would wait for them forever.
+    """
+
+    def __repr__(self) -> str:
+        return "SOLO"
+
+
+SOLO: Any = _Solo()
+
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     """The bytes of a CPU uint8 tensor, without numpy (which torch may lack)."""
@@ -26,8 +39,9 @@ class DistWrapper:
     """Rank facts and JSON collectives over PROCESS_GROUP (default: the world)."""
 
     def __init__(self, process_group: Any = None, coordinator_rank: int = 0) -> None:
-        self.group = process_group
-        self.use_dist = dist.is_available() and dist.is_initialized()
+        solo = process_group is SOLO
+        self.group = None if solo else process_group
+        self.use_dist = not solo and dist.is_available() and dist.is_initialized()
         self.coordinator_rank = coordinator_rank
         if self.use_dist:
             pg = process_group or dist.group.WORLD

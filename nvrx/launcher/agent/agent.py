@@ -580,6 +580,7 @@ class Agent:
             self._let_ranks_finish(self.cfg.workers.term_timeout)
             self.workers.stop(grace=0.0)
             return exit_codes.interrupted(signum)
+        self._save_on_failure(result, record)  # --jit-ckpt: the survivors save before they are stopped
         self.workers.stop()
         if record.kind in FAULT_KINDS:
             named = {} if record.detail.rank is not None else {"node": record.by_node}  # who said so
@@ -597,6 +598,24 @@ class Agent:
                       record.detail.describe)
             return exit_codes.RESUME_ELSEWHERE
         return None
+
+    def _save_on_failure(self, result: RoundResult, record: StopRecord) -> None:
+        """--jit-ckpt: ask this node's surviving ranks, through their monitors, for a just-in-time checkpoint of
+        their last completed step (nvrx.ckpt.jit), bounded by --jit-ckpt-timeout; one log line says the outcome."""
+        timeout = self.cfg.jit_ckpt_timeout
+        if timeout is None or self.monitors is None or record.kind not in FAULT_KINDS:
+            return
+        from nvrx.launcher.agent import jit_request
+
+        nproc = self.cfg.workers.nproc_per_node
+        lost = jit_request.lost_ranks(record.kind.value, record.detail, nproc)
+        targets = [(lr, *self.monitors.paths(lr)[:1], self.monitors.tokens[lr]) for lr in range(nproc)
+                   if result.rank_offset + lr not in lost]
+        started = time.monotonic()
+        answers = jit_request.request_saves(targets, {"round": result.round, "lost": lost,
+                                                      "world_size": result.world_size}, timeout)
+        saved, line = jit_request.summary(answers)
+        (log.warning if saved else log.error)("%s (%.2f s)", line, time.monotonic() - started)
 
     def _let_ranks_finish(self, grace: float) -> None:
         """After a forwarded stop signal, give ranks the grace period to save and exit on their own."""

@@ -135,9 +135,19 @@ class LaunchConfig:
     node_name: str = field(default_factory=socket.gethostname)  # per-node names/paths (Slurm: SLURMD_NODENAME)
     slurm: SlurmTopology | None = None  # set when the topology came from the Slurm environment
     state_dir: Path | None = None  # learned timeouts etc., kept across jobs (default <run_log_dir>/ft_state)
+    jit_ckpt_timeout: float | None = None  # --jit-ckpt: seconds a just-in-time checkpoint may take (None: off)
 
 
 # ---------------------------------------------------------------- parsing helpers
+
+
+def jit_timeout(enabled: Any, timeout: Any) -> float | None:
+    """--jit-ckpt / --jit-ckpt-timeout as the bound in seconds of a just-in-time checkpoint (None: off)."""
+    if not enabled:
+        if timeout is not None:
+            raise ConfigError("--jit-ckpt-timeout needs --jit-ckpt")
+        return None
+    return positive_float(5.0 if timeout is None else timeout, "--jit-ckpt-timeout")
 
 
 def local_ckpt_dir(value: str) -> str:
@@ -716,6 +726,9 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str],
         base_env["OMP_NUM_THREADS"] = "1"
     if raw.get("async_ckpt"):
         base_env["NVRX_ASYNC_CKPT"] = "1"  # read by the rank bootstrap (nvrx.ckpt.async_ckpt.writer_process)
+    jit_ckpt_timeout = jit_timeout(raw.get("jit_ckpt"), raw.get("jit_ckpt_timeout"))
+    if jit_ckpt_timeout is not None:
+        base_env["NVRX_JIT_CKPT"] = f"{jit_ckpt_timeout:g}"  # read by the rank bootstrap and nvrx.ckpt.jit
     if raw.get("local_ckpt_dir"):
         base_env["NVRX_LOCAL_CKPT_DIR"] = local_ckpt_dir(raw["local_ckpt_dir"])  # read by nvrx.ckpt.local.default_root()
     workers = WorkerSettings(
@@ -751,4 +764,5 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str],
         ft=ft,
         node_name=(slurm.node_name if slurm else None) or socket.gethostname(),
         slurm=slurm,
+        jit_ckpt_timeout=jit_ckpt_timeout,
     )

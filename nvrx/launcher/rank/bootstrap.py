@@ -246,10 +246,16 @@ def _attach_to_monitor(started: float) -> None:
         return
     interval = os.environ.get(monitor_client.ENV_AUTO_HEARTBEAT)
 
+    jit = bool(os.environ.get("NVRX_JIT_CKPT"))  # nvrx launch --jit-ckpt (nvrx.ckpt.jit.JIT_ENV)
+
     def on_attached(link: monitor_client.MonitorLink) -> None:
         if interval:
             link.arm(())
             ProgressWatchdog(link.writer.auto_beat, float(interval)).start()
+        if jit:  # park a thread on the monitor: the agent asks through it for a save when a peer fails
+            from nvrx.launcher.rank import jit_link
+
+            jit_link.start(link.socket_path, link._token, int(os.environ.get("RANK", "0")))
 
     # Takes NVRX_MONITOR_TOKEN out of os.environ before returning, i.e. before user code can start a
     # process that would inherit it; the client keeps it for this process.
@@ -302,8 +308,18 @@ def run_user_code(entry: str, args: list[str], module: bool) -> int:
         return -signal.SIGINT
     except BaseException as exc:
         _print_uncaught(exc)
+        _hold_exit_for_jit(exc)
         return 1
     return 0
+
+
+def _hold_exit_for_jit(exc: BaseException) -> None:
+    """--jit-ckpt: a survivor whose collective failed because a peer died stays until it has saved (bounded)."""
+    bound = os.environ.get("NVRX_JIT_CKPT")
+    if bound and "nvrx.launcher.rank.jit_link" in sys.modules:
+        from nvrx.launcher.rank import jit_link
+
+        jit_link.hold_exit(exc, float(bound) + 1.0)
 
 
 def flush_stdio() -> None:

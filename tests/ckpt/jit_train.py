@@ -1,0 +1,120 @@
+"""A DDP + Adam rank under `nvrx launch --jit-ckpt` with ``PeriodicCheckpointer(every_steps=5, save_on_failure=True)``.
+
+usage: jit_train.py OUT STEPS FAULT FAULT_AT
+
+Attempt 0, at step FAULT_AT (every rank first waits until the periodic save of step 10 is published, so the
+previous checkpoint is known), right after rank 1's optimizer step, the fault FAULT happens:
+
+  none     no fault
+  crash    rank 1 SIGKILLs itself; rank 0 blocks in the next step's all-reduce (the JIT saver)
+  hang     rank 1 sleeps in C without heartbeats; its monitor kills it
+  second   rank 1 SIGKILLs itself, and rank 0 SIGKILLs itself in the middle of its JIT save (a second failure)
+  torn     rank 1 SIGKILLs itself; rank 0's JIT write blocks past the deadline (the agent kills it mid-write)
+  stuck    rank 1 SIGKILLs itself; rank 0 stays inside optimizer.step() (never a consistent point)
+  full     rank 1 fills the checkpoint file system, then SIGKILLs itself (the JIT save gets ENOSPC)
+
+Every attempt records the steps it resumed at (start-a<attempt>-r<rank>.json); rank 0 records the final
+parameters (final.json) to compare with a run without faults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from nvrx import ckpt
+
+
+def record(out: str, name: str, payload: dict) -> None:
+    tmp = os.path.join(out, f".{name}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(payload, fh)
+    os.replace(tmp, os.path.join(out, name))
+
+
+def on_jit_write(action) -> None:
+    """Run ACTION inside the JIT save's file write (on the JIT thread only), after the first file is open."""
+    from nvrx.ckpt.async_ckpt import file_writer
+
+    real = file_writer._write_one_file
+
+    def patched(buffer, directory, spec, fsync, wait_staged=None):
+        if threading.current_thread().name == "nvrx-jit-link":
+            open(os.path.join(directory, spec["name"]), "wb").write(b"torn")
+            action()
+        return real(buffer, directory, spec, fsync, wait_staged)
+
+    file_writer._write_one_file = patched
+
+
+def fill(path: str) -> None:
+    """Fill the file system holding PATH (ENOSPC for the next writer)."""
+    with open(os.path.join(path, "filler"), "wb") as fh:
+        block = b"\0" * (1 << 16)
+        try:
+            while True:
+                fh.write(block)
+                fh.flush()
+        except OSError:
+            pass
+
+
+def main() -> None:
+    out, steps, fault, fault_at = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    root = os.environ.get("JIT_TEST_CKPTS") or os.path.join(out, "ckpts")
+    dist.init_process_group("gloo")
+    rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 4)))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    saver = ckpt.PeriodicCheckpointer(root, model=model, optimizer=opt, every_steps=5, save_on_failure=True)
+    if attempt == 1 and os.path.exists(os.path.join(root, "filler")):
+        os.unlink(os.path.join(root, "filler"))
+    start = saver.resume()
+    record(out, f"start-a{attempt}-r{rank}.json", {"start": start})
+    faulty = attempt == 0 and fault != "none"
+    if faulty and rank == 0 and fault == "stuck":
+        opt.register_step_pre_hook(lambda *_: (step_no[0] == fault_at) and _forever())
+    if faulty and rank == 0 and fault == "second":
+        on_jit_write(lambda: os.kill(os.getpid(), signal.SIGKILL))
+    if faulty and rank == 0 and fault == "torn":
+        on_jit_write(lambda: time.sleep(3600))
+    gen = torch.Generator()
+    step_no = [start]
+    for step in range(start, steps):
+        step_no[0] = step
+        if faulty and step == fault_at:
+            saver.wait()  # the periodic save of step 10 is published on every rank before the fault
+            dist.barrier()
+            if rank == 1 and fault == "full":
+                fill(root)
+        gen.manual_seed(step * 10 + rank)
+        loss = model(torch.randn(8, 16, generator=gen)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if faulty and step == fault_at and rank == 1:  # after its optimizer step: steps done = FAULT_AT + 1
+            if fault == "hang":
+                time.sleep(3600)
+            os.kill(os.getpid(), signal.SIGKILL)
+        saver.step(step)
+    saver.close()
+    if rank == 0:
+        record(out, "final.json", {"params": [p.detach().flatten().tolist() for p in model.parameters()]})
+    dist.destroy_process_group()
+
+
+def _forever() -> None:
+    while True:  # inside optimizer.step(), in Python: heartbeats go on, the step never ends
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    main()
