@@ -2,12 +2,13 @@
 
 usage: jit_train.py OUT STEPS FAULT FAULT_AT
 
-Attempt 0, at step FAULT_AT (every rank first waits until the periodic save of step 10 is published, so the
-previous checkpoint is known), right after rank 1's optimizer step, the fault FAULT happens:
+Attempt 0, at step FAULT_AT (every rank first waits until no periodic save is in flight and rank 0 records the
+newest checkpoint in before.json: the previous checkpoint), right after rank 1's optimizer step, the fault FAULT
+happens:
 
   none     no fault
   crash    rank 1 SIGKILLs itself; rank 0 blocks in the next step's all-reduce (the JIT saver)
-  hang     rank 1 sleeps in C without heartbeats; its monitor kills it
+  hang     rank 1 stops (SIGSTOP) inside monitored section 'work'; its monitor kills it at the section timeout
   second   rank 1 SIGKILLs itself, and rank 0 SIGKILLs itself in the middle of its JIT save (a second failure)
   torn     rank 1 SIGKILLs itself; rank 0's JIT write blocks past the deadline (the agent kills it mid-write)
   stuck    rank 1 SIGKILLs itself; rank 0 stays inside optimizer.step() (never a consistent point)
@@ -77,11 +78,12 @@ def main() -> None:
     saver = ckpt.PeriodicCheckpointer(root, model=model, optimizer=opt, every_steps=5, save_on_failure=True)
     if attempt == 1 and os.path.exists(os.path.join(root, "filler")):
         os.unlink(os.path.join(root, "filler"))
+    listed = [c.path.name for c in ckpt.list_checkpoints(root)] if os.path.isdir(root) else []
     start = saver.resume()
-    record(out, f"start-a{attempt}-r{rank}.json", {"start": start})
+    record(out, f"start-a{attempt}-r{rank}.json", {"start": start, "listed": listed})
     faulty = attempt == 0 and fault != "none"
     if faulty and rank == 0 and fault == "stuck":
-        opt.register_step_pre_hook(lambda *_: (step_no[0] == fault_at) and _forever())
+        opt.register_step_pre_hook(lambda *_: _forever() if step_no[0] == fault_at else None)
     if faulty and rank == 0 and fault == "second":
         on_jit_write(lambda: os.kill(os.getpid(), signal.SIGKILL))
     if faulty and rank == 0 and fault == "torn":
@@ -91,8 +93,12 @@ def main() -> None:
     for step in range(start, steps):
         step_no[0] = step
         if faulty and step == fault_at:
-            saver.wait()  # the periodic save of step 10 is published on every rank before the fault
+            saver.wait()  # no periodic save is in flight on any rank at the fault: the previous checkpoint is known
             dist.barrier()
+            if rank == 0:
+                newest = ckpt.find_latest_checkpoint(root)
+                record(out, "before.json", {"newest": newest.path.name if newest else None,
+                                            "steps": int(newest.path.name.split("_")[-1]) if newest else 0})
             if rank == 1 and fault == "full":
                 fill(root)
         gen.manual_seed(step * 10 + rank)
@@ -101,8 +107,13 @@ def main() -> None:
         loss.backward()
         opt.step()
         if faulty and step == fault_at and rank == 1:  # after its optimizer step: steps done = FAULT_AT + 1
-            if fault == "hang":
-                time.sleep(3600)
+            if fault == "hang":  # stops inside a monitored section: its monitor kills it at the section timeout
+                from nvrx.monitors.client import RankMonitorClient
+
+                client = RankMonitorClient()
+                client.init_workload_monitoring()
+                client.start_section("work")
+                os.kill(os.getpid(), signal.SIGSTOP)
             os.kill(os.getpid(), signal.SIGKILL)
         saver.step(step)
     saver.close()
