@@ -7,6 +7,7 @@ and saving costs show up in full), resumed from its newest checkpoint at start. 
 * ``torch_save``: rank 0 ``torch.save``s model + optimizer every ``--every`` steps (temp file, rename), then a
   barrier; every rank loads that file at start. What a user who changed nothing does.
 * ``nvrx``: ``nvrx.ckpt.PeriodicCheckpointer`` (asynchronous DCP, one call per step), run with ``--async-ckpt``.
+* ``nvrx_jit``: the same with ``save_on_failure=True``, run with ``--jit-ckpt`` (bench/bench_jit.py).
 * ``none``: no checkpoint (the fault-free reference whose wall the checkpoint cost counts against).
 
 Instrumentation for the benchmark (the same under every launcher, written to ``--out``):
@@ -40,7 +41,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--pause", type=float, default=0.04, help="seconds slept per step after the compute")
-    p.add_argument("--ckpt", choices=("none", "torch_save", "nvrx", "twotier"), default="torch_save")
+    p.add_argument("--ckpt", choices=("none", "torch_save", "nvrx", "nvrx_jit", "twotier"), default="torch_save")
     p.add_argument("--every", type=int, default=200, help="checkpoint every N steps")
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--global-every", type=int, default=200, help="twotier: global checkpoint every N steps")
@@ -95,6 +96,11 @@ class TorchSaveCheckpoint:
 def make_checkpoint(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:
     if args.ckpt == "torch_save":
         return TorchSaveCheckpoint(Path(args.ckpt_dir) / "ckpt.pt", args.every, model, opt)
+    if args.ckpt == "nvrx_jit":  # bench_jit.py: the same, plus a just-in-time save on failure (--jit-ckpt)
+        from nvrx import ckpt
+
+        return ckpt.PeriodicCheckpointer(args.ckpt_dir, model=model, optimizer=opt, every_steps=args.every,
+                                         save_on_failure=True)
     if args.ckpt == "nvrx":
         from nvrx import ckpt
 

@@ -90,8 +90,9 @@ class JitCheckpointer:
 
     def __init__(self, root: Path, optimizer: Any, state_fn: Callable[[], dict[str, Any]],
                  steps_fn: Callable[[int], int | str], newest_fn: Callable[[], int | None],
-                 keep_last: int | None = None) -> None:
+                 keep_last: int | None = None, step_key: str = "nvrx_steps_done") -> None:
         self.root = Path(root)
+        self.step_key = step_key  # where the state records its steps done (PeriodicCheckpointer's STEP_KEY)
         self.gate = StepGate(optimizer)
         self.state_fn, self.steps_fn, self.newest_fn = state_fn, steps_fn, newest_fn
         self.keep_last = keep_last
@@ -119,9 +120,7 @@ class JitCheckpointer:
                         "error": f"sharded state ({sharded}): the shards of lost rank(s) {sorted(lost)} have no other "
                                  "holder"}
             path = self.root / f"{NAME_PREFIX}{done:09d}"
-            from nvrx.ckpt.periodic import STEP_KEY
-
-            state[STEP_KEY] = done
+            state[self.step_key] = done
             save_alone(state, path, deadline, keep_last=self.keep_last)
         except Exception as exc:  # noqa: BLE001 - reported to the agent; the job restarts as it would anyway
             return {"saved": False, "error": f"{type(exc).__name__}: {exc}"}

@@ -131,7 +131,7 @@ class PeriodicCheckpointer:
             log.info("save_on_failure=True has no effect without `nvrx launch --jit-ckpt`")
             return None
         saver = jit.JitCheckpointer(self.root, self.optimizer, self._jit_state, self._jit_steps,
-                                    self._newest_steps, keep_last=keep_last)
+                                    self._newest_steps, keep_last=keep_last, step_key=STEP_KEY)
         jit.register(saver)
         return saver
 

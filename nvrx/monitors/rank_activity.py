@@ -78,6 +78,34 @@ def busy_peer(own_slot: Path, now: float, recent: float) -> str | None:
     return None
 
 
+_PF_EXITING = 0x4  # the kernel's task flag: the process is being torn down (e.g. a SIGKILL woke it from a stop)
+
+
+def _exiting(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return bool(int(fh.read().rsplit(b")", 1)[-1].split()[6]) & _PF_EXITING)
+    except (OSError, IndexError, ValueError):
+        return True
+
+
+def stopped_peer(own_slot: Path) -> str | None:
+    """A local peer rank that is stopped (SIGSTOP, a tracer) or has just ended (killed by its monitor, crashed): the
+    rank a silent one may be waiting for in a collective."""
+    for path in sorted(own_slot.parent.glob("*.slot")):
+        if path == own_slot:
+            continue
+        snap = read_slot(path)
+        if snap is None or not snap.pid:
+            continue
+        peer = sample_main_thread(snap.pid, 0.0)
+        if peer is None or peer.state in ("Z", "X") or _exiting(snap.pid):
+            return f"{path.stem} (pid {snap.pid}) has ended"
+        if peer.state in ("T", "t"):
+            return f"{path.stem} (pid {snap.pid}) is stopped"
+    return None
+
+
 class ActivityWatch:
     """Recent samples of one rank's main thread, taken at the monitor's wake-ups."""
 

@@ -58,7 +58,7 @@ from nvrx.events import (EventLog, FirstHeartbeat, HangDetected, MonitorAttach, 
 from nvrx.events import CheckpointComplete, RankTiming, TimingInfo, WorkloadControl
 from nvrx.events import HeartbeatTimeoutAuto, HeartbeatTimeoutAutoDeferred
 from nvrx.monitors.auto_timeout import AutoTimeout, AutoTimeoutChange
-from nvrx.monitors.rank_activity import ActivityWatch, busy_peer
+from nvrx.monitors.rank_activity import ActivityWatch, busy_peer, sample_main_thread, stopped_peer
 from nvrx.monitors.straggler import TimingSampler
 from nvrx.monitors.heartbeat import Slot, SlotSnapshot
 from nvrx.monitors.jit_relay import JitRelay
@@ -205,6 +205,7 @@ class AttachedRank:
     deferred_since: float | None = None  # the gap (by its start) that passed the automatic timeout busy
     recheck_at: float = 0.0  # ... when to look at it again
     judged_at: float = 0.0  # the last look
+    peer_wait_since: tuple[float, float] | None = None  # (gap start, until when) left to a stopped peer's monitor
 
 
 class RankMonitor:
@@ -367,7 +368,8 @@ class RankMonitor:
         if deadline is not None and deadline.reason == AUTO_REASON:
             deadline = self._judge_auto(sess, snap, deadline, now, timeouts)
         if deadline is not None and deadline.at <= now:
-            self._on_hang(sess, deadline, now, timeouts)
+            if not self._waits_for_stopped_peer(sess, deadline, now):
+                self._on_hang(sess, deadline, now, timeouts)
             return interval
         # The rank changes the slot without telling us (a beat, a section); any deadline such a change
         # creates lies >= (now + the shortest timeout), so waking by then keeps detection on time.
@@ -523,6 +525,25 @@ class RankMonitor:
         if now < sess.section_next_event.get(key, 0.0):
             return False
         sess.section_next_event[key] = now + SECTION_EVENT_PERIOD
+        return True
+
+    def _waits_for_stopped_peer(self, sess: AttachedRank, deadline: Deadline, now: float) -> bool:
+        """True while this silent rank only waits for a stopped local peer: that peer is the hang, its own monitor
+        ends it, and this rank (still holding the state of the last step: a just-in-time checkpoint can save it)
+        sees its collective fail and exits by itself. Bounded: after one more timeout this rank is judged as usual.
+        """
+        own = sample_main_thread(sess.proc.pid, now)
+        if own is None or own.state in ("T", "t"):
+            return False
+        if sess.peer_wait_since is not None and sess.peer_wait_since[0] == deadline.since:
+            return now < sess.peer_wait_since[1]
+        peer = stopped_peer(self.shm_path)
+        if peer is None:
+            return False
+        sess.peer_wait_since = (deadline.since, now + deadline.timeout)
+        log.info("rank %d passed its %s (%.3f s) waiting for a stopped local peer (%s): leaving that hang to its "
+                 "monitor, for at most %.3f s more", self.rank, deadline.reason, deadline.timeout, peer,
+                 deadline.timeout)
         return True
 
     def _on_hang(self, sess: AttachedRank, deadline: Deadline, now: float, timeouts: Timeouts) -> None:

@@ -9,6 +9,7 @@ happens:
   none     no fault
   crash    rank 1 SIGKILLs itself; rank 0 blocks in the next step's all-reduce (the JIT saver)
   hang     rank 1 stops (SIGSTOP) inside monitored section 'work'; its monitor kills it at the section timeout
+  stop     rank 1 stops (SIGSTOP); with heartbeats, its monitor kills it (rank 0, silent in the all-reduce, waits)
   second   rank 1 SIGKILLs itself, and rank 0 SIGKILLs itself in the middle of its JIT save (a second failure)
   torn     rank 1 SIGKILLs itself; rank 0's JIT write blocks past the deadline (the agent kills it mid-write)
   stuck    rank 1 SIGKILLs itself; rank 0 stays inside optimizer.step() (never a consistent point)
@@ -113,6 +114,8 @@ def main() -> None:
                 client = RankMonitorClient()
                 client.init_workload_monitoring()
                 client.start_section("work")
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if fault == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             os.kill(os.getpid(), signal.SIGKILL)
         saver.step(step)

@@ -79,6 +79,19 @@ def test_a_hang_killed_by_its_monitor_is_saved_too(launcher, tmp_path):
     check_clean(launcher, tmp_path / "ckpts")
 
 
+def test_a_stopped_rank_is_the_hang_and_its_waiting_peer_saves(launcher, tmp_path):
+    # Heartbeats on both ranks: rank 0 falls silent in the all-reduce just after rank 1 stops. Its monitor leaves
+    # the hang to the stopped peer's monitor, so rank 0 lives to save.
+    res = launch(launcher, tmp_path, "stop", "--ft-param-auto-heartbeat", "true",
+                 "--ft-param-rank-heartbeat-timeout", "4", "--ft-param-workload-check-interval", "0.2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "killed by SIGKILL by its monitor: heartbeat timeout" in res.stderr
+    (line,) = agent_lines(res.stderr, "just-in-time checkpoint of step")
+    assert f"step {FAULT_AT + 1} saved" in line
+    assert starts(tmp_path, 1) == {FAULT_AT + 1}
+    check_clean(launcher, tmp_path / "ckpts")
+
+
 def test_a_second_failure_during_the_jit_save_falls_back(launcher, tmp_path):
     res = launch(launcher, tmp_path, "second")
     assert_fell_back(launcher, res, tmp_path, "went away during the save")

@@ -70,6 +70,8 @@ def _park_once(path: Path, token: str, rank: int) -> bool:
                     try:
                         result = _save(msg, rank)
                         sock.sendall(encode({"op": "jit_result", **result}))
+                        sock.settimeout(1.0)
+                        sock.recv(4096)  # the monitor's acknowledgement (it passed the result to the agent)
                     finally:
                         _served.set()
                     return True
