@@ -1,0 +1,166 @@
+"""Just-in-time checkpoints, measured: time lost per fault with and without them, side by side with torchrun.
+
+The workload and the fault injector are bench_goodput's (2 ranks DDP + Adam on gloo, ~2.1 M parameters,
+SIGKILL for a crash, SIGSTOP for a hang, the same seeded schedule for every run). Three ways to run it, each
+checkpointing every 200 steps:
+
+* ``nvrx+jit``: nvrx's ``PeriodicCheckpointer(every_steps=200, save_on_failure=True)`` under
+  ``nvrx launch --async-ckpt --jit-ckpt``: on a fault the survivor saves its last completed step;
+* ``nvrx``: the same without the just-in-time save (a fault loses the steps since the last periodic save);
+* ``torchrun``: ``torchrun`` with ``torch.save`` every 200 steps (the user changed nothing).
+
+Per fault: detect / stop / respawn / init / recompute / lost, as bench_goodput splits them (lost = fault ->
+the step reached before the fault is done again). Fault-free, the wall with JIT against without it (the
+cost of the step gate: target <= 1.005x), plus the gate's own cost per optimizer step measured in-process.
+
+Usage (from the repo root)::
+
+    python bench/bench_jit.py                   # 1000 steps, 3 faults per run, crash and hang (~20 min)
+    python bench/bench_jit.py --steps 600 --faults 2 --interval 8
+
+Prints a table and writes bench/results/jit.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+
+import bench_goodput as bg  # noqa: E402
+import bench_launch as bl  # noqa: E402
+
+LOG = logging.getLogger("bench_jit")
+VARIANT = "jit200"
+WAYS = (("nvrx", "nvrx_jit"), ("nvrx", "nvrx"), ("torchrun-noshare", "torch_save"))
+NAMES = {"nvrx_jit": "nvrx+jit", "nvrx": "nvrx", "torch_save": "torchrun+torch.save"}
+
+_goodput_command = bg.command
+
+
+def command(spec: bg.RunSpec, settings: bg.Settings, dirs: bl.RunDirs, run_id: str, launcher: bl.Launcher) -> list[str]:
+    """bench_goodput's command; nvrx+jit adds --async-ckpt --jit-ckpt before the script."""
+    cmd = _goodput_command(spec, settings, dirs, run_id, launcher)
+    if spec.ckpt == "nvrx_jit":
+        at = cmd.index(str(bg.TRAIN))
+        cmd[at:at] = ["--async-ckpt", "--jit-ckpt"]
+    return cmd
+
+
+def plan(settings: bg.Settings) -> list[bg.RunSpec]:
+    """Fault-free first (the references), then each fault kind; the three ways interleaved."""
+    return [bg.RunSpec(launcher, VARIANT, kind, ckpt, settings.save_every)
+            for kind in ("none", *settings.kinds) for launcher, ckpt in WAYS]
+
+
+def gate_cost(steps: int = 2000) -> dict[str, float]:
+    """Seconds per optimizer step the JIT step gate adds (its two hooks), in this process: Adam on a tiny model."""
+    import torch
+
+    from nvrx.ckpt.jit import StepGate
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+
+    def timed() -> float:
+        started = time.perf_counter()
+        for _ in range(steps):
+            opt.step()
+        return (time.perf_counter() - started) / steps
+
+    without = min(timed() for _ in range(3))
+    gate = StepGate(opt)
+    with_gate = min(timed() for _ in range(3))
+    gate.remove()
+    return {"step_without_s": without, "step_with_gate_s": with_gate, "gate_s": max(0.0, with_gate - without)}
+
+
+def summarize(results: list[bg.RunResult]) -> list[dict[str, Any]]:
+    rows = bg.summarize(results)
+    for row in rows:
+        row["way"] = NAMES.get(row["ckpt"], row["ckpt"])
+    return rows
+
+
+def report(results: list[bg.RunResult], settings: bg.Settings, schedule: list[bg.Fault], output: Path,
+           extra: dict[str, Any]) -> None:
+    rows = summarize(results)
+    header = ["way", "kind", "wall s", "goodput", "detect", "stop", "respawn", "init", "recompute", "lost/fault",
+              "redone"]
+    body = []
+    for row, run in zip(rows, results):
+        redone = bg.med([f["steps_redone"] for f in run.faults if "steps_redone" in f])
+        body.append([row["way"], row["kind"], bg.fmt(row["wall_s"]), bg.fmt(row.get("goodput"), ""),
+                     *(bg.fmt(row[c]) for c in bg.COMPONENTS), "-" if redone is None else f"{redone:g}"])
+    bl.print_table(header, body, f"just-in-time checkpoint: {bg.WORLD} ranks DDP+Adam gloo, {settings.steps} steps, "
+                                 f"save every {settings.save_every}, {settings.faults} faults per run, schedule "
+                                 f"{', '.join(f'{f.after_s:g}s/r{f.rank}' for f in schedule)}")
+    by = {(r["ckpt"], r["kind"]): r for r in rows}
+    goals = []
+    for kind in settings.kinds:
+        lost = (by.get(("nvrx_jit", kind)) or {}).get("lost")
+        goals.append({"target": f"nvrx+jit lost per {kind} <= 0.5 s", "value": lost,
+                      "met": None if lost is None else lost <= 0.5})
+    free_jit, free = by.get(("nvrx_jit", "none")), by.get(("nvrx", "none"))
+    ratio = (free_jit["wall_s"] / free["wall_s"]) if free_jit and free and free_jit.get("wall_s") and free.get("wall_s") else None
+    goals.append({"target": "fault-free wall with JIT / without <= 1.005", "value": ratio,
+                  "met": None if ratio is None else ratio <= 1.005})
+    gate = extra.get("gate") or {}
+    step_s = (free or {}).get("step_median_s")
+    if gate and step_s:
+        goals.append({"target": "step gate cost per step / step time (in-process)", "value": gate["gate_s"] / step_s,
+                      "met": gate["gate_s"] / step_s <= 0.005})
+    for goal in goals:
+        value = goal["value"]
+        print(f"  {goal['target']}: {'-' if value is None else f'{value:.4f}'} "
+              f"{'' if goal['met'] is None else ('met' if goal['met'] else 'MISSED')}")
+    bl.save_json(output, {**extra, "settings": asdict(settings), "schedule": [asdict(f) for f in schedule],
+                          "rows": rows, "targets": goals,
+                          "runs": [{**asdict(r), "progress": r.progress} for r in results]})
+    print(f"\nsaved {output}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--faults", type=int, default=3)
+    p.add_argument("--interval", type=float, default=10.0, help="mean seconds of training per attempt before its fault")
+    p.add_argument("--jitter", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=30)
+    p.add_argument("--kinds", default="crash,hang")
+    p.add_argument("--output", type=Path, default=bg.RESULTS / "jit.json")
+    p.add_argument("--from-json", type=Path, help="summarize a saved run again")
+    p.add_argument("--keep-run-dirs", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    if args.from_json:
+        settings, schedule, results, extra = bg.load_results(args.from_json)
+        report(results, settings, schedule, args.output, extra)
+        return 0
+    base, _ = bg.parse_args(["--steps", str(args.steps), "--faults", str(args.faults), "--interval", str(args.interval),
+                             "--jitter", str(args.jitter), "--seed", str(args.seed), "--kinds", args.kinds,
+                             "--save-every", "200", "--launchers", "nvrx,torchrun-noshare", "--variants", "save200"])
+    settings = bg.Settings(**{**asdict(base), "variants": (VARIANT,)})
+    schedule = bg.make_schedule(settings.seed, settings.faults, settings.interval, settings.jitter)
+    bg.command, bg.plan = command, plan  # the goodput machinery, with our three ways
+    LOG.info("fault schedule: %s", ", ".join(f"{f.after_s:g} s r{f.rank}" for f in schedule))
+    started = time.monotonic()
+    gate = gate_cost()
+    results = bg.run_all(settings, schedule, args.keep_run_dirs)
+    report(results, settings, schedule, args.output, {"machine": bl.machine_info(), "gate": gate,
+                                                      "elapsed_s": time.monotonic() - started,
+                                                      "load_end": os.getloadavg()[0]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
