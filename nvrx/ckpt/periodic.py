@@ -55,7 +55,10 @@ STEP_KEY = "nvrx_steps_done"  # saved with every checkpoint: how many steps the 
 class PeriodicCheckpointer:
     """Asynchronous checkpoints of MODEL / OPTIMIZER (and an optional STATE dict) at a fixed pace.
 
-    EVERY_STEPS: save after every N steps. EVERY_SECONDS: save once T seconds passed since the last save (the
+    EVERY_STEPS: save after every N steps; "auto": the interval that maximises expected goodput, chosen at each save
+    from the measured save cost, step time and drain time and the failure rate seen (``nvrx.ckpt.interval``; the
+    job's restarts across continuations are kept in ``ROOT/nvrx_interval.json`` with the choice and why), or
+    MTBF_S (the job's configured mean time between failures) while none was seen. EVERY_SECONDS: save once T seconds passed since the last save (the
     ranks agree through one small all-reduce per step, so their clocks need not match). Either or both.
     At most one save is in flight: a save that falls due while the previous one is still being written waits
     for the first step after it was published (training is never blocked for the write).
@@ -74,15 +77,20 @@ class PeriodicCheckpointer:
     """
 
     def __init__(self, root: str | os.PathLike, *, model: Any = None, optimizer: Any = None,
-                 state: dict[str, Any] | None = None, every_steps: int | None = None,
+                 state: dict[str, Any] | None = None, every_steps: int | str | None = None,
                  every_seconds: float | None = None, keep_last: int | None = 2, process_group: Any = None,
-                 files_per_rank: int = 1, checkpointer: AsyncCheckpointer | None = None,
+                 files_per_rank: int = 1, checkpointer: AsyncCheckpointer | None = None, mtbf_s: float | None = None,
                  verify: str | None = "full", background: bool = True, copy_in_background: bool = True,
                  save_on_failure: bool = False) -> None:
         if every_steps is None and every_seconds is None:
             raise ValueError("give every_steps, every_seconds or both")
-        if every_steps is not None and every_steps < 1:
-            raise ValueError(f"every_steps must be >= 1, not {every_steps}")
+        self._auto = every_steps == "auto"
+        if self._auto:
+            every_steps = AUTO_FIRST_STEPS
+        elif every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
+            raise ValueError(f"every_steps must be >= 1 (an int, or \"auto\"), not {every_steps!r}")
+        if mtbf_s is not None and not mtbf_s > 0:
+            raise ValueError(f"mtbf_s must be > 0 seconds, not {mtbf_s}")
         if every_seconds is not None and not every_seconds > 0:
             raise ValueError(f"every_seconds must be > 0, not {every_seconds}")
         if model is None and optimizer is not None:
@@ -117,6 +125,10 @@ class PeriodicCheckpointer:
         if self._overlap:
             optimizer.register_step_pre_hook(self._before_optimizer_step)
         self._jit = self._arm_jit(keep_last) if save_on_failure else None
+        self.mtbf_s = mtbf_s  # configured mean time between failures of the job (every_steps="auto")
+        self.interval: Any = None  # the last nvrx.ckpt.interval.Choice (every_steps="auto")
+        self._measured = {"step_s": None, "save_s": None, "drain_s": 0.0}  # moving averages for "auto"
+        self._last_step_at: float | None = None
         self._marker = (0, 0)  # (steps done at the last step() call or resume, the gate's optimizer steps then)
 
     # ------------------------------------------------------------------ save on failure
@@ -169,6 +181,8 @@ class PeriodicCheckpointer:
         # 0700 whatever the umask (only the directories made here): a root the group can write is refused when
         # loading (nvrx.ckpt.loader.check_private), so under umask 002 a job could not resume from its own saves
         private_dir(self.root)
+        if self._auto:
+            _record_start(self.root)
         newest = find_latest_checkpoint(self.root, verify=None)
         if newest is None:
             # Building the optimizer's state dict would initialise its state (a zero step): not on a fresh start.
@@ -207,7 +221,11 @@ class PeriodicCheckpointer:
 
         Collective: every rank calls it for every step.
         """
+        now = time.perf_counter()
+        if self._auto and self._last_step_at is not None:
+            self._average("step_s", now - self._last_step_at)
         started = self._step(step)
+        self._last_step_at = time.perf_counter() if started else now  # (a save's own cost is not a step)
         self._ask_ahead(step + 1)
         return started
 
@@ -252,8 +270,10 @@ class PeriodicCheckpointer:
         so the save itself waits for no collective. A rank idle now stays idle until its next save,
         and a busy one that becomes idle meanwhile only delays the save by a step on every rank.
         """
+        next_due = (done + 1 - (self.last_saved or 0)) if self._auto else (done + 1) % self.every_steps if self.every_steps else 1
         if (self._finalizer is None or self.every_steps is None or self.every_seconds is not None
-                or (done + 1) % self.every_steps or self._ahead is not None or not _distributed()):
+                or (next_due != self.every_steps if self._auto else next_due) or self._ahead is not None
+                or not _distributed()):
             return
         import torch
         import torch.distributed as dist
@@ -266,6 +286,8 @@ class PeriodicCheckpointer:
         return self.optimizer is None or bool(self.optimizer.state)
 
     def _falls_due(self, done: int) -> bool:
+        if self._auto:  # (the interval changes: counted from the last save)
+            return done - (self.last_saved or 0) >= self.every_steps
         if self.every_steps is not None and done % self.every_steps == 0:
             return True
         if self.every_seconds is None:
@@ -283,6 +305,16 @@ class PeriodicCheckpointer:
         With the background publisher, this thread only copies the state into staging memory (``capture``);
         planning, its collectives, serialization and the hand-over to the writer run on that thread.
         """
+        if self._auto:
+            self._retune()
+        began = time.perf_counter()
+        try:
+            self._save(done)
+        finally:
+            if self._auto:
+                self._average("save_s", time.perf_counter() - began)
+
+    def _save(self, done: int) -> None:
         state = self._state_dict()
         state[STEP_KEY] = done
         path = self.root / f"step_{done:09d}"
@@ -321,8 +353,35 @@ class PeriodicCheckpointer:
                 snap = None
             finally:
                 self._copied.set()
+        began = time.perf_counter()
         self.checkpointer.async_save(state, path, snapshot=snap, staging_error=error, step=done, taken=taken)
         self.checkpointer.wait()
+        self._measured["drain_s"] = time.perf_counter() - began  # (read by the training thread at the next save)
+
+    # ------------------------------------------------------------------ every_steps="auto"
+
+    def _average(self, key: str, value: float) -> None:
+        old = self._measured[key]
+        self._measured[key] = value if old is None else 0.8 * old + 0.2 * value
+
+    def _retune(self) -> None:
+        """Choose the interval from what was measured (collective: the ranks take the largest choice)."""
+        from nvrx.ckpt import interval
+
+        m = self._measured
+        if m["step_s"] is None:
+            return
+        history = _interval_history(self.root)
+        mtbf = self.mtbf_s
+        if history.get("failures"):
+            seen = max(1.0, time.time() - float(history["first_start"])) / int(history["failures"])
+            mtbf = seen if mtbf is None else min(mtbf, seen)
+        choice = interval.choose(m["step_s"], m["save_s"] or 0.0, m["drain_s"], mtbf, history.get("restart_s"))
+        every = max_over_ranks(choice.every_steps, self.process_group)
+        if every != self.every_steps:
+            log.info("checkpoint interval %d -> %d steps (%s)", self.every_steps, every, choice.why)
+        self.every_steps, self.interval = every, choice
+        _write_interval(self.root, {**history, "every_steps": every, "choice": choice.to_dict()})
 
     def _deferrable(self) -> Any:
         """Which tensors the copy may leave to the publisher: the parameters and the optimizer's state.
@@ -386,6 +445,51 @@ class PeriodicCheckpointer:
             if self._finalizer is not None:
                 self._finalizer.stop()
         self.checkpointer.finalize_before_exit()
+
+
+AUTO_FIRST_STEPS = 50  # every_steps="auto": the first save, after which the interval is chosen from measurements
+INTERVAL_FILE = "nvrx_interval.json"  # in the checkpoint root: the job's start, failures seen, the chosen interval
+
+
+def _coordinator() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _interval_history(root: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        data = json.loads((root / INTERVAL_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_interval(root: Path, data: dict[str, Any]) -> None:
+    if not _coordinator():
+        return
+    import json
+
+    from nvrx.ckpt.publish import atomic_write
+
+    try:
+        atomic_write(root / INTERVAL_FILE, json.dumps(data, indent=1, sort_keys=True).encode())
+    except OSError as exc:
+        log.debug("cannot record the checkpoint interval: %s", exc)
+
+
+def _record_start(root: Path) -> None:
+    """Count this start in ROOT's history: the failures of this job are the restarts of each launch it ran under
+    (``TORCHELASTIC_RESTART_COUNT`` of ``TORCHELASTIC_RUN_ID``), summed over `nvrx resume` continuations."""
+    history = _interval_history(root)
+    history.setdefault("first_start", time.time())
+    runs = dict(history.get("restarts") or {})
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    runs[run] = max(int(runs.get(run, 0)), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+    history.update(restarts=runs, failures=sum(runs.values()))
+    _write_interval(root, history)
 
 
 def _allocate_optimizer_state(model: Any, optimizer: Any, checkpoint: Path) -> None:

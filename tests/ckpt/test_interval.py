@@ -1,0 +1,57 @@
+"""every_steps="auto": Daly's optimum from measured costs, never below the writer's drain time, re-tuned at saves."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from nvrx import ckpt
+from nvrx.ckpt import interval
+
+
+def test_daly_is_young_to_first_order_and_maximises_expected_goodput():
+    cost, mtbf = 2.0, 3600.0
+    young = math.sqrt(2 * cost * mtbf)
+    best = interval.daly_seconds(cost, mtbf)
+    assert abs(best - young) / young < 0.02  # C << M: Young's formula
+    good = interval.expected_goodput(best, cost, mtbf, restart=30)
+    for other in (best / 2, best * 0.8, best * 1.25, best * 2):
+        assert interval.expected_goodput(other, cost, mtbf, restart=30) < good
+    assert interval.daly_seconds(10.0, 4.0) == 4.0  # C >= 2M: save once per MTBF
+
+
+def test_the_choice_in_steps_respects_the_drain_time():
+    c = interval.choose(step_s=0.05, save_cost_s=0.01, drain_s=0.2, mtbf_s=600.0)
+    assert c.every_steps == round(interval.daly_seconds(0.01, 600.0) / 0.05) and "Daly" in c.why
+    slow = interval.choose(step_s=0.05, save_cost_s=0.01, drain_s=40.0, mtbf_s=600.0)
+    assert slow.every_steps == 800 and "drain" in slow.why  # 40 s / 50 ms: never two saves in flight
+    unknown = interval.choose(step_s=0.05, save_cost_s=0.01, drain_s=0.2, mtbf_s=None)
+    assert unknown.every_steps == interval.MAX_EVERY_STEPS and unknown.expected_goodput is None
+
+
+def test_auto_interval_is_chosen_at_the_first_save_and_recorded(tmp_path):
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.Adam(model.parameters())
+    saver = ckpt.PeriodicCheckpointer(tmp_path, model=model, optimizer=opt, every_steps="auto", mtbf_s=30.0)
+    assert saver.resume() == 0
+    for step in range(120):
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        saver.step(step)
+    saver.close()
+    choice = saver.interval
+    assert choice is not None and saver.every_steps == choice.every_steps != 50
+    assert choice.mtbf_s == 30.0 and choice.step_s > 0 and choice.save_cost_s > 0
+    expected = interval.choose(choice.step_s, choice.save_cost_s, choice.drain_s, 30.0).every_steps
+    assert choice.every_steps == expected
+    recorded = json.loads((tmp_path / "nvrx_interval.json").read_text())
+    assert recorded["every_steps"] == choice.every_steps and recorded["choice"]["why"] == choice.why
+    assert recorded["failures"] == 0
+
+
+def test_bad_every_steps_is_refused(tmp_path):
+    with pytest.raises(ValueError, match='"auto"'):
+        ckpt.PeriodicCheckpointer(tmp_path, model=torch.nn.Linear(2, 2), every_steps="often")
