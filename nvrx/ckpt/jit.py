@@ -113,6 +113,7 @@ class JitCheckpointer:
             newest = self.newest_fn()
             if done <= (newest or 0):
                 return {"saved": False, "skipped": f"nothing newer than the checkpoint of step {newest}", "step": done}
+            taken = time.time()
             state = self.state_fn()
             sharded = _sharded(state)
             if sharded:
@@ -122,6 +123,7 @@ class JitCheckpointer:
             path = self.root / f"{NAME_PREFIX}{done:09d}"
             state[self.step_key] = done
             save_alone(state, path, deadline, keep_last=self.keep_last)
+            _report(done, taken, path)
         except Exception as exc:  # noqa: BLE001 - reported to the agent; the job restarts as it would anyway
             return {"saved": False, "error": f"{type(exc).__name__}: {exc}"}
         finally:
@@ -157,6 +159,15 @@ def save_alone(state: dict[str, Any], path: Path, deadline: float, keep_last: in
         if not published:
             writer.discard_partial()
             writer.release_staging()
+
+
+def _report(step: int, taken: float, path: Path) -> None:
+    """Tell the rank's monitor the checkpoint is complete (issue 31's report, for `nvrx inspect`), where it exists."""
+    try:
+        from nvrx.common.checkpoint_report import report_checkpoint
+    except ImportError:
+        return
+    report_checkpoint(step, "jit", taken=taken, path=str(path))
 
 
 def _sharded(state: Any) -> str | None:
