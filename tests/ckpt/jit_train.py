@@ -77,8 +77,11 @@ def main() -> None:
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 4)))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     saver = ckpt.PeriodicCheckpointer(root, model=model, optimizer=opt, every_steps=5, save_on_failure=True)
-    if attempt == 1 and os.path.exists(os.path.join(root, "filler")):
-        os.unlink(os.path.join(root, "filler"))
+    if attempt == 1:  # the full-disk case: space again for the restarted job (both ranks try: either may win)
+        try:
+            os.unlink(os.path.join(root, "filler"))
+        except FileNotFoundError:
+            pass
     listed = [c.path.name for c in ckpt.list_checkpoints(root)] if os.path.isdir(root) else []
     start = saver.resume()
     record(out, f"start-a{attempt}-r{rank}.json", {"start": start, "listed": listed})
