@@ -69,3 +69,12 @@ def test_the_steps_done_are_refused_when_step_was_not_called_per_optimizer_step(
     saver._marker = (7, 3)  # 7 steps done when the gate had counted 3 optimizer steps
     assert saver._jit_steps(3) == 7 and saver._jit_steps(4) == 8
     assert "stepped 2 times" in saver._jit_steps(5)
+
+
+def test_the_lost_ranks_of_a_stop_record():
+    from nvrx.events.records import StopDetail
+    from nvrx.launcher.agent.jit_request import lost_ranks
+
+    assert lost_ranks("failed", StopDetail(rank=5, group_rank=1), 4) == [5]
+    assert lost_ranks("node_left", StopDetail(node="n2", group_rank=2), 4) == [8, 9, 10, 11]
+    assert lost_ranks("failed", StopDetail(monitor_failed=True), 4) == []

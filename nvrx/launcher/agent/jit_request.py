@@ -22,12 +22,16 @@ log = logging.getLogger(__name__)
 GRACE = 1.0  # seconds past the deadline for an answer already on its way (the rank publishes only before it)
 
 
-def lost_ranks(kind: str, detail: dict[str, Any], nproc: int) -> list[int]:
-    """The global ranks a stop record says are gone: the failed rank, or every rank of the node that left."""
-    if detail.get("rank") is not None:
-        return [int(detail["rank"])]
-    if kind == "node_left" and detail.get("group_rank") is not None:
-        first = int(detail["group_rank"]) * nproc
+def lost_ranks(kind: str, detail: Any, nproc: int) -> list[int]:
+    """The global ranks a stop record's DETAIL (a ``StopDetail``, or its dict) says are gone: the failed rank,
+    or every rank of the node that left."""
+    def field(name: str) -> Any:
+        return detail.get(name) if isinstance(detail, dict) else getattr(detail, name, None)
+
+    if field("rank") is not None:
+        return [int(field("rank"))]
+    if kind == "node_left" and field("group_rank") is not None:
+        first = int(field("group_rank")) * nproc
         return list(range(first, first + nproc))
     return []
 
