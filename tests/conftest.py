@@ -17,6 +17,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The suite's tiers, parallel-run rules and timeouts (README "Testing").
+pytest_plugins = ("tests.tiers", "tests.timeouts")
+
 
 def tagged_processes(token: str) -> list[psutil.Process]:
     """Live (non-zombie) processes whose environment carries NVRX_TEST_TOKEN=token."""
@@ -144,10 +147,35 @@ def listening(port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
+# Ports handed to tests: below the kernel's ephemeral range (32768+), so no outgoing connection anywhere on the
+# machine can take one between free_port() and the bind it is meant for, and below nvrx.slurm's rendezvous ports
+# (20000-29999). Each xdist worker of a session gets its own block, so parallel tests never get the same port.
+PORT_FIRST, PORT_BLOCK, PORT_BLOCKS = 10000, 1000, 10
+_port_cursor: list[int] = []
+
+
+def _port_block() -> int:
+    """This process's block: its xdist worker number, offset by the session (two sessions rarely share one)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    session = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+    return (int(worker) if worker.isdigit() else 0) + int(uuid.uuid5(uuid.NAMESPACE_OID, session)) % PORT_BLOCKS
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port nothing on this machine is bound to (any address), from this process's block."""
+    if not _port_cursor:
+        _port_cursor.append(int.from_bytes(os.urandom(2), "big") % PORT_BLOCK)
+    base = PORT_FIRST + (_port_block() % PORT_BLOCKS) * PORT_BLOCK
+    for _ in range(PORT_BLOCK):
+        _port_cursor[0] = (_port_cursor[0] + 1) % PORT_BLOCK
+        port = base + _port_cursor[0]
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {base}..{base + PORT_BLOCK - 1}")
 
 
 def run_events(run_dir: Path, prefix: str = "") -> list[dict]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,15 +27,10 @@ from nvrx.launcher.agent.restart_policy import RestartPolicy
 from nvrx.launcher.agent.store import RendezvousStore, open_rendezvous_store
 from nvrx.events import EventLog, StopDetail
 from nvrx.common import exit_codes
+from tests.conftest import free_port
 
 RANK = 'eval "what=\\${PLAN_$NVRX_ROUND:-hold}"; if [ "$what" = hold ]; then exec sleep 600; fi; exit "$what"'
 WAIT = 30.0  # bound on every wait; reached only when something is broken
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Job:

@@ -45,15 +45,9 @@ from nvrx.common.net import resolve
 from nvrx.events import EventLog, StopDetail
 from nvrx.launcher.agent.restart_policy import RestartPolicy
 from nvrx.common.net import start_store_server
-from tests.conftest import wait_for
+from tests.conftest import free_port, wait_for
 
 WAIT = 10.0  # bound on waits for something that must happen; reached only when it does not
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_settings(port: int, **kw: Any) -> RdzvSettings:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 PROBE = r'''
@@ -36,6 +38,7 @@ def _modules_after(way: str) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+@pytest.mark.integration  # starts a process / opens a socket
 def test_the_steps_load_what_one_optimizer_loads_and_none_fails() -> None:
     steps, whole = _modules_after("steps"), _modules_after("whole")
     assert steps["failed"] is None
@@ -66,10 +69,12 @@ def _run_precompiled(tmp_path, how: str) -> list[str]:
     return done.stdout.splitlines()
 
 
+@pytest.mark.integration  # starts a process / opens a socket
 def test_a_rank_runs_the_script_compiled_by_the_template(tmp_path) -> None:
     assert _run_precompiled(tmp_path, "same") == [f"True __main__ ['{tmp_path / 'user.py'}']"]
 
 
+@pytest.mark.integration  # starts a process / opens a socket
 def test_a_script_edited_since_is_compiled_again(tmp_path) -> None:
     assert _run_precompiled(tmp_path, "edit") == [f"False __main__ ['{tmp_path / 'user.py'}']", "edited"]
 

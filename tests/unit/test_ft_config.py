@@ -378,6 +378,7 @@ def test_table_contains_every_field():
     assert "NVRX_FT_RANK_SECTION_TIMEOUTS" in table and "`3600.0`" in table and "`SIGKILL`" in table
 
 
+@pytest.mark.integration  # starts a process / opens a socket
 def test_gen_config_table_script():
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_config_table.py")],
                          capture_output=True, text=True, check=True).stdout

@@ -117,6 +117,7 @@ def test_mutated_field_types_never_raise(valid, tmp_path):
     assert corrupt_seen > 0  # the mutations were noticed and reported, not silently folded
 
 
+@pytest.mark.integration  # starts a process / opens a socket
 def test_the_real_entry_point_exits_cleanly_on_mutated_logs(valid, tmp_path):
     root, src = valid
     rng = random.Random(7)

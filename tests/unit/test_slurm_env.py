@@ -57,6 +57,7 @@ def test_bad_hostlist_is_one_clear_line(text, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.integration  # starts a process / opens a socket
 @pytest.mark.skipif(shutil.which("scontrol") is None, reason="scontrol is not installed (scripts/install_slurm.sh)")
 def test_hostlists_agree_with_scontrol(tmp_path):
     """`scontrol show hostnames` needs only a config file to read, not a running controller."""

@@ -51,11 +51,13 @@ def test_advertised_address_for_loopback_endpoint() -> None:
     assert advertised_address(settings("localhost"), "localhost", 29400) == "127.0.0.1"
 
 
+@pytest.mark.integration  # starts a process / opens a socket
 def test_advertised_address_is_the_route_to_a_remote_endpoint() -> None:
     addr = advertised_address(settings("192.0.2.1"), "192.0.2.1", 29400)
     assert addr in local_addresses() or addr == socket.gethostname()
 
 
+@pytest.mark.integration  # starts a process / opens a socket
 def test_bind_listen_uses_exactly_the_given_address() -> None:
     with bind_listen("127.0.0.1", 0) as sock:
         host, port = sock.getsockname()
