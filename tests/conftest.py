@@ -150,7 +150,7 @@ def listening(port: int, host: str = "127.0.0.1") -> bool:
 # Ports handed to tests: below the kernel's ephemeral range (32768+), so no outgoing connection anywhere on the
 # machine can take one between free_port() and the bind it is meant for, and below nvrx.slurm's rendezvous ports
 # (20000-29999). Each xdist worker of a session gets its own block, so parallel tests never get the same port.
-PORT_FIRST, PORT_BLOCK, PORT_BLOCKS = 10000, 1000, 10
+PORT_FIRST, PORT_BLOCK, PORT_BLOCKS = 10000, 500, 20
 _port_cursor: list[int] = []
 
 

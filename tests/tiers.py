@@ -116,7 +116,11 @@ def belongs_to(path: Path, package: str) -> bool:
     file names ``nvrx.PACKAGE`` (an import or a module started by name), or it sits in tests/<last part of
     PACKAGE>/, or (for the launcher) it runs `nvrx launch` through the Launcher helpers."""
     package = package.removeprefix("nvrx.").strip(".")
-    if package.split(".")[-1] in path.resolve().relative_to(TESTS_DIR).parts[:-1]:
+    try:
+        dirs = path.resolve().relative_to(TESTS_DIR).parts[:-1]
+    except ValueError:
+        dirs = ()
+    if package.split(".")[-1] in dirs:
         return True
     if path not in _SOURCE_CACHE:
         _SOURCE_CACHE[path] = path.read_text(errors="replace")
@@ -235,7 +239,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "alone: runs while no other test of the session runs (xdist workers wait)")
+    declared = {line.split(":")[0].strip() for line in config.getini("markers")}
+    for name in (*TIERS, "alone"):
+        if name not in declared:  # pyproject.toml declares them; a run with another ini file still knows them
+            config.addinivalue_line("markers", f"{name}: see tests/tiers.py")
     config.stash[_ALONE_KEY] = None
 
 
