@@ -1,25 +1,58 @@
 #!/usr/bin/env bash
-# Fresh machine -> the whole test suite, run against nvrx as users install it.
+# Fresh machine -> the whole test suite, run against nvrx as users install it; or the developer's inner loop.
 #
 #   scripts/test.sh [PYTEST ARGS...]             build the sdist and the wheel (the wheel from the sdist), install
 #                                               the wheel with its declared test extras in a fresh venv
 #                                               ($NVRX_TEST_VENV, default .venv-test/; torch pinned first), copy the
-#                                               tests to a temp dir without the nvrx/ sources, run pytest there
+#                                               tests to a temp dir without the nvrx/ sources, run every tier there
+#                                               on all cores (pytest-xdist)
 #   scripts/test.sh --editable [PYTEST ARGS...]  the suite against `pip install -e .` in this Python (scripts/setup.sh)
+#   scripts/test.sh --unit [PYTEST ARGS...]      inner loop: the unit tier against this checkout; no install, no Slurm
+#   scripts/test.sh --quick PKG [PYTEST ARGS...] the unit + integration tests of nvrx package PKG (launcher, ckpt,
+#                                               monitors, launcher.agent, ...) against this checkout; no install
 #
-# As root it also installs the Slurm the Slurm tests start (scripts/install_slurm.sh); a test Slurm that does not
-# come up then fails those tests instead of skipping them (NVRX_REQUIRE_SLURM=0 to skip anyway).
+# Tiers (unit, integration, e2e; tests/tiers.py) select with -m, e.g. `scripts/test.sh --editable -m e2e`.
+# NVRX_TEST_WORKERS: parallel pytest workers (default: the number of CPUs; 1 runs serially).
+# As root the full and --editable runs also install the Slurm the Slurm tests start (scripts/install_slurm.sh); a test
+# Slurm that does not come up then fails those tests instead of skipping them (NVRX_REQUIRE_SLURM=0 to skip anyway).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 TORCH_PIN="torch==2.13.0"
 PIP_FLAGS=(--quiet --disable-pip-version-check)
+PYTHON=${PYTHON:-python3}
 quiet() {  # run "$@" showing its output only when it fails
     local log
     log=$(mktemp)
     if ! "$@" >"$log" 2>&1; then cat "$log"; rm -f "$log"; return 1; fi
     rm -f "$log"
 }
+
+# -n N --dist loadgroup when pytest-xdist is there (a checkout's Python may predate it: then serially)
+parallel_args() {
+    local py=$1 workers=${NVRX_TEST_WORKERS:-$(nproc)}
+    if [ "$workers" -gt 1 ] && "$py" -c 'import xdist' 2>/dev/null; then
+        echo "-n $workers --dist loadgroup"
+    fi
+}
+
+case "${1:-}" in
+    --unit)
+        shift
+        export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+        # shellcheck disable=SC2046
+        exec "$PYTHON" -m pytest -q -p no:cacheprovider -m unit $(parallel_args "$PYTHON") "$@"
+        ;;
+    --quick)
+        [ $# -ge 2 ] || { echo "scripts/test.sh --quick PKG: name an nvrx package, e.g. --quick launcher" >&2; exit 2; }
+        pkg=$2
+        shift 2
+        export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+        # shellcheck disable=SC2046
+        exec "$PYTHON" -m pytest -q -p no:cacheprovider -m "unit or integration" --package "$pkg" \
+            $(parallel_args "$PYTHON") "$@"
+        ;;
+esac
 
 if INSTALL_SLURM_STRICT=1 scripts/install_slurm.sh; then
     export NVRX_REQUIRE_SLURM="${NVRX_REQUIRE_SLURM:-1}"
@@ -29,12 +62,13 @@ scripts/install_chromium.sh  # headless Chromium for the `nvrx inspect --html` b
 if [ "${1:-}" = "--editable" ]; then
     shift
     scripts/setup.sh
-    exec "${PYTHON:-python3}" -m pytest -q "$@"
+    # shellcheck disable=SC2046
+    exec "$PYTHON" -m pytest -q $(parallel_args "$PYTHON") "$@"
 fi
 
 VENV=${NVRX_TEST_VENV:-$REPO/.venv-test}
 rm -rf "$VENV" dist
-"${PYTHON:-python3}" -m venv "$VENV"
+"$PYTHON" -m venv "$VENV"
 PY=$VENV/bin/python
 quiet "$PY" -m pip install "${PIP_FLAGS[@]}" "$TORCH_PIN" build
 quiet "$PY" -m build --outdir dist .            # sdist first, then the wheel built from the sdist
@@ -51,4 +85,5 @@ cd "$WORK"
 "$PY" -P -c 'import nvrx, sys; sys.exit(0 if "site-packages" in nvrx.__file__ else "nvrx is not the installed wheel: " + nvrx.__file__)'
 export PATH="$VENV/bin:$PATH" NVRX_TEST_INSTALLED=1 NVRX_TEST_WHEEL="$REPO/$WHEEL"
 echo "testing $WHEEL installed in $VENV, tests in $WORK"
-exec "$PY" -m pytest -q "$@"
+# shellcheck disable=SC2046
+exec "$PY" -m pytest -q $(parallel_args "$PY") "$@"

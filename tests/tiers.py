@@ -5,9 +5,10 @@ Every test has exactly one tier (README "Testing"):
   integration  real processes on this host: a rank monitor, a worker group, a rendezvous, two ranks, the CLI
   e2e          whole jobs: `nvrx launch` / `nvrx resume` / torchrun running a training script, Slurm, emulated hosts
 
-A test's tier is its own marker if it has one (the nearest wins: test, class, module); else the tier of the
-longest entry of TIER_BY_PATH that its file's path (under tests/) starts with, so a new test file in an existing
-directory needs nothing. Collection fails, naming the tests, when a test has no tier or two at the same level.
+A test's tier is its own marker if it has one (the nearest wins: test, class, module); else its file's own entry
+in TIER_BY_PATH; else e2e if it uses a fixture that runs whole jobs (JOB_FIXTURES: `launcher`, the fault matrix's
+`job`); else the tier of the longest directory entry of TIER_BY_PATH its path (under tests/) starts with. So a new
+test in an existing directory needs nothing. Collection fails, naming the tests, when a test has no tier or two at the same level.
 The unit tier is also checked while it runs: a unit test that starts a process or opens a socket fails, saying
 which tier it belongs to (``--tier-audit FILE`` records, for every test, what it started instead).
 
@@ -49,7 +50,39 @@ TIER_BY_PATH: dict[str, str] = {
     "inprocess/": "integration",
     "rerun/": "integration",
     "straggler/": "integration",
+    # files whose tests run whole jobs (nvrx launch / torchrun with a script), in directories named by topic
+    "ckpt/test_launch_async_ckpt.py": "e2e",
+    "ckpt/local/test_launch_local_dir.py": "e2e",
+    "ckpt/local/test_node_loss.py": "e2e",
+    "ckpt/local/test_two_tiers.py": "e2e",
+    "inprocess/test_launch_inprocess.py": "e2e",
+    "integration/test_launch_bad_input.py": "integration",  # launches that end at the flags
+    "integration/test_graceful_stop.py": "e2e",
+    "integration/test_inspect.py": "e2e",
+    "integration/test_inspect_runs.py": "e2e",
+    "integration/test_launch.py": "e2e",
+    "integration/test_launch_monitors.py": "e2e",
+    "integration/test_process_title.py": "e2e",
+    "integration/test_rendezvous_auth.py": "e2e",
+    "integration/test_template_warmup.py": "e2e",
+    "integration/test_user_world.py": "e2e",
+    "integration/test_worker_env.py": "e2e",
+    "rerun/test_launch_rerun.py": "e2e",
+    "rerun/test_resume_record.py": "e2e",
+    "straggler/test_launch.py": "e2e",
+    # files of pure functions and state machines (no process, no socket: checked) outside tests/unit
+    "ckpt/test_staging.py": "unit",
+    "faults/test_table.py": "unit",
+    "inprocess/test_atomic.py": "unit",
+    "inprocess/test_components.py": "unit",
+    "rerun/test_exit_note.py": "unit",
+    "rerun/test_machine.py": "unit",
+    "rerun/test_megatron_api.py": "unit",
+    "straggler/test_scoring.py": "unit",
 }
+
+# Fixtures that run `nvrx launch` jobs: a test using one is e2e unless its file or itself says otherwise.
+JOB_FIXTURES = frozenset({"launcher", "job"})
 
 # Tests that must share one xdist worker (one group each): the test Slurm is a session fixture per worker.
 GROUP_BY_PATH: dict[str, str] = {
@@ -66,29 +99,40 @@ _TIER_KEY = pytest.StashKey[str]()
 
 # ------------------------------------------------------------------------------------------------ tier lookup
 
-def tier_from_path(path: Path) -> str | None:
-    """The tier TIER_BY_PATH gives a test file, or None when no entry covers it."""
+def _table_entry(path: Path) -> tuple[str, str] | None:
+    """(longest TIER_BY_PATH key covering PATH, its tier), or None."""
     try:
         rel = path.resolve().relative_to(TESTS_DIR).as_posix()
     except ValueError:
         return None
     best = max((p for p in TIER_BY_PATH if rel.startswith(p)), key=len, default=None)
-    return TIER_BY_PATH[best] if best else None
+    return (best, TIER_BY_PATH[best]) if best else None
+
+
+def tier_from_path(path: Path) -> str | None:
+    """The tier TIER_BY_PATH gives a test file, or None when no entry covers it."""
+    entry = _table_entry(path)
+    return entry[1] if entry else None
 
 
 def resolve_tier(item: pytest.Item) -> tuple[str | None, str]:
-    """(tier, "") or (None, why not): the nearest node's tier marker, else the path table."""
+    """(tier, "") or (None, why not): the nearest node's tier marker, else the file's own table entry, else e2e
+    for a test using a job fixture, else the directory's table entry."""
     for node in reversed(item.listchain()):
         found = sorted({m.name for m in node.own_markers if m.name in TIERS})
         if len(found) > 1:
             return None, f"has two tier markers ({', '.join(found)}) on {node.nodeid or node.name}: keep one"
         if found:
             return found[0], ""
-    tier = tier_from_path(item.path)
-    if tier is None:
+    entry = _table_entry(item.path)
+    if entry and entry[0].endswith(".py"):
+        return entry[1], ""
+    if JOB_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return "e2e", ""
+    if entry is None:
         return None, ("has no tier: mark it (pytest.mark.unit / integration / e2e) or add its directory to "
                       "TIER_BY_PATH in tests/tiers.py")
-    return tier, ""
+    return entry[1], ""
 
 
 def item_tier(item: pytest.Item) -> str:
