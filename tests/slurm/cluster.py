@@ -110,7 +110,7 @@ class SlurmCluster:
 
     @property
     def conf(self) -> Path:
-        return self.base / "etc" / "nvrx.slurm.conf"
+        return self.base / "etc" / "slurm.conf"
 
     @property
     def munge_socket(self) -> Path:
@@ -193,7 +193,7 @@ class SlurmCluster:
                       first_job_id=str(random.randrange(10_000, 2_000_000)),
                       munge_socket=str(self.munge_socket), proctrack=self.proctrack, nodes="\n".join(node_lines),
                       node_names=",".join(self.node_names))
-        text = string.Template((TEMPLATES / "nvrx.slurm.conf.in").read_text()).substitute(fields)
+        text = string.Template((TEMPLATES / "slurm.conf.in").read_text()).substitute(fields)
         self.conf.write_text(text)
         shutil.copy(TEMPLATES / "cgroup.conf", self.conf.parent / "cgroup.conf")
         self.conf.parent.chmod(0o755)  # job steps and clients read the config
