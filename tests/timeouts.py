@@ -28,8 +28,19 @@ GRACE = float(os.environ.get("NVRX_TEST_TIMEOUT_GRACE", "30"))  # the suite's ow
 _WATCHDOG = pytest.StashKey["Watchdog"]()
 
 
+# Frames of the test runner itself (pytest, pluggy, xdist's worker loop): left out of the dump, they are the same
+# for every test and push the test's own frames out of view.
+_RUNNER = tuple(f"{os.sep}{name}{os.sep}" for name in ("_pytest", "pluggy", "execnet", "xdist"))
+
+
+def _format(frame) -> str:
+    stack = traceback.extract_stack(frame)
+    own = [f for f in stack if not any(part in f.filename for part in _RUNNER)] or stack
+    return "".join(traceback.format_list(own))
+
+
 def thread_stacks() -> str:
-    """Every Python thread's stack in this process, the main thread first."""
+    """Every Python thread's stack in this process (without the test runner's frames), the main thread first."""
     names = {t.ident: t.name for t in threading.enumerate()}
     frames = sys._current_frames()
     main = threading.main_thread().ident
@@ -37,7 +48,7 @@ def thread_stacks() -> str:
     for ident in sorted(frames, key=lambda i: (i != main, names.get(i, ""))):
         if ident == threading.get_ident():
             continue  # the watchdog itself
-        out.append(f"--- thread {names.get(ident, '?')} ({ident})\n" + "".join(traceback.format_stack(frames[ident])))
+        out.append(f"--- thread {names.get(ident, '?')} ({ident})\n" + _format(frames[ident]))
     return "\n".join(out)
 
 

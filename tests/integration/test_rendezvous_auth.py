@@ -139,6 +139,8 @@ def test_secret_file_readable_by_others_is_one_line(job: FaultJob, tmp_path: Pat
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # a benchmark: 256 agents on 2 cores, keepalive timeouts of 1.5 s; another test beside it starves it
+@pytest.mark.timeout(900)
 def test_256_signed_agents_agree_on_the_rounds(tmp_path: Path, launcher) -> None:
     """256 simulated agents (bench/bench_rendezvous.py: the real Rendezvous, signing and checking every record)
     form round 0, restart into round 1 after a failure and notice a silent node, within a bound; every agent got
