@@ -71,7 +71,6 @@ TIER_BY_PATH: dict[str, str] = {
     "rerun/test_resume_record.py": "e2e",
     "straggler/test_launch.py": "e2e",
     # files of pure functions and state machines (no process, no socket: checked) outside tests/unit
-    "ckpt/test_staging.py": "unit",
     "faults/test_table.py": "unit",
     "inprocess/test_atomic.py": "unit",
     "inprocess/test_components.py": "unit",
