@@ -71,16 +71,25 @@ def emit_problems(source: str) -> list[int]:
     names = _record_names(tree)
     helpers = {fn.name for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)
                and isinstance(fn.returns, ast.Name) and fn.returns.id in names}
-    scope: dict[int, ast.AST] = {}  # node -> its innermost enclosing function (or the module)
-    for fn in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
-        for node in ast.walk(fn):
-            scope[id(node)] = fn  # inner functions come later in the walk and win
+    # node -> its innermost enclosing function (a function node is its own scope), or the module: one pass
+    scope: dict[int, ast.AST] = {id(tree): tree}
+    todo: list[tuple[ast.AST, ast.AST]] = [(tree, tree)]
+    while todo:
+        node, fn = todo.pop()
+        for child in ast.iter_child_nodes(node):
+            inner = child if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else fn
+            scope[id(child)] = inner
+            todo.append((child, inner))
+    bindings: dict[int, dict[str, ast.AST]] = {}  # per scope: names assigned in it (nested functions included)
     problems, called = [], set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "emit":
             called.add(id(node.func))
-            bound = {t.id: n.value for n in ast.walk(scope[id(node)]) if isinstance(n, ast.Assign)
-                     for t in n.targets if isinstance(t, ast.Name)}
+            where = scope[id(node)]
+            if id(where) not in bindings:
+                bindings[id(where)] = {t.id: n.value for n in ast.walk(where) if isinstance(n, ast.Assign)
+                                       for t in n.targets if isinstance(t, ast.Name)}
+            bound = bindings[id(where)]
             if not (len(node.args) == 1 and _makes_record(node.args[0], names, helpers, bound)
                     and all(k.arg == "t" for k in node.keywords)):
                 problems.append(node.lineno)
