@@ -70,9 +70,10 @@ TIER_BY_PATH: dict[str, str] = {
     "rerun/test_launch_rerun.py": "e2e",
     "rerun/test_resume_record.py": "e2e",
     "straggler/test_launch.py": "e2e",
-    # files in tests/unit whose every test runs the CLI as a process (nvrx inspect)
+    # files in tests/unit whose every test starts a process (nvrx inspect, a health hook)
     "unit/test_inspect_bad_inputs.py": "integration",
     "unit/test_inspect_view.py": "integration",
+    "unit/test_node_health_hook_group.py": "integration",  # runs the hook as a process group
     # files of pure functions and state machines (no process, no socket: checked) outside tests/unit
     "faults/test_table.py": "unit",
     "inprocess/test_atomic.py": "unit",
