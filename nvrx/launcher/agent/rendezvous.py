@@ -951,12 +951,13 @@ class Rendezvous:
         )
         self._ka_thread.start()
 
-    def stop_keepalive(self) -> float | None:
-        """Stop beating; returns when the last beat was written (wall clock), None if there was none."""
+    def stop_keepalive(self, join: bool = True) -> float | None:
+        """Stop beating; returns when the last beat was written (wall clock), None if there was none.
+        JOIN=False: do not wait for the thread (cut off from the store, it is blocked in a request)."""
         self._ka_stop.set()
         task, self._ka_task = self._ka_task, None
         if self._ka_thread is not None:
-            self._ka_thread.join(timeout=self.settings.keepalive_interval + 5.0)
+            self._ka_thread.join(timeout=self.settings.keepalive_interval + 5.0 if join else 0.0)
             self._ka_thread = None
         return (task.last_beat or None) if task is not None else None
 

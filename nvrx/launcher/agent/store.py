@@ -465,6 +465,84 @@ class RendezvousStore:
         return f"RendezvousStore({'host' if self.is_host else 'client'} {self.host}:{self.port})"
 
 
+class StoreContact:
+    """Whether this agent still reaches the rendezvous store, for the partition it cannot otherwise tell apart
+    from a slow store: a TCP connection to a host whose link is cut neither fails nor answers (TCP retransmits for
+    minutes, a reconnect retries "No route to host"), and every thread making a store request blocks in C++.
+
+    A pinger thread (a connection of its own, one small request per INTERVAL) records each answer; a watcher
+    thread, which never touches the store, calls ON_LOST(seconds without an answer) once nothing answered for
+    TIMEOUT while armed. The agent arms it while its ranks run or it waits in rendezvous, and disarms it once the
+    round's stop record was read (the store's host may then end the job and go away on purpose).
+    """
+
+    def __init__(self, rs: RendezvousStore, timeout: float, interval: float,
+                 on_lost: Callable[[float], None]) -> None:
+        self.rs = rs
+        self.timeout = timeout
+        self.interval = max(0.05, min(interval, timeout / 4))
+        self.on_lost = on_lost
+        self.last_answer = time.monotonic()
+        self.lost = threading.Event()
+        self._armed = False
+        self._stop = threading.Event()
+        self._change = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for target, name in ((self._ping, "nvrx-store-ping"), (self._watch, "nvrx-store-watch")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def arm(self) -> None:
+        """Count silence from now on (a pause while disarmed is not held against the store)."""
+        self.last_answer = max(self.last_answer, time.monotonic())
+        self._armed = True
+        self._change.set()
+
+    def disarm(self) -> None:
+        self._armed = False
+        self._change.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._change.set()
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self.last_answer
+
+    def _ping(self) -> None:
+        store: TCPStore | None = None
+        while not self._stop.is_set():
+            try:
+                if store is None:
+                    # a plain connect first: a TCPStore connect to an unreachable host prints C++ warnings
+                    if _probe(self.rs.host, self.rs.port, min(PROBE_TIMEOUT, self.timeout)) is None:
+                        store = self.rs.new_client(timeout=self.timeout)
+                if store is not None:
+                    store.check([MAGIC_KEY])
+                    self.last_answer = time.monotonic()
+            except (dist.DistError, RendezvousError) as exc:
+                log.debug("rendezvous store did not answer: %s", _first_line(exc))
+                store = None
+            self._stop.wait(self.interval)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self._change.clear()
+            if not self._armed:
+                self._change.wait()
+                continue
+            left = self.last_answer + self.timeout - time.monotonic()
+            if left > 0:
+                self._change.wait(left)
+                continue
+            self.lost.set()
+            self.on_lost(self.silent_for())
+            return
+
+
 def _host(addr: str, port: int, settings: RdzvSettings) -> RendezvousStore:
     """Serve the store on ADDR:PORT (port 0 = pick one) and write the meta keys."""
     sock = bind_listen(addr, port)
