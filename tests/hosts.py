@@ -223,6 +223,20 @@ class Hosts:
             except ProcessLookupError:
                 pass
 
+    def add_address(self, host: Host, last_byte: int) -> str:
+        """A second address for HOST on its link (198.18.<subnet>.LAST_BYTE); returns it."""
+        addr = f"198.18.{self.subnet}.{last_byte}"
+        _ip("-n", host.ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+        return addr
+
+    def set_hosts_file(self, host: Host, lines: Sequence[str]) -> None:
+        """Replace HOST's /etc/hosts (read by the programs started on it from now on)."""
+        (NETNS_ETC / host.ns / "hosts").write_text("\n".join(lines) + "\n")
+
+    def hosts_lines(self) -> list[str]:
+        """The /etc/hosts every host starts with."""
+        return ["127.0.0.1 localhost"] + [f"{h.addr} {h.name}" for h in self.hosts]
+
     def run(self, host: Host, *cmd: str, timeout: float = 30) -> subprocess.CompletedProcess:
         """Run CMD on HOST to completion (text output)."""
         return subprocess.run(host.wrap(cmd), capture_output=True, text=True, timeout=timeout)

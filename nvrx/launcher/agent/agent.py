@@ -193,6 +193,7 @@ class Agent:
         self._t0 = time.monotonic()
         self._wakeup_fds: tuple[int, int] | None = None  # signal.set_wakeup_fd's pipe, read by the rescue thread
         self._old_wakeup_fd = -1
+        self._net_env: dict[str, str] | None = None  # GLOO_SOCKET_IFNAME when the host name resolves to loopback
 
     # ------------------------------------------------------------ entry point
 
@@ -318,8 +319,12 @@ class Agent:
         for path in self._rerun_notes.values():
             rerun_exit.remove_note(path)
         self._hold = None
+        if self._net_env is None:
+            from nvrx.launcher.agent.store import rank_network_env
+
+            self._net_env = rank_network_env(self._rdzv.info.addr, self.cfg.workers.base_env)
         specs = [RankSpec(lr, result.rank_offset + lr,
-                          build_rank_env(self.cfg, result, lr, {**self._monitor_env(lr),
+                          build_rank_env(self.cfg, result, lr, {**self._net_env, **self._monitor_env(lr),
                                                                 rerun_exit.ENV: self._rerun_notes[lr]},
                                          self._round_error_files[lr]))
                  for lr in range(nproc)]

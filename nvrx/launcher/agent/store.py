@@ -29,7 +29,9 @@ import secrets
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Callable, Mapping
+
+import psutil
 
 import torch.distributed as dist
 from torch.distributed import TCPStore
@@ -102,6 +104,27 @@ def master_addr_for_ranks(bound_addr: str, local_addr: str | None) -> str:
     log.info("MASTER_ADDR=%s: this host's name %r does not resolve to %s, where the process-group store listens",
              bound_addr, name, bound_addr)
     return bound_addr
+
+
+def rank_network_env(advertised: str, base_env: Mapping[str, str]) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME for the ranks when gloo would otherwise pick an address the other hosts cannot reach.
+
+    Without it gloo listens on what this host's name resolves to; with Debian's ``127.0.1.1 <hostname>`` line in
+    /etc/hosts that is a loopback address, and every peer on another host is refused (seen on the emulated
+    hosts). Then the ranks are pointed at the interface holding the address this node advertises. A value the
+    user set is kept.
+    """
+    if "GLOO_SOCKET_IFNAME" in base_env or is_loopback_ip(advertised):
+        return {}
+    own = resolve(socket.gethostname())
+    if own and not all(is_loopback_ip(a) for a in own):
+        return {}
+    for ifname, entries in psutil.net_if_addrs().items():
+        if any(e.address.split("%", 1)[0] == advertised for e in entries):
+            log.info("this host's name resolves to %s, not %s: the ranks' gloo uses interface %s (GLOO_SOCKET_IFNAME)",
+                     ", ".join(own) or "nothing", advertised, ifname)
+            return {"GLOO_SOCKET_IFNAME": ifname}
+    return {}
 
 
 def record_auth(settings: RdzvSettings) -> RecordAuth:
