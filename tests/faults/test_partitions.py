@@ -19,7 +19,7 @@ from tests.faults.conftest import one_line
 pytestmark = pytest.mark.slow
 
 PORT = 29400  # the hosts' network is the test's own: the usual port cannot clash with anything
-KA_INTERVAL, KA_TIMEOUT, STORE_TIMEOUT = 0.5, 2.0, 2.0
+KA_INTERVAL, KA_TIMEOUT, STORE_TIMEOUT = 1.0, 3.0, 3.0
 RDZV_CONF = (f"last_call_timeout=1,keepalive_interval={KA_INTERVAL},keepalive_timeout={KA_TIMEOUT},"
              f"store_timeout={STORE_TIMEOUT}")
 SLACK = 0.5  # the guarantee's margin

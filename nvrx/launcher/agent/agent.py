@@ -323,6 +323,8 @@ class Agent:
             from nvrx.launcher.agent.store import rank_network_env
 
             self._net_env = rank_network_env(self._rdzv.info.addr, self.cfg.workers.base_env)
+            if self._rs is not None and self._rs.launch:  # with NVRX_ROUND: fences checkpoints (nvrx/ckpt/fence.py)
+                self._net_env["NVRX_LAUNCH"] = self._rs.launch
         specs = [RankSpec(lr, result.rank_offset + lr,
                           build_rank_env(self.cfg, result, lr, {**self._net_env, **self._monitor_env(lr),
                                                                 rerun_exit.ENV: self._rerun_notes[lr]},

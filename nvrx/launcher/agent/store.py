@@ -50,6 +50,7 @@ MAGIC_KEY = "nvrx/meta/magic"
 MAGIC_VALUE = "nvrx-rendezvous/2"  # /2: records are bound to the launch; joiners greet the host
 RUN_ID_KEY = "nvrx/meta/run_id"
 NPROC_KEY = "nvrx/meta/nproc_per_node"
+LAUNCH_NS_KEY = "nvrx/meta/launch_ns"  # the store host's time (ns) when it began serving: orders launches (ckpt fences)
 AUTH_KEY = "nvrx/meta/auth"  # RecordAuth.proof() of the host: "secret:<hmac>" or "none:<hmac>", never the secret
 HELLO_QUEUE = "nvrx/meta/hello"  # joiners push their greeting (JSON); the host's LaunchGreeter pops and answers
 LAUNCH_KEY = "nvrx/meta/launch/"  # + the joiner's challenge: the host's signed answer {launch, challenge}
@@ -144,6 +145,7 @@ def _write_meta(store: TCPStore, settings: RdzvSettings, auth: RecordAuth) -> No
     store.set(RUN_ID_KEY, settings.run_id)
     store.set(NPROC_KEY, str(settings.nproc_per_node))
     store.set(AUTH_KEY, auth.proof())
+    store.set(LAUNCH_NS_KEY, str(time.time_ns()))
     store.set(MAGIC_KEY, MAGIC_VALUE)  # last: a client that sees it can read the others
 
 
@@ -467,6 +469,7 @@ class RendezvousStore:
     def refused(self) -> list[str]:
         """Where agents with another job secret came from (host only; empty elsewhere)."""
         return list(self.greeter.refused) if self.greeter is not None else []
+        self.launch = _launch_of(store)
 
     def new_client(self, timeout: float = DEFAULT_OP_TIMEOUT) -> TCPStore:
         """An extra connection, so one thread's blocking wait never stalls another's calls."""
@@ -564,6 +567,16 @@ class StoreContact:
             self.lost.set()
             self.on_lost(self.silent_for())
             return
+
+
+def _launch_of(store: TCPStore) -> str:
+    """This launch's identity (the store host's start time in ns), "" from a store that has none."""
+    try:
+        raw = store.get(LAUNCH_NS_KEY) if store.check([LAUNCH_NS_KEY]) else b""
+    except dist.DistError:
+        return ""
+    text = raw.decode(errors="replace")
+    return text if text.isdigit() and len(text) < 24 else ""
 
 
 def _host(addr: str, port: int, settings: RdzvSettings) -> RendezvousStore:
