@@ -464,12 +464,12 @@ class RendezvousStore:
         self.host = host
         self.port = port
         self.greeter = greeter  # on the host of a multi-node job: answers joiners' greetings
+        self.launch = _launch_of(store)  # orders launches for the checkpoint fence (nvrx/ckpt/fence.py)
 
     @property
     def refused(self) -> list[str]:
         """Where agents with another job secret came from (host only; empty elsewhere)."""
         return list(self.greeter.refused) if self.greeter is not None else []
-        self.launch = _launch_of(store)
 
     def new_client(self, timeout: float = DEFAULT_OP_TIMEOUT) -> TCPStore:
         """An extra connection, so one thread's blocking wait never stalls another's calls."""
