@@ -54,6 +54,13 @@ case "${1:-}" in
         ;;
 esac
 
+# Emulated hosts (tests/hosts.py) are network namespaces: as root make sure `ip` is there and require them,
+# so that the partition tests fail here instead of skipping.
+if [ "$(id -u)" = 0 ]; then
+    command -v ip >/dev/null || { apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null; }
+    export NVRX_REQUIRE_NETNS="${NVRX_REQUIRE_NETNS:-1}"
+fi
+
 if INSTALL_SLURM_STRICT=1 scripts/install_slurm.sh; then
     export NVRX_REQUIRE_SLURM="${NVRX_REQUIRE_SLURM:-1}"
 fi

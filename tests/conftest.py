@@ -194,3 +194,13 @@ def package_modules() -> list[tuple[str, Path]]:
         parts = ("nvrx", *path.relative_to(root).with_suffix("").parts)
         out.append((".".join(parts[:-1] if parts[-1] == "__init__" else parts), path))
     return out
+
+
+@pytest.fixture
+def host_job(tmp_path: Path):
+    """make(N) -> a FaultJob whose agents run on N emulated hosts (tests/hosts.py); all removed afterwards."""
+    from tests.hosts import host_job_factory
+
+    make, close = host_job_factory(tmp_path)
+    yield make
+    close()

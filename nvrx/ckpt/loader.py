@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nvrx.ckpt import fence as fence_mod
 from nvrx.ckpt import manifest as manifest_mod
 from nvrx.ckpt.errors import CheckpointError
 from nvrx.ckpt.publish import is_hidden, read_latest
@@ -93,6 +94,11 @@ def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
         if data is None or data.get("name") != entry.name:
             continue
         found.append(CheckpointInfo(entry, data.get("kind", "dcp"), int(data.get("published_at_ns", 0)), data))
+    # no split brain on disk (nvrx/ckpt/fence.py): this round fences out older ones, then skips what they
+    # published after that
+    fence_mod.raise_fence(root, [c.path.name for c in found])
+    fence = fence_mod.read_fence(root)
+    found = [c for c in found if not fence_mod.fenced_out(c.manifest, c.path.name, fence)]
     latest = read_latest(root)
     # newest first; on equal times the one `latest` names wins
     found.sort(key=lambda c: (c.published_at_ns, c.path.name == latest), reverse=True)

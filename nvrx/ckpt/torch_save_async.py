@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nvrx.ckpt import manifest as manifest_mod
-from nvrx.ckpt import publish
+from nvrx.ckpt import fence, publish
 from nvrx.ckpt.async_ckpt.core import AsyncRequest, WriterJob
 from nvrx.ckpt.async_ckpt.staging import default_file_pool
 from nvrx.ckpt.errors import CheckpointError, CheckpointWriteError
@@ -44,10 +44,11 @@ def torch_save_request(obj: Any, path: str | os.PathLike, *, update_latest: bool
 
     def finalize() -> None:
         try:
+            fence.check_publish(final.parent, final.name)  # a round the job has left publishes nothing
             sidecar.unlink(missing_ok=True)  # an older sidecar must never vouch for the new data
             publish.publish_file(partial, final)
             entry = {"format": manifest_mod.FORMAT, "kind": "torch_save", "name": final.name, "size": reply["size"],
-                     "digest": reply["digest"], "published_at_ns": time.time_ns()}
+                     "digest": reply["digest"], "published_at_ns": time.time_ns(), **fence.stamp()}
             publish.atomic_write(sidecar, manifest_mod.encode(entry))
         except OSError as exc:
             raise CheckpointWriteError(f"checkpoint {final} was not published: {exc}") from None

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from nvrx.ckpt import manifest as manifest_mod
-from nvrx.ckpt import publish
+from nvrx.ckpt import fence, publish
 from nvrx.ckpt.async_ckpt import plan_codec
 from nvrx.ckpt.async_ckpt.staging import StagingBuffer, StagingPool, align, default_pool
 from nvrx.ckpt.errors import CheckpointError
@@ -489,8 +489,9 @@ class FileSystemWriterAsync(StorageWriter):
             if entry not in files and entry != manifest_mod.MANIFEST:
                 (partial / entry).unlink(missing_ok=True)
         manifest = {"format": manifest_mod.FORMAT, "kind": "dcp", "name": self.path.name, "save_id": self.save_id,
-                    "world_size": len(per_rank), "published_at_ns": time.time_ns(), "files": files}
+                    "world_size": len(per_rank), "published_at_ns": time.time_ns(), "files": files, **fence.stamp()}
         publish.write_durable(partial / manifest_mod.MANIFEST, manifest_mod.encode(manifest))
+        fence.check_publish(self.path.parent, self.path.name)  # a round the job has left publishes nothing
         publish.publish_dir(partial, self.path)
         self._after_publish()
 

@@ -50,6 +50,22 @@ STORE_CLOSE_GRACE = 15.0
 # A node whose ranks exited 16 for a re-run elsewhere of ANOTHER node waits this long (beyond the grace the
 # suspected node's ranks get to exit) for that node's agent to end the round before ending it itself.
 RERUN_HOLD = 30.0
+# After the rendezvous store stopped answering (StoreContact), how long the main thread may take to end the job
+# itself before the watcher thread ends the process: the main thread may be blocked in a store request in C++.
+STORE_LOST_EXIT_GRACE = 1.0
+
+
+class StoreLost(RendezvousError):
+    """This node could not reach the rendezvous store for store_timeout: cut off (or the store's host hangs)."""
+
+
+def _gone(pid: int) -> bool:
+    """PID has exited (or is a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
 
 
 def _end_status(code: int) -> str:
@@ -171,12 +187,19 @@ class Agent:
         self._end_detail: str | None = None  # why the job ended for this node, when a round says more than a code
         # this node as its ranks name it in a re-run note (nvrx.launcher.rank.rerun: SLURMD_NODENAME, else the host)
         self._node = cfg.workers.base_env.get("SLURMD_NODENAME") or cfg.node_name
+        self._contact: Any = None  # StoreContact: the partition watchdog (clients of the store only)
+        self._lost_r, self._lost_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # wakes _supervise on store loss
+        self._ended = threading.Event()  # run() returned: the store-loss watcher has nothing left to end
+        self._t0 = time.monotonic()
+        self._wakeup_fds: tuple[int, int] | None = None  # signal.set_wakeup_fd's pipe, read by the rescue thread
+        self._old_wakeup_fd = -1
+        self._net_env: dict[str, str] | None = None  # GLOO_SOCKET_IFNAME when the host name resolves to loopback
 
     # ------------------------------------------------------------ entry point
 
     def run(self) -> int:
         """Run the job; return the agent's exit code. Raises RendezvousError for user-fixable setup errors."""
-        t0 = time.monotonic()
+        t0 = self._t0 = time.monotonic()
         self.workers.prepare()  # the fork server imports torch while we do the same below
         self._install_signal_handlers()
         try:
@@ -193,10 +216,11 @@ class Agent:
         finally:
             self._restore_signal_handlers()
             self._shutdown()
+            self._ended.set()
 
     def _run(self, t0: float) -> int:
         from nvrx.launcher.agent.rendezvous import JobFinished, Rendezvous
-        from nvrx.launcher.agent.store import open_rendezvous_store
+        from nvrx.launcher.agent.store import StoreContact, open_rendezvous_store
 
         self.events.emit(AgentStart(pid=os.getpid(), nproc=self.cfg.workers.nproc_per_node,
                                     nnodes=f"{self.cfg.rdzv.min_nodes}:{self.cfg.rdzv.max_nodes}",
@@ -209,6 +233,10 @@ class Agent:
         with self._signals_raise():
             self._rs = open_rendezvous_store(self.cfg.rdzv)
         self._rdzv = Rendezvous(self._rs, self.cfg.rdzv, RestartPolicy(self.cfg.max_restarts), self.events)
+        if not self._rs.is_host:  # the host holds the store itself; the others may be cut off from it
+            self._contact = StoreContact(self._rs, self.cfg.rdzv.store_timeout, self.cfg.rdzv.keepalive_interval,
+                                         self._on_store_lost)
+            self._contact.start()
         if self.monitors is not None and self.cfg.ft is not None:
             self._stragglers = StragglerAggregator(self.cfg.ft, self.monitors, self.events, self._rs,
                                                    self.cfg.rdzv.run_id, self.cfg.node_name, self._rdzv.node_id)
@@ -223,6 +251,8 @@ class Agent:
                                         seconds=round(time.monotonic() - t0, 3),
                                         failures=[JobFailure.of(f) for f in self.failures]))
                 return code
+            if self._contact is not None:
+                self._contact.arm()  # from here until the round's stop record is read
             try:
                 with self._signals_raise():
                     result = self._rdzv.next_round()
@@ -289,8 +319,14 @@ class Agent:
         for path in self._rerun_notes.values():
             rerun_exit.remove_note(path)
         self._hold = None
+        if self._net_env is None:
+            from nvrx.launcher.agent.store import rank_network_env
+
+            self._net_env = rank_network_env(self._rdzv.info.addr, self.cfg.workers.base_env)
+            if self._rs is not None and self._rs.launch:  # with NVRX_ROUND: fences checkpoints (nvrx/ckpt/fence.py)
+                self._net_env["NVRX_LAUNCH"] = self._rs.launch
         specs = [RankSpec(lr, result.rank_offset + lr,
-                          build_rank_env(self.cfg, result, lr, {**self._monitor_env(lr),
+                          build_rank_env(self.cfg, result, lr, {**self._net_env, **self._monitor_env(lr),
                                                                 rerun_exit.ENV: self._rerun_notes[lr]},
                                          self._round_error_files[lr]))
                  for lr in range(nproc)]
@@ -317,7 +353,10 @@ class Agent:
         finally:
             if self._stragglers is not None:
                 self._stragglers.stop()
-            self._rdzv.stop_keepalive()
+            # cut off from the store, the keepalive thread is blocked in a store request: do not wait for it
+            self._rdzv.stop_keepalive(join=not self._store_is_lost())
+        if self._contact is not None:
+            self._contact.disarm()  # the stop record is read: the store's host may end the job and go away
         return self._conclude(result, record)
 
     def _watch_stop(self, round_no: int) -> _StopWatch:
@@ -352,7 +391,9 @@ class Agent:
                 if self._hold is not None:  # waiting for the suspected node to end the round: bounded
                     left = max(0.0, self._hold[0] - time.monotonic())
                     wake_in = left if wake_in is None else min(wake_in, left)
-                exits = self.workers.wait([wake_fd, self._sig_r, *monitor_fds], timeout=wake_in)
+                exits = self.workers.wait([wake_fd, self._sig_r, self._lost_r, *monitor_fds], timeout=wake_in)
+                if self._store_is_lost():
+                    raise self._store_lost_error()
                 self._step(result, exits)
                 if watch.done.is_set():
                     if watch.error is not None:
@@ -634,11 +675,69 @@ class Agent:
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
             except (ValueError, OSError):  # not in the main thread, or not catchable here
                 log.debug("cannot handle %s", sig)
+        self._start_signal_rescue()
+
+    def _start_signal_rescue(self) -> None:
+        """Python runs signal handlers in the main thread only, between two bytecodes: while that thread waits in
+        a store request in C++ (cut off from the store, for up to the connection's timeout) a SIGTERM would wait
+        too. The C-level handler writes each signal's number to the wakeup fd at once; a thread reads it there
+        and, if the store is not answering, ends the job itself (_rescue_signal)."""
+        r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            self._old_wakeup_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread (an embedding caller): no rescue
+            os.close(r)
+            os.close(w)
+            return
+        self._wakeup_fds = (r, w)
+        threading.Thread(target=self._signal_rescue_loop, args=(r,), name="nvrx-signal-rescue", daemon=True).start()
+
+    def _signal_rescue_loop(self, fd: int) -> None:
+        import select
+
+        while not self._ended.is_set():
+            try:
+                readable, _, _ = select.select([fd], [], [], 0.5)
+                data = os.read(fd, 64) if readable else b""
+            except OSError:
+                return
+            handled = [b for b in data if b in {int(s) for s in self.cfg.signals_to_handle}]
+            if handled:
+                self._rescue_signal(handled[-1])
+
+    def _rescue_signal(self, signum: int) -> None:
+        """A handled signal arrived. While the store answers, the main thread acts on it (it is never blocked
+        long). Cut off from the store, it may be blocked in a request: give it a moment, then forward the signal
+        to the ranks from here (unless the main thread already did), let them have --term-timeout, kill the rest
+        and end the process with 128+signal."""
+        contact = self._contact
+        if contact is None:  # the store's host: its store is in this process and always answers
+            return
+        cut_off = max(1.0, 3 * contact.interval)  # this long without an answer: the store is out of reach
+        arrived = time.monotonic()
+        while contact.silent_for() < cut_off or time.monotonic() - arrived < STORE_LOST_EXIT_GRACE:
+            if self._ended.wait(0.1):
+                return
+        name = signal.Signals(signum).name
+        log.error("%s received while cut off from the rendezvous store (no answer for %.1f s): stopping this "
+                  "node's ranks without it", name, contact.silent_for())
+        if self._pending_signal is None:  # the main thread never ran its handler
+            self.workers.signal_all(signum)
+        grace_end = time.monotonic() + self.cfg.workers.term_timeout
+        while time.monotonic() < grace_end and not all(_gone(pid) for pid in self.workers.running_pids()):
+            if self._ended.wait(0.05):
+                return
+        self.workers.signal_all(signal.SIGKILL)
+        self._end_from_thread(exit_codes.interrupted(signum),
+                              f"{name}: this node stopped its ranks while cut off from the rendezvous store")
 
     def _restore_signal_handlers(self) -> None:
         for sig, old in self._old_handlers.items():
             signal.signal(sig, old)
         self._old_handlers.clear()
+        if self._wakeup_fds is not None:
+            with contextlib.suppress(ValueError):
+                signal.set_wakeup_fd(self._old_wakeup_fd)
 
     @contextlib.contextmanager
     def _signals_raise(self) -> Iterator[None]:
@@ -683,6 +782,49 @@ class Agent:
                 break
         return got
 
+    # ------------------------------------------------------------ losing the rendezvous store (a partition)
+
+    def _store_is_lost(self) -> bool:
+        return self._contact is not None and self._contact.lost.is_set()
+
+    def _store_lost_error(self) -> StoreLost:
+        rs, timeout = self._rs, self.cfg.rdzv.store_timeout
+        where = f"{rs.host}:{rs.port}" if rs is not None else "?"
+        return StoreLost(f"cut off from the rendezvous store at {where}: no answer for {timeout:g} s "
+                         f"(store_timeout); this node stopped its ranks and leaves the job (exit {exit_codes.FAILED}); "
+                         "the other nodes go on without it if --nnodes allows")
+
+    def _on_store_lost(self, silent: float) -> None:
+        """The StoreContact watcher thread: nothing answered for store_timeout. Stop this node's ranks at once
+        (SIGKILL: they belong to a round the others have left or are leaving; a graceful save now would be a
+        second copy of the job writing checkpoints) and wake the main thread, which ends the job with exit 1.
+
+        The main thread may itself be blocked in a store request (reporting a rank's failure, joining a round)
+        and never look: after STORE_LOST_EXIT_GRACE this thread ends the process. Its children (fork server,
+        monitors, checkpoint writers) die with it (parent-death signal)."""
+        log.error("no answer from the rendezvous store for %.1f s (store_timeout %g s): stopping this node's ranks",
+                  silent, self.cfg.rdzv.store_timeout)
+        self.workers.signal_all(signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.write(self._lost_w, b"x")
+        if self._ended.wait(STORE_LOST_EXIT_GRACE + self.cfg.workers.kill_timeout):
+            return
+        code = exit_codes.interrupted(self._pending_signal) if self._pending_signal is not None else exit_codes.FAILED
+        log.error("the agent is blocked in a rendezvous store request; ending it now")
+        self._end_from_thread(code, str(self._store_lost_error()))
+
+    def _end_from_thread(self, code: int, detail: str) -> None:
+        """End the process from a helper thread while the main thread is blocked in C++: the job's end event,
+        one line, then exit. The fork server, monitors and checkpoint writers die with the agent."""
+        with contextlib.suppress(Exception):
+            self.events.emit(JobEnd(status=_end_status(code), exit_code=code, detail=detail,
+                                    seconds=round(time.monotonic() - self._t0, 3),
+                                    failures=[JobFailure.of(f) for f in self.failures]))
+            self.events.close()
+        with contextlib.suppress(Exception):
+            os.write(2, f"nvrx: error: {detail}\n".encode())
+        os._exit(code)
+
     # ------------------------------------------------------------ shutdown
 
     def _close_stores(self, grace: float = STORE_CLOSE_GRACE) -> None:
@@ -715,8 +857,11 @@ class Agent:
                 self.monitors.close()
             self.error_files.remove()
         finally:
-            self._close_stores()
-            for fd in (self._sig_r, self._sig_w):
+            if self._contact is not None:
+                self._contact.close()
+            # cut off, the connections cannot be closed politely (nobody answers): leave them to process exit
+            self._close_stores(0.0 if self._store_is_lost() else STORE_CLOSE_GRACE)
+            for fd in (self._sig_r, self._sig_w, self._lost_r, self._lost_w):
                 try:
                     os.close(fd)
                 except OSError:

@@ -45,6 +45,9 @@ RDZV_CONF_DEFAULTS: dict[str, float] = {
     "last_call_timeout": 30.0,  # after min nodes joined, how long to wait for more (up to max)
     "keepalive_interval": 1.0,  # agent liveness beat in the store
     "keepalive_timeout": 15.0,  # a node silent this long is dropped
+    # no answer from the rendezvous store this long (a partition): this node stops its ranks and exits 1;
+    # 0 = keepalive_timeout, so a cut-off node stops no later than the others go on without it
+    "store_timeout": 0.0,
 }
 # Any seconds value: beyond this it is a typo, and far beyond it (inf, 1e308) it overflows the timers that
 # use it (OverflowError from the first deadline computed, after the job started).
@@ -88,6 +91,7 @@ class RdzvSettings:
     last_call_timeout: float = RDZV_CONF_DEFAULTS["last_call_timeout"]
     keepalive_interval: float = RDZV_CONF_DEFAULTS["keepalive_interval"]
     keepalive_timeout: float = RDZV_CONF_DEFAULTS["keepalive_timeout"]
+    store_timeout: float = RDZV_CONF_DEFAULTS["keepalive_timeout"]  # see RDZV_CONF_DEFAULTS["store_timeout"]
     master_addr: str | None = None  # --master-addr: overrides the process-group host
     master_port: int | None = None  # --master-port: fixed process-group port
     # Slurm's emulated or real nodes may all resolve the endpoint as local: only node 0 hosts the store.
@@ -706,6 +710,7 @@ def build_launch_config(raw: Mapping[str, Any], env: Mapping[str, str],
         last_call_timeout=conf["last_call_timeout"],
         keepalive_interval=conf["keepalive_interval"],
         keepalive_timeout=max(conf["keepalive_timeout"], 3 * conf["keepalive_interval"]),
+        store_timeout=conf["store_timeout"] or max(conf["keepalive_timeout"], 3 * conf["keepalive_interval"]),
         master_addr=master_addr or None,
         master_port=master_port,
         hosts_only_as_node0=slurm is not None,

@@ -163,17 +163,33 @@ class _Backoff:
 
 
 class _Liveness:
-    """Tracks when each watched node's signed beat sequence last grew (local clock, no skew issues)."""
+    """Tracks when each watched node's signed beat sequence last grew (local clock, no skew issues).
+
+    A beat seen to grow is counted from this agent's previous look, not from the look that saw it: it was
+    written after that look, so its node is silent from there at the latest. Counting from the look that saw it
+    would add up to one keepalive_interval to the detection of a node that is cut off right after a beat."""
 
     def __init__(self, nodes: list[tuple[int, NodeInfo]], timeout: float) -> None:
         now = time.monotonic()
         self.timeout = timeout
         self.state = {n.node_id: (g, 0, now) for g, n in nodes}
+        self.prev_look = now  # when the previous read of the beats started
+        self._look = now
+
+    def begin_look(self) -> None:
+        self._look = time.monotonic()
+
+    def end_look(self) -> None:
+        self.prev_look = self._look
 
     def update(self, node_id: str, seq: int | None) -> None:
         g, last, _ = self.state[node_id]
         if seq is not None and seq > last:  # a replayed (older) beat never counts as a sign of life
-            self.state[node_id] = (g, seq, time.monotonic())
+            self.state[node_id] = (g, seq, self.prev_look)
+
+    def deadline(self) -> float:
+        """When the first watched node turns silent unless it beats before (monotonic)."""
+        return min((since for _, _, since in self.state.values()), default=float("inf")) + self.timeout
 
     def silent(self) -> tuple[str, int] | None:
         now = time.monotonic()
@@ -258,8 +274,16 @@ class KeepaliveTask:
         self.seq += 1
         store.set(self.key, self.rdzv._seal(self.key, self.round, {"seq": self.seq}))
         self.last_beat = time.time()
+        self.look(store)
+
+    def look(self, store: TCPStore) -> None:
+        """Only look at the neighbours (at a silence deadline between two beats)."""
         if self.watching:
             self.watching = self.rdzv._watch_once(store, self.round, self.alive)
+
+    def wake_at(self, next_beat: float) -> float:
+        """When the agent's keepalive thread must run next: the next beat, or a neighbour's silence deadline."""
+        return min(next_beat, self.alive.deadline() + 0.001) if self.watching else next_beat
 
 
 class Rendezvous:
@@ -951,21 +975,27 @@ class Rendezvous:
         )
         self._ka_thread.start()
 
-    def stop_keepalive(self) -> float | None:
-        """Stop beating; returns when the last beat was written (wall clock), None if there was none."""
+    def stop_keepalive(self, join: bool = True) -> float | None:
+        """Stop beating; returns when the last beat was written (wall clock), None if there was none.
+        JOIN=False: do not wait for the thread (cut off from the store, it is blocked in a request)."""
         self._ka_stop.set()
         task, self._ka_task = self._ka_task, None
         if self._ka_thread is not None:
-            self._ka_thread.join(timeout=self.settings.keepalive_interval + 5.0)
+            self._ka_thread.join(timeout=self.settings.keepalive_interval + 5.0 if join else 0.0)
             self._ka_thread = None
         return (task.last_beat or None) if task is not None else None
 
     def _keepalive_loop(self, task: "KeepaliveTask", stop: threading.Event) -> None:
         try:
             store = self._client("keepalive")
+            next_beat = time.monotonic()
             while not stop.is_set():
-                task.tick(store)
-                stop.wait(self.settings.keepalive_interval)
+                if time.monotonic() >= next_beat:
+                    task.tick(store)
+                    next_beat = time.monotonic() + self.settings.keepalive_interval
+                else:  # woken at a neighbour's deadline: notice it then, not at the next beat
+                    task.look(store)
+                stop.wait(max(0.0, task.wake_at(next_beat) - time.monotonic()))
         except (dist.DistError, RendezvousError) as exc:
             if not stop.is_set() and not self._closing.is_set():
                 log.warning("keepalive stopped: lost the rendezvous store (%s)", str(exc).splitlines()[0])
@@ -977,6 +1007,7 @@ class Rendezvous:
         keys = [self.keys.beat(r, n) for n in ids]
         if not keys:
             return
+        alive.begin_look()
         if store.check(keys):
             found = list(zip(ids, keys, store.multi_get(keys)))
         else:
@@ -986,6 +1017,7 @@ class Rendezvous:
                 alive.update(node_id, self._check(key, r, raw, _parse_seq))
             except BadRecord as exc:
                 self._bad_record(key, raw, exc, fatal=False)
+        alive.end_look()
 
     def _watch_once(self, store: TCPStore, r: int, alive: _Liveness) -> bool:
         """One look at the neighbours; False once the round is over (known from this agent's stop watcher: no

@@ -29,7 +29,9 @@ import secrets
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Callable, Mapping
+
+import psutil
 
 import torch.distributed as dist
 from torch.distributed import TCPStore
@@ -48,6 +50,7 @@ MAGIC_KEY = "nvrx/meta/magic"
 MAGIC_VALUE = "nvrx-rendezvous/2"  # /2: records are bound to the launch; joiners greet the host
 RUN_ID_KEY = "nvrx/meta/run_id"
 NPROC_KEY = "nvrx/meta/nproc_per_node"
+LAUNCH_NS_KEY = "nvrx/meta/launch_ns"  # the store host's time (ns) when it began serving: orders launches (ckpt fences)
 AUTH_KEY = "nvrx/meta/auth"  # RecordAuth.proof() of the host: "secret:<hmac>" or "none:<hmac>", never the secret
 HELLO_QUEUE = "nvrx/meta/hello"  # joiners push their greeting (JSON); the host's LaunchGreeter pops and answers
 LAUNCH_KEY = "nvrx/meta/launch/"  # + the joiner's challenge: the host's signed answer {launch, challenge}
@@ -104,6 +107,27 @@ def master_addr_for_ranks(bound_addr: str, local_addr: str | None) -> str:
     return bound_addr
 
 
+def rank_network_env(advertised: str, base_env: Mapping[str, str]) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME for the ranks when gloo would otherwise pick an address the other hosts cannot reach.
+
+    Without it gloo listens on what this host's name resolves to; with Debian's ``127.0.1.1 <hostname>`` line in
+    /etc/hosts that is a loopback address, and every peer on another host is refused (seen on the emulated
+    hosts). Then the ranks are pointed at the interface holding the address this node advertises. A value the
+    user set is kept.
+    """
+    if "GLOO_SOCKET_IFNAME" in base_env or is_loopback_ip(advertised):
+        return {}
+    own = resolve(socket.gethostname())
+    if own and not all(is_loopback_ip(a) for a in own):
+        return {}
+    for ifname, entries in psutil.net_if_addrs().items():
+        if any(e.address.split("%", 1)[0] == advertised for e in entries):
+            log.info("this host's name resolves to %s, not %s: the ranks' gloo uses interface %s (GLOO_SOCKET_IFNAME)",
+                     ", ".join(own) or "nothing", advertised, ifname)
+            return {"GLOO_SOCKET_IFNAME": ifname}
+    return {}
+
+
 def record_auth(settings: RdzvSettings) -> RecordAuth:
     """How this agent signs and checks control records: the job's secret file, a fresh secret for a
     single-host job, else (several agents, no file) the public key, with one warning line."""
@@ -121,6 +145,7 @@ def _write_meta(store: TCPStore, settings: RdzvSettings, auth: RecordAuth) -> No
     store.set(RUN_ID_KEY, settings.run_id)
     store.set(NPROC_KEY, str(settings.nproc_per_node))
     store.set(AUTH_KEY, auth.proof())
+    store.set(LAUNCH_NS_KEY, str(time.time_ns()))
     store.set(MAGIC_KEY, MAGIC_VALUE)  # last: a client that sees it can read the others
 
 
@@ -439,6 +464,7 @@ class RendezvousStore:
         self.host = host
         self.port = port
         self.greeter = greeter  # on the host of a multi-node job: answers joiners' greetings
+        self.launch = _launch_of(store)  # orders launches for the checkpoint fence (nvrx/ckpt/fence.py)
 
     @property
     def refused(self) -> list[str]:
@@ -463,6 +489,94 @@ class RendezvousStore:
 
     def __repr__(self) -> str:
         return f"RendezvousStore({'host' if self.is_host else 'client'} {self.host}:{self.port})"
+
+
+class StoreContact:
+    """Whether this agent still reaches the rendezvous store, for the partition it cannot otherwise tell apart
+    from a slow store: a TCP connection to a host whose link is cut neither fails nor answers (TCP retransmits for
+    minutes, a reconnect retries "No route to host"), and every thread making a store request blocks in C++.
+
+    A pinger thread (a connection of its own, one small request per INTERVAL) records each answer; a watcher
+    thread, which never touches the store, calls ON_LOST(seconds without an answer) once nothing answered for
+    TIMEOUT while armed. The agent arms it while its ranks run or it waits in rendezvous, and disarms it once the
+    round's stop record was read (the store's host may then end the job and go away on purpose).
+    """
+
+    def __init__(self, rs: RendezvousStore, timeout: float, interval: float,
+                 on_lost: Callable[[float], None]) -> None:
+        self.rs = rs
+        self.timeout = timeout
+        self.interval = max(0.05, min(interval, timeout / 4))
+        self.on_lost = on_lost
+        self.last_answer = time.monotonic()
+        self.lost = threading.Event()
+        self._armed = False
+        self._stop = threading.Event()
+        self._change = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for target, name in ((self._ping, "nvrx-store-ping"), (self._watch, "nvrx-store-watch")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def arm(self) -> None:
+        """Count silence from now on (a pause while disarmed is not held against the store)."""
+        self.last_answer = max(self.last_answer, time.monotonic())
+        self._armed = True
+        self._change.set()
+
+    def disarm(self) -> None:
+        self._armed = False
+        self._change.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._change.set()
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self.last_answer
+
+    def _ping(self) -> None:
+        store: TCPStore | None = None
+        while not self._stop.is_set():
+            try:
+                if store is None:
+                    # a plain connect first: a TCPStore connect to an unreachable host prints C++ warnings
+                    if _probe(self.rs.host, self.rs.port, min(PROBE_TIMEOUT, self.timeout)) is None:
+                        store = self.rs.new_client(timeout=self.timeout)
+                if store is not None:
+                    store.check([MAGIC_KEY])
+                    self.last_answer = time.monotonic()
+            except (dist.DistError, RendezvousError) as exc:
+                log.debug("rendezvous store did not answer: %s", _first_line(exc))
+                store = None
+            self._stop.wait(self.interval)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self._change.clear()
+            if not self._armed:
+                self._change.wait()
+                continue
+            left = self.last_answer + self.timeout - time.monotonic()
+            if left > 0:
+                self._change.wait(left)
+                continue
+            self.lost.set()
+            self.on_lost(self.silent_for())
+            return
+
+
+def _launch_of(store: TCPStore) -> str:
+    """This launch's identity (the store host's start time in ns), "" from a store that has none."""
+    try:
+        raw = store.get(LAUNCH_NS_KEY) if store.check([LAUNCH_NS_KEY]) else b""
+    except dist.DistError:
+        return ""
+    text = raw.decode(errors="replace")
+    return text if text.isdigit() and len(text) < 24 else ""
 
 
 def _host(addr: str, port: int, settings: RdzvSettings) -> RendezvousStore:

@@ -281,6 +281,10 @@ class WorkerGroup:
             self._pump(0)
         return [r.spec.local_rank for r in self._ranks if not r.reported]
 
+    def running_pids(self) -> list[int]:
+        """Pids of the ranks still running, as the agent last saw them (for a thread that cannot wait itself)."""
+        return [r.pid for r in list(self._ranks) if r.running]
+
     def signal_all(self, sig: int) -> None:
         """Forward SIG to the process group of every running rank."""
         self._asked = self._asked or (time.monotonic(), signal.Signals(sig).name)

@@ -1,0 +1,115 @@
+"""Fencing checkpoints by launch and round: no split brain on disk.
+
+A node cut off from the job (a partition, a frozen host) may still have ranks of a round the job has left when
+the others restart without it; the coordinator among them could publish a checkpoint after the new round
+resumed from an older one, and by publication time it would look newest. Under ``nvrx launch`` every rank knows
+its launch (``NVRX_LAUNCH``: the rendezvous store host's start time in ns) and round (``NVRX_ROUND``), which
+order the job's rounds. So:
+
+* every published checkpoint's manifest carries ``fence: [launch, round]`` (and the run id);
+* a round that looks for checkpoints (listing them, to resume or to prune) raises the fence: the file
+  ``<root>/.nvrx_fence.json`` (hidden like partial saves) holding its ``[launch, round]`` and the names of the
+  checkpoints present at that moment, written atomically, only ever to a later key;
+* a publisher whose key is below the fence does not publish (CheckpointFenced), and the loader ignores a
+  checkpoint whose key is below the fence unless the fence lists it (it was there before the new round looked):
+  one published in the race between that check and the rename is still never taken for the newest.
+
+Checkpoints saved without the launcher (no key) are never fenced out. Launches are ordered by the store host's
+clock: a relaunch on another host with a clock behind by more than the time between the launches would be
+ordered wrongly (its checkpoints would be ignored until the fence file is removed; one warning line says so).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from nvrx.ckpt.publish import atomic_write
+from nvrx.ckpt.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+FENCE_FILE = ".nvrx_fence.json"
+ROUND_ENV = "NVRX_ROUND"
+LAUNCH_ENV = "NVRX_LAUNCH"
+RUN_ENV = "TORCHELASTIC_RUN_ID"
+
+
+class CheckpointFenced(CheckpointError):
+    """This rank's round was left by the job: its checkpoint is not published."""
+
+
+def current_key() -> tuple[int, int] | None:
+    """(launch, round) of this rank under nvrx launch; None elsewhere (torchrun, a plain script)."""
+    launch, rnd = os.environ.get(LAUNCH_ENV, ""), os.environ.get(ROUND_ENV, "")
+    if not (launch.isdigit() and rnd.isdigit()):
+        return None
+    return int(launch), int(rnd)
+
+
+def stamp() -> dict[str, Any]:
+    """Manifest fields that fence a checkpoint (empty outside nvrx launch)."""
+    key = current_key()
+    return {} if key is None else {"fence": list(key), "run_id": os.environ.get(RUN_ENV, "")}
+
+
+def _key_of(value: Any) -> tuple[int, int] | None:
+    if (isinstance(value, list) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
+        return value[0], value[1]
+    return None
+
+
+def read_fence(root: Path) -> tuple[tuple[int, int], frozenset[str], str] | None:
+    """(key, names known when it was raised, run id) of ROOT's fence, or None (absent or unreadable)."""
+    try:
+        data = json.loads((Path(root) / FENCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    key = _key_of(data.get("fence")) if isinstance(data, dict) else None
+    known = data.get("known") if isinstance(data, dict) else None
+    if key is None or not isinstance(known, list):
+        return None
+    return key, frozenset(n for n in known if isinstance(n, str)), str(data.get("run_id", ""))
+
+
+def raise_fence(root: Path, present: list[str]) -> None:
+    """Called by a rank about to choose among ROOT's checkpoints (PRESENT): from now on, rounds before this
+    rank's are fenced out of ROOT. Only ever moves the fence forward; a read-only root is left as it is."""
+    key = current_key()
+    if key is None:
+        return
+    fence = read_fence(root)
+    if fence is not None and fence[0] >= key:
+        return
+    data = {"fence": list(key), "run_id": os.environ.get(RUN_ENV, ""), "known": sorted(present)}
+    try:
+        atomic_write(Path(root) / FENCE_FILE, json.dumps(data).encode())
+    except OSError as exc:
+        log.debug("cannot write the checkpoint fence in %s: %s", root, exc)
+
+
+def check_publish(root: Path, name: str) -> None:
+    """Raise CheckpointFenced if ROOT's fence is past this rank's round (the job left it)."""
+    key = current_key()
+    fence = read_fence(root)
+    if key is None or fence is None or fence[0] <= key:
+        return
+    raise CheckpointFenced(f"checkpoint {Path(root) / name} was not published: it was saved in round {key[1]}, "
+                           f"which the job has left (round {fence[0][1]} fenced the checkpoint directory); "
+                           "this node was cut off from the job")
+
+
+def fenced_out(manifest: dict[str, Any], name: str, fence: tuple[tuple[int, int], frozenset[str], str] | None) -> bool:
+    """Whether a checkpoint (its MANIFEST, its NAME) is from a round the job had left when it was published."""
+    if fence is None:
+        return False
+    key = _key_of(manifest.get("fence"))
+    if key is None or key >= fence[0] or name in fence[1]:
+        return False
+    log.warning("ignoring checkpoint %s: published by round %d after round %d of the job began (a node cut off "
+                "from the job)", name, key[1], fence[0][1])
+    return True

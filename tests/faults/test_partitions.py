@@ -1,0 +1,264 @@
+"""Fault matrix: network partitions between emulated hosts (tests/hosts.py: network namespaces on a bridge).
+
+Each agent runs on a host of its own with its own address and host name; the fault pulls a host's cable
+(its switch port goes down) while its agent and ranks keep running, or freezes a host. Deadlines asserted here
+are the guarantees of docs/faults.md ("Partitions"): a cut-off side stops its own ranks within store_timeout +
+0.5 s, the survivors notice within keepalive_timeout + 0.5 s, both measured from the cut.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.conftest import pid_gone, wait_for
+from tests.faults.conftest import one_line
+
+pytestmark = pytest.mark.slow
+
+PORT = 29400  # the hosts' network is the test's own: the usual port cannot clash with anything
+KA_INTERVAL, KA_TIMEOUT, STORE_TIMEOUT = 1.0, 3.0, 3.0
+RDZV_CONF = (f"last_call_timeout=1,keepalive_interval={KA_INTERVAL},keepalive_timeout={KA_TIMEOUT},"
+             f"store_timeout={STORE_TIMEOUT}")
+SLACK = 0.5  # the guarantee's margin
+
+
+def _common(job, run_id: str, nnodes: str, steps: int, max_restarts: int = 3, conf: str = RDZV_CONF) -> list[str]:
+    return ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", f"{job.hosts[0].addr}:{PORT}",
+            "--rdzv-id", run_id, "--max-restarts", str(max_restarts), "--rdzv-conf", conf,
+            "--term-timeout", "2", *job.train(steps)]
+
+
+def _world_running(job, run_id: str, world: int) -> int:
+    """The attempt (restart count) of the newest round of WORLD ranks, once all its ranks train."""
+    def newest() -> dict | None:
+        rounds = [e for e in job.events(run_id) if e["ev"] == "rdzv_round" and e["world_size"] == world]
+        return max(rounds, key=lambda e: e["t"]) if rounds else None
+
+    assert wait_for(lambda: newest() is not None, 90), "no round with every host"
+    attempt = newest()["restart_count"]
+    for rank in range(world):
+        job.wait_running(rank=rank, attempt=attempt, timeout=90)
+    return attempt
+
+
+class GoneClock:
+    """When each of some pids was first seen gone (polled every 20 ms on a thread of its own)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.gone: dict[int, float] = {}
+        self._pids = pids
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        deadline = time.time() + 120
+        while len(self.gone) < len(self._pids) and time.time() < deadline:
+            for pid in self._pids:
+                if pid not in self.gone and pid_gone(pid):
+                    self.gone[pid] = time.time()
+            time.sleep(0.02)
+
+    def last(self, timeout: float) -> float:
+        self._thread.join(timeout)
+        assert len(self.gone) == len(self._pids), f"still running: {set(self._pids) - set(self.gone)}"
+        return max(self.gone.values())
+
+
+def _stop_time(job, run_id: str, host_name: str, kind: str) -> float:
+    stops = [e for e in job.events(run_id, f"agent-{host_name}-") if e["ev"] == "rdzv_stop" and e["kind"] == kind]
+    assert stops, f"{host_name} wrote no {kind} stop"
+    return min(e["t"] for e in stops)
+
+
+def test_partition_cut_off_host_elastic(host_job):
+    """Fault: partition: one host's link is cut for good while its agent and ranks keep running (elastic
+    --nnodes 1:2, the other host holds the store).
+    Outcome: the cut-off host stops its own ranks within store_timeout + 0.5 s and exits 1 ("cut off from the
+    rendezvous store"); the other notices within keepalive_timeout + 0.5 s, goes on alone from the last
+    checkpoint and finishes, exit 0. Nothing is left on either host.
+    """
+    job = host_job(2)
+    h0, h1 = job.hosts[0], job.hosts[1]
+    args = _common(job, "cut", "1:2", 120)
+    env = {"FAULT_STEP_TIME": "0.05"}
+    store_host = job.start_on(h0, *args, env=env)
+    cut_off = job.start_on(h1, *args, env=env)
+    attempt = _world_running(job, "cut", 2)
+    rank1 = int((job.out / f"running.1.{attempt}").read_text())
+    clock = GoneClock([rank1])
+    t_cut = time.time()
+    job.hosts.cut(h1)
+    _, err = cut_off.communicate(timeout=60)
+    assert cut_off.returncode == 1, err
+    assert "cut off from the rendezvous store" in one_line(err)
+    gone = clock.last(10) - t_cut
+    assert gone <= STORE_TIMEOUT + SLACK, f"the cut-off host's rank ran on {gone:.2f} s after the cut"
+    noticed = _stop_time(job, "cut", h0.name, "node_left")
+    assert noticed - t_cut <= KA_TIMEOUT + SLACK, f"noticed {noticed - t_cut:.2f} s after the cut"
+    _, err0 = store_host.communicate(timeout=120)
+    assert store_host.returncode == 0, err0
+    assert job.ledger.finished()
+    job.ledger.assert_no_saved_work_lost()
+    job.assert_clean()
+
+
+def test_partition_sigterm_while_cut_off(host_job):
+    """Fault: partition, then SIGTERM (e.g. Slurm ending the step) to the cut-off host's agent before its
+    store_timeout (30 s here) ran out, while it waits for the unreachable store.
+    Outcome: it acts on the signal at once: its ranks get SIGTERM, the agent exits 143 within --term-timeout +
+    3 s without the store (was: ignored SIGTERM, retried "No route to host" for minutes). The other host goes on.
+    """
+    job = host_job(2)
+    h0, h1 = job.hosts[0], job.hosts[1]
+    conf = RDZV_CONF.replace(f"store_timeout={STORE_TIMEOUT}", "store_timeout=30")
+    args = _common(job, "term", "1:2", 120, conf=conf)
+    env = {"FAULT_STEP_TIME": "0.05"}
+    store_host = job.start_on(h0, *args, env=env)
+    cut_off = job.start_on(h1, *args, env=env)
+    attempt = _world_running(job, "term", 2)
+    rank1 = int((job.out / f"running.1.{attempt}").read_text())
+    job.hosts.cut(h1)
+    # the other host went on without it: the cut-off agent's next store requests can only wait
+    noticed = lambda: any(e["ev"] == "rdzv_stop" for e in job.events("term", f"agent-{h0.name}-"))  # noqa: E731
+    assert wait_for(noticed, 30)
+    t_term = time.time()
+    cut_off.terminate()
+    _, err = cut_off.communicate(timeout=60)
+    took = time.time() - t_term
+    assert cut_off.returncode == 143, err
+    assert took <= 2 + 3, f"the cut-off agent took {took:.1f} s to act on SIGTERM"
+    assert pid_gone(rank1)
+    _, err0 = store_host.communicate(timeout=120)
+    assert store_host.returncode == 0, err0
+    job.ledger.assert_no_saved_work_lost()
+    job.assert_clean()
+
+
+def test_partition_store_host_cut_off(host_job):
+    """Fault: partition: the link of the host holding the rendezvous store is cut for good (elastic --nnodes 1:2).
+    Outcome: the other host cannot reach the store: it stops its ranks within store_timeout + 0.5 s and exits 1
+    ("cut off from the rendezvous store"; `nvrx resume` continues after a 1); the store's host notices within
+    keepalive_timeout + 0.5 s, goes on alone and finishes, exit 0. Nothing is left.
+    """
+    job = host_job(2)
+    h0, h1 = job.hosts[0], job.hosts[1]
+    args = _common(job, "storecut", "1:2", 120)
+    env = {"FAULT_STEP_TIME": "0.05"}
+    store_host = job.start_on(h0, *args, env=env)
+    other = job.start_on(h1, *args, env=env)
+    attempt = _world_running(job, "storecut", 2)
+    rank1 = int((job.out / f"running.1.{attempt}").read_text())
+    clock = GoneClock([rank1])
+    t_cut = time.time()
+    job.hosts.cut(h0)
+    _, err = other.communicate(timeout=60)
+    assert other.returncode == 1, err
+    assert "cut off from the rendezvous store" in one_line(err)
+    gone = clock.last(10) - t_cut
+    assert gone <= STORE_TIMEOUT + SLACK, f"the cut-off host's rank ran on {gone:.2f} s after the cut"
+    noticed = _stop_time(job, "storecut", h0.name, "node_left")
+    assert noticed - t_cut <= KA_TIMEOUT + SLACK, f"noticed {noticed - t_cut:.2f} s after the cut"
+    _, err0 = store_host.communicate(timeout=120)
+    assert store_host.returncode == 0, err0
+    assert job.ledger.finished()
+    job.ledger.assert_no_saved_work_lost()
+    job.assert_clean()
+
+
+def test_partition_shorter_than_keepalive(host_job):
+    """Fault: partition: one host's link is cut for less than keepalive_timeout (a flapping NIC), then healed.
+    Outcome: nobody is dropped and nothing restarts: both hosts finish the job together, exit 0.
+    """
+    job = host_job(2)
+    h0, h1 = job.hosts[0], job.hosts[1]
+    conf = RDZV_CONF.replace(f"keepalive_timeout={KA_TIMEOUT}", "keepalive_timeout=4").replace(
+        f"store_timeout={STORE_TIMEOUT}", "store_timeout=4")
+    args = _common(job, "flap", "2", 60, max_restarts=0, conf=conf)
+    env = {"FAULT_STEP_TIME": "0.05"}
+    procs = [job.start_on(h, *args, env=env) for h in (h0, h1)]
+    _world_running(job, "flap", 2)
+    job.hosts.cut(h1)
+    time.sleep(1.0)  # the fault itself: how long the link stays down
+    job.hosts.heal(h1)
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    stops = [e["kind"] for e in job.events("flap") if e["ev"] == "rdzv_stop"]
+    assert set(stops) == {"succeeded"}, stops
+    assert job.ledger.finished()
+    job.assert_clean()
+
+
+def test_partition_cut_then_healed_joins_next_round(host_job):
+    """Fault: partition: one host's link is cut for longer than keepalive_timeout but shorter than its
+    store_timeout, then healed, after the other host went on without it.
+    Outcome: the healed host finds its round ended (node_left), stops its ranks and joins a later round, never
+    its old one; the job finishes on both hosts, exit 0.
+    """
+    job = host_job(2)
+    h0, h1 = job.hosts[0], job.hosts[1]
+    conf = RDZV_CONF.replace(f"store_timeout={STORE_TIMEOUT}", "store_timeout=30")
+    args = _common(job, "heal", "1:2", 160, conf=conf)
+    env = {"FAULT_STEP_TIME": "0.05"}
+    procs = [job.start_on(h, *args, env=env) for h in (h0, h1)]
+    attempt = _world_running(job, "heal", 2)
+    old_round = max(e["round"] for e in job.events("heal", f"agent-{h1.name}-") if e["ev"] == "rdzv_round")
+    job.hosts.cut(h1)
+    left = lambda: any(e["ev"] == "rdzv_stop" and e["round"] == old_round  # noqa: E731
+                       for e in job.events("heal", f"agent-{h0.name}-"))
+    assert wait_for(left, 30)
+    # the other host trains alone in a newer round before the cable is back
+    assert wait_for(lambda: any(e["ev"] == "rdzv_round" and e["round"] > old_round
+                                for e in job.events("heal", f"agent-{h0.name}-")), 30)
+    job.hosts.heal(h1)
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+    h1_rounds = [e["round"] for e in job.events("heal", f"agent-{h1.name}-") if e["ev"] == "rdzv_round"]
+    assert h1_rounds[-1] > old_round + 1 and h1_rounds.count(old_round) == 1, h1_rounds
+    assert attempt >= 0 and job.ledger.finished()
+    job.ledger.assert_no_saved_work_lost()
+    job.assert_clean()
+
+
+def test_partition_host_frozen_then_thawed(host_job):
+    """Fault: a host is frozen (SIGSTOP of its agent, monitors and ranks: a hung kernel, a paused VM) past
+    keepalive_timeout and store_timeout, then thawed.
+    Outcome: the other host notices within keepalive_timeout + 0.5 s and goes on without it; the thawed host
+    finds its round ended and stops its ranks at once: it joins a later round (never its old one) if its store
+    connection answers first, else it exits 1 ("cut off from the rendezvous store"). Either way no rank trains on
+    in the round the job has left; the job finishes, exit 0. Nothing is left.
+    """
+    job = host_job(2)
+    h0, h1 = job.hosts[0], job.hosts[1]
+    args = _common(job, "frozen", "1:2", 120)
+    env = {"FAULT_STEP_TIME": "0.05"}
+    store_host = job.start_on(h0, *args, env=env)
+    frozen = job.start_on(h1, *args, env=env)
+    attempt = _world_running(job, "frozen", 2)
+    old_round = max(e["round"] for e in job.events("frozen", f"agent-{h1.name}-") if e["ev"] == "rdzv_round")
+    rank1 = int((job.out / f"running.1.{attempt}").read_text())
+    t_freeze = time.time()
+    assert rank1 in job.hosts.freeze(h1)
+    noticed = lambda: any(e["ev"] == "rdzv_stop" and e["kind"] == "node_left"  # noqa: E731
+                          for e in job.events("frozen", f"agent-{h0.name}-"))
+    assert wait_for(noticed, 30)
+    assert _stop_time(job, "frozen", h0.name, "node_left") - t_freeze <= KA_TIMEOUT + SLACK
+    assert wait_for(lambda: time.time() - t_freeze > STORE_TIMEOUT + 1, 10)
+    job.hosts.thaw(h1)
+    assert wait_for(lambda: pid_gone(rank1), 5), "the thawed host's rank trains on in a round the job left"
+    _, err = frozen.communicate(timeout=120)
+    assert frozen.returncode in (0, 1), err
+    if frozen.returncode == 1:
+        assert "cut off from the rendezvous store" in one_line(err)
+    else:
+        rounds = [e["round"] for e in job.events("frozen", f"agent-{h1.name}-") if e["ev"] == "rdzv_round"]
+        assert rounds.count(old_round) == 1 and rounds[-1] > old_round, rounds
+    _, err0 = store_host.communicate(timeout=120)
+    assert store_host.returncode == 0, err0
+    assert job.ledger.finished()
+    job.ledger.assert_no_saved_work_lost()
+    job.assert_clean()
