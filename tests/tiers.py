@@ -355,6 +355,17 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem):
+    """Not during teardown: it also finalizes fixtures of wider scope whose last user this test was (a module's or
+    the session's test Slurm stops there, running squeue), and those processes are not the unit test's."""
+    forbid, GUARD.forbid = GUARD.forbid, False
+    try:
+        yield
+    finally:
+        GUARD.forbid = forbid
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call):
     """A unit test that swallowed the guard's exception still fails."""
     outcome = yield
