@@ -77,7 +77,8 @@ def _run(cmd: list[str], work: Path, out: Path, env_extra: dict[str, str] | None
         done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=180)
         if done.returncode == 0:
             break
-    assert done.returncode == 0, (cmd, done.stdout[-2000:], done.stderr[:3000], done.stderr[-3000:])
+    if done.returncode != 0:  # pytest.fail: the whole output, not an assertion repr cut to one line
+        pytest.fail(f"{cmd} exited {done.returncode}\nstdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-6000:]}")
     return json.loads(out.read_text())
 
 
