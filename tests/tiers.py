@@ -45,6 +45,7 @@ TIER_BY_PATH: dict[str, str] = {
     "integration/": "integration",
     "slurm/": "e2e",
     "faults/": "e2e",
+    "hosts_e2e/": "e2e",  # whole jobs on emulated hosts (tests/hosts.py)
     "ckpt/": "integration",
     "compat/": "integration",
     "inprocess/": "integration",
@@ -85,11 +86,14 @@ TIER_BY_PATH: dict[str, str] = {
 }
 
 # Fixtures that run `nvrx launch` jobs: a test using one is e2e unless its file or itself says otherwise.
-JOB_FIXTURES = frozenset({"launcher", "job"})
+JOB_FIXTURES = frozenset({"launcher", "job", "host_job"})
 
 # Tests that must share one xdist worker (one group each): the test Slurm is a session fixture per worker.
 GROUP_BY_PATH: dict[str, str] = {
     "slurm/": "slurm",
+    # emulated hosts (network namespaces, a bridge each, agents in them): one worker at a time, not beside Slurm's
+    "hosts_e2e/": "netns",
+    "faults/test_partitions.py": "netns",
 }
 
 # What a unit test may not do: the audit events of starting a process or opening a socket (multiprocessing's
