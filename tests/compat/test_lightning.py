@@ -204,7 +204,9 @@ def test_every_rank_picks_the_same_victim_from_a_shared_seed():
 INJECT = """
 import importlib.util, logging, sys, threading
 # the module itself, without its package (which imports Lightning: seconds per child on a busy machine)
-spec = importlib.util.spec_from_file_location("simulated_fault", "nvrx/launcher/rank/ptl_resiliency/simulated_fault.py")
+spec = importlib.util.spec_from_file_location(  # the installed file, without importing Lightning
+    "simulated_fault", importlib.util.find_spec("nvrx").submodule_search_locations[0]
+    + "/launcher/rank/ptl_resiliency/simulated_fault.py")
 module = importlib.util.module_from_spec(spec)
 sys.modules["simulated_fault"] = module  # dataclasses look their module up there
 spec.loader.exec_module(module)
