@@ -8,6 +8,7 @@ own spool/pid/log files (%n). Only processes started here see SLURM_CONF (via en
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pwd
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import psutil
 
+from nvrx.common.process import die_with_parent
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -211,7 +213,10 @@ class SlurmCluster:
         out = open(self.base / "log" / f"{name}.out", "ab")
         try:
             self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                                env=env, start_new_session=True, **kw)
+                                                env=env, start_new_session=True,
+                                                # the daemons die with the test process even when it is SIGKILLed
+                                                # (a killed run left whole test clusters behind)
+                                                preexec_fn=functools.partial(die_with_parent, os.getpid()), **kw)
         finally:
             out.close()
 
