@@ -130,6 +130,30 @@ def _exit_code_tables(doc: str) -> list[str]:
     return out
 
 
+def _rdzv_conf_table() -> list[str]:
+    """The --rdzv-conf keys nvrx reads, their defaults and meanings (RDZV_CONF_DEFAULTS and its comments)."""
+    from nvrx.launcher.agent import config
+
+    src = inspect.getsource(config).split("RDZV_CONF_DEFAULTS: dict[str, float] = {", 1)[1].split("\n}", 1)[0]
+    notes: dict[str, str] = {}
+    pending: list[str] = []
+    for line in src.splitlines():
+        m = re.match(r'^\s*"(\w+)":[^#]*(?:#\s*(.*))?$', line)
+        if m:
+            notes[m.group(1)] = " ".join([*pending, m.group(2) or ""]).strip()
+            pending = []
+        elif line.strip().startswith("#"):
+            pending.append(line.strip().lstrip("#").strip())
+    out = ["| key | default (s) | meaning |", "|---|---|---|"]
+    for key, default in config.RDZV_CONF_DEFAULTS.items():
+        out.append(f"| `{key}` | `{default:g}` | {_cell(notes.get(key, ''))} |")
+    limits = (f"Every value is in seconds, finite and at most {config.MAX_SECONDS / 86400:g} days; "
+              f"`keepalive_interval` at least {config.MIN_KEEPALIVE_INTERVAL:g}. Other keys are accepted and ignored, "
+              "as torchrun's c10d backend ignores keys it does not know.")
+    out += ["", limits, ""]
+    return out
+
+
 def cli_page() -> str:
     from nvrx.common import exit_codes
     from nvrx.nvrx_cli.main import cli
@@ -142,6 +166,8 @@ def cli_page() -> str:
              "listed with every field in [Fault-tolerance settings](config.md). `python -m nvrx` is the same program."),
              ""]
     lines += _command_section(cli, ["nvrx"], None)
+    lines += ["## `nvrx launch --rdzv-conf` keys {#rdzv-conf}", "",
+              "From `RDZV_CONF_DEFAULTS` in `nvrx/launcher/agent/config.py`:", "", *_rdzv_conf_table()]
     lines += ["## Exit codes", "", "From `nvrx/common/exit_codes.py`, which every process uses.", ""]
     lines += _exit_code_tables(inspect.getdoc(exit_codes) or "")
     return _tidy(lines)
