@@ -142,7 +142,7 @@ def _yaml_error_text(exc: yaml.YAMLError) -> str:
 class ValueKind:
     """How values of one type are parsed from raw input, validated, serialized and shown."""
 
-    label: str  # for the README table, e.g. "float > 0 or null"
+    label: str  # for the docs table (docs/reference/config.md), e.g. "float > 0 or null"
     parse: Callable[[Any, str], Any]  # (raw or typed value, where) -> typed value; raises ConfigError
     dump: Callable[[Any], Any]  # typed value -> JSON-safe value
     show: Callable[[Any], str]  # typed value -> short human text (describe / table)
