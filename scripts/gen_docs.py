@@ -166,7 +166,7 @@ def cli_page() -> str:
              "listed with every field in [Fault-tolerance settings](config.md). `python -m nvrx` is the same program."),
              ""]
     lines += _command_section(cli, ["nvrx"], None)
-    lines += ["## `nvrx launch --rdzv-conf` keys {#rdzv-conf}", "",
+    lines += ["## `nvrx launch --rdzv-conf` keys", "",
               "From `RDZV_CONF_DEFAULTS` in `nvrx/launcher/agent/config.py`:", "", *_rdzv_conf_table()]
     lines += ["## Exit codes", "", "From `nvrx/common/exit_codes.py`, which every process uses.", ""]
     lines += _exit_code_tables(inspect.getdoc(exit_codes) or "")
@@ -304,12 +304,12 @@ def events_page() -> str:
              "Writers: " + ", ".join(f"[{src}](#source-{src})" for src in by_source) + "; objects nested in events: "
              "[nested records](#nested-records).", ""]
     for src, classes in by_source.items():
-        lines += [f"## Source `{src}` {{#source-{src}}}", ""]
+        lines += [f"## Source `{src}`", ""]
         for cls in classes:
-            lines += _record_section(cls, f"### `{cls.EV}` {{#{cls.EV}}}", nested_names)
+            lines += _record_section(cls, f"### `{cls.EV}`", nested_names)
     lines += ["## Nested records", ""]
     for cls in sorted(records.NESTED, key=lambda c: c.__name__):
-        lines += _record_section(cls, f"### `{cls.__name__}` {{#{cls.__name__.lower()}}}", nested_names)
+        lines += _record_section(cls, f"### `{cls.__name__}`", nested_names)
     return _tidy(lines)
 
 
