@@ -17,7 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The suite's tiers, parallel-run rules and timeouts (README "Testing").
+# The suite's tiers, parallel-run rules and timeouts (docs/development.md, "Testing").
 pytest_plugins = ("tests.tiers", "tests.timeouts", "tests.durations")
 
 
