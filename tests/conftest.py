@@ -116,6 +116,12 @@ def write_script(path: Path, body: str) -> Path:
     return path
 
 
+# How long a test waits for a process it started to get somewhere (an agent joining, a fork server or monitor
+# appearing): generous, because wait_for returns as soon as it happens and a loaded 2-core machine takes tens of
+# seconds to start interpreters; never a bound the test asserts about the product.
+STARTUP_WAIT = 120.0
+
+
 def wait_for(pred, timeout: float, interval: float = 0.05) -> bool:
     """Poll PRED until it is true (True) or TIMEOUT seconds pass (False)."""
     deadline = time.monotonic() + timeout

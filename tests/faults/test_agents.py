@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from tests.conftest import free_port, wait_for
+from tests.conftest import STARTUP_WAIT, free_port, wait_for
 from tests.faults.conftest import children_named, kill
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ def test_agent_sigkilled(job):
     """
     proc = job.start("--nproc-per-node", "2", *job.train(1000), env={"FAULT_STEP_TIME": "0.1"})
     job.wait_running(rank=1)
-    assert wait_for(lambda: children_named(proc.pid, "nvrx.monitors.rank_monitor"), 30)
+    assert wait_for(lambda: children_named(proc.pid, "nvrx.monitors.rank_monitor"), STARTUP_WAIT)
     kill(proc)
     proc.wait()
     job.ledger.assert_no_saved_work_lost()
@@ -31,7 +31,7 @@ def test_agent_sigkilled_during_start_up(job):
     """
     proc = job.start("--nproc-per-node", "2", "--rdzv-id", "early", *job.train(5))
     # the agent is up: it started its fork server (which is still importing torch; no rank exists yet)
-    assert wait_for(lambda: children_named(proc.pid, "nvrx.launcher.agent.fork_server"), 30)
+    assert wait_for(lambda: children_named(proc.pid, "nvrx.launcher.agent.fork_server"), STARTUP_WAIT)
     kill(proc)
     proc.wait()
     assert job.ledger.entries() == []
@@ -49,7 +49,7 @@ def test_node_lost_elastic(job):
               "--rdzv-conf", "last_call_timeout=2,keepalive_interval=0.2,keepalive_timeout=1"]
     env = {"FAULT_STEP_TIME": "0.05"}
     host = job.start(*common, *job.train(60), env=env)
-    assert wait_for(lambda: any(e["ev"] == "rdzv_join" for e in job.events("elastic")), 30)
+    assert wait_for(lambda: any(e["ev"] == "rdzv_join" for e in job.events("elastic")), STARTUP_WAIT)
     other = job.start(*common, *job.train(60), env=env)  # joins round 0, or asks it to make room (scale_up)
     job.wait_running(rank=1)
     kill(other)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, run_events, wait_for, write_script
+from tests.conftest import STARTUP_WAIT, free_port, run_events, wait_for, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -145,7 +145,7 @@ def _two_elastic_agents(launcher, rank_script, tmp_path):
     host = launcher.start(*common, str(rank_script), str(out), "sleep")
     # `host` must own the store (whoever binds the endpoint first does): wait until it joined through it
     run_dir = tmp_path / "nvrx_logs" / "elastic"
-    assert wait_for(lambda: run_dir.exists() and any(e["ev"] == "rdzv_join" for e in run_events(run_dir, "agent-")), 30)
+    assert wait_for(lambda: run_dir.exists() and any(e["ev"] == "rdzv_join" for e in run_events(run_dir, "agent-")), STARTUP_WAIT)
     other = launcher.start(*common, str(rank_script), str(out), "sleep")
     assert wait_for(lambda: (out / "ready.1.0").exists() or (out / "ready.1.1").exists(), 60), \
         "the two agents never formed a 2-node world"

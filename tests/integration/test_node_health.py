@@ -16,7 +16,7 @@ from nvrx.launcher.agent.node_health import FAILED, OK, SKIPPED, WARNING, NodeHe
 from nvrx.events import EventLog, HealthCheckInfo, NodeHealth
 from nvrx.monitors.ft_config import FaultToleranceConfig
 from nvrx.slurm.nodes import find_bad_node
-from tests.conftest import REPO, free_port, run_events, wait_for, write_script
+from tests.conftest import REPO, STARTUP_WAIT, free_port, run_events, wait_for, write_script
 
 
 def _report(tmp_path: Path, **ft) -> dict[str, node_health.CheckResult]:
@@ -114,7 +114,7 @@ def test_a_node_failing_its_hook_sits_out_and_the_job_goes_on(launcher, tmp_path
               "--ft-param-node_health_check_hook", "sh -c 'test -z \"$NVRX_TEST_SICK\" || { echo disk smoking; exit 1; }'"]
     good = launcher.start(*common, str(script), str(out))
     run_dir = tmp_path / "nvrx_logs" / "health"
-    assert wait_for(lambda: run_dir.exists() and any(e["ev"] == "rdzv_join" for e in run_events(run_dir, "agent-")), 30)
+    assert wait_for(lambda: run_dir.exists() and any(e["ev"] == "rdzv_join" for e in run_events(run_dir, "agent-")), STARTUP_WAIT)
     sick = launcher.start(*common, str(script), str(out), env={"NVRX_TEST_SICK": "1"})
     _, err = sick.communicate(timeout=60)
     assert sick.returncode == 16, err

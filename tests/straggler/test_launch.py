@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nvrx.slurm.nodes import find_bad_node
-from tests.conftest import REPO, free_port, one_line_error, run_events, wait_for
+from tests.conftest import REPO, STARTUP_WAIT, free_port, one_line_error, run_events, wait_for
 
 TRAIN = str(Path(__file__).with_name("train.py"))
 HOST = socket.gethostname()
@@ -92,7 +92,7 @@ def test_the_exclusion_policy_keeps_a_straggling_node_out_of_the_next_round(laun
     env = {"OMP_NUM_THREADS": "1", "STEPS": "70", "SLOW_RANK": "1", "CRASH_RANK": "0", "CRASH_STEP": "60"}
     a = launcher.start(*common, env=env)
     run_dir = tmp_path / "nvrx_logs" / "pol"
-    assert wait_for(lambda: run_dir.exists() and any(e["ev"] == "rdzv_join" for e in run_events(run_dir, "agent-")), 30)
+    assert wait_for(lambda: run_dir.exists() and any(e["ev"] == "rdzv_join" for e in run_events(run_dir, "agent-")), STARTUP_WAIT)
     b = launcher.start(*common, env=env)
     _, err_b = b.communicate(timeout=120)
     out_a, err_a = a.communicate(timeout=120)
