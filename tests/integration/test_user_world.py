@@ -73,14 +73,21 @@ def _run(cmd: list[str], work: Path, out: Path, env_extra: dict[str, str] | None
     env.update({"USER_WORLD_OUT": str(out), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(work / "extra"),
                 **(env_extra or {})})
     (work / "extra").mkdir(exist_ok=True)
-    for _ in range(tries):
+    for attempt in range(tries + GLOO_MESH_TRIES - 1):
         done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=180)
-        if done.returncode == 0:
+        if done.returncode == 0 or (attempt + 1 >= tries and GLOO_MESH_RACE not in done.stderr):
             break
     if done.returncode != 0:  # pytest.fail: the whole output, not an assertion repr cut to one line
         pytest.fail(f"{cmd} exited {done.returncode}\nstdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-6000:]}")
     return json.loads(out.read_text())
 
+
+# gloo's own connect race on a loaded machine: one rank's init_process_group fails in connectFullMesh with
+# "Connection closed by peer". Reproduced on this probe at load ~12 under plain torchrun (2 launches in 24) as
+# under `nvrx launch` (1 in 16): gloo's, not nvrx's, and not what these tests check.
+# A launch that failed with exactly that gets one more try; any other failure fails at once.
+GLOO_MESH_RACE = "Gloo connectFullMesh failed"
+GLOO_MESH_TRIES = 2
 
 # torchrun itself sometimes aborts on a loaded 2-core machine (SIGABRT in gloo teardown, seen in
 # test_launch.py too); that is the peer's flakiness, not what these tests check: it gets three tries.
