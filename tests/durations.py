@@ -2,7 +2,7 @@
 
 At the end of every run that ran tests, a table: for each tier the tests run, their summed and mean time
 (setup + call + teardown), and the run's slowest tests with their tier. ``--tier-durations FILE`` also writes
-it as JSON, so two runs (before/after a change, quiet/loaded) can be compared. Works under pytest-xdist: the
+it as JSON with every test's tier and time, so two runs (before/after a change, quiet/loaded) can be compared. Works under pytest-xdist: the
 reports reach the controller with the test's markers, the tier among them.
 """
 
@@ -42,7 +42,8 @@ class TierClock:
         slowest = sorted(self.seconds.items(), key=lambda kv: kv[1], reverse=True)[:SLOWEST]
         return {"tiers": per_tier,
                 "slowest": [{"nodeid": n, "tier": self.tier.get(n, "none"), "seconds": round(s, 2)}
-                            for n, s in slowest]}
+                            for n, s in slowest],
+                "tests": {n: [self.tier.get(n, "none"), round(s, 3)] for n, s in sorted(self.seconds.items())}}
 
 
 _CLOCK = pytest.StashKey[TierClock]()
