@@ -2,8 +2,8 @@
 
 At the end of every run that ran tests, a table: for each tier the tests run, their summed and mean time
 (setup + call + teardown), and the run's slowest tests with their tier. ``--tier-durations FILE`` also writes
-it as JSON with every test's tier and time, so two runs (before/after a change, quiet/loaded) can be compared. Works under pytest-xdist: the
-reports reach the controller with the test's markers, the tier among them.
+it as JSON with every test's tier and time, so two runs (before/after a change, quiet/loaded) can be compared.
+Works under pytest-xdist: the reports reach the controller with the test's markers, the tier among them.
 """
 
 from __future__ import annotations
