@@ -17,6 +17,7 @@ import pytest
 from tests.tiers import TIERS
 
 SLOWEST = 20
+SLOW_SECONDS = 20.0  # the `slow` marker's promise (pyproject.toml): the test takes longer than this
 
 
 class TierClock:
@@ -25,12 +26,21 @@ class TierClock:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.tier: dict[str, str] = {}
+        self.marked_slow: set[str] = set()
 
     def add(self, report: pytest.TestReport) -> None:
         self.seconds[report.nodeid] += report.duration
         tier = next((t for t in TIERS if t in report.keywords), None)
         if tier is not None:
             self.tier[report.nodeid] = tier
+        if "slow" in report.keywords:
+            self.marked_slow.add(report.nodeid)
+
+    def slow_audit(self) -> dict[str, list[str]]:
+        """Where the `slow` marker and the clock disagree (a module's shared fixture counts for its first test)."""
+        return {"marked_slow_under": sorted(n for n in self.marked_slow if self.seconds[n] <= SLOW_SECONDS),
+                "unmarked_over": sorted(n for n, s in self.seconds.items()
+                                        if s > SLOW_SECONDS and n not in self.marked_slow)}
 
     def summary(self) -> dict:
         per_tier: dict[str, dict] = {}
@@ -43,6 +53,7 @@ class TierClock:
         return {"tiers": per_tier,
                 "slowest": [{"nodeid": n, "tier": self.tier.get(n, "none"), "seconds": round(s, 2)}
                             for n, s in slowest],
+                "slow_audit": self.slow_audit(),
                 "tests": {n: [self.tier.get(n, "none"), round(s, 3)] for n, s in sorted(self.seconds.items())}}
 
 
@@ -78,6 +89,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     tr.write_line(f"slowest {len(summary['slowest'])}:")
     for row in summary["slowest"]:
         tr.write_line(f"{row['seconds']:>8.1f} s  {row['tier']:<11} {row['nodeid']}")
+    audit = summary["slow_audit"]
+    tr.write_line(f"slow marker (> {SLOW_SECONDS:g} s): {len(audit['marked_slow_under'])} marked tests took less, "
+                  f"{len(audit['unmarked_over'])} unmarked took more"
+                  + (" (listed in --tier-durations FILE)" if any(audit.values()) else ""))
     target = config.getoption("tier_durations")
     if target:
         Path(target).write_text(json.dumps(summary, indent=1) + "\n")

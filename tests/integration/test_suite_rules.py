@@ -57,7 +57,7 @@ def test_the_nearest_tier_marker_wins(tmp_path):
 def test_the_run_ends_with_time_per_tier_and_the_slowest_tests(tmp_path, workers):
     (tmp_path / "test_x.py").write_text(
         "import pytest, subprocess, sys\n"
-        "@pytest.mark.unit\ndef test_quick():\n    pass\n"
+        "@pytest.mark.unit\n@pytest.mark.slow\ndef test_quick():\n    pass\n"
         "@pytest.mark.integration\ndef test_proc():\n"
         "    subprocess.run([sys.executable, '-c', 'import time; time.sleep(0.3)'], check=True)\n")
     out = tmp_path / "tiers.json"
@@ -68,6 +68,8 @@ def test_the_run_ends_with_time_per_tier_and_the_slowest_tests(tmp_path, workers
     assert table["tiers"]["unit"]["tests"] == 1 and table["tiers"]["integration"]["tests"] == 1
     assert table["tiers"]["integration"]["seconds"] >= 0.3  # the subprocess's time is the test's
     assert table["slowest"][0]["nodeid"] == "test_x.py::test_proc" and table["slowest"][0]["tier"] == "integration"
+    # test_quick is marked slow but is not: the audit names it
+    assert table["slow_audit"] == {"marked_slow_under": ["test_x.py::test_quick"], "unmarked_over": []}
 
 
 @pytest.mark.unit
