@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import signal
+import stat
 import sys
 import time
 from datetime import datetime
@@ -21,6 +22,7 @@ from typing import Any, Callable
 import click
 
 from nvrx.events import SCHEMA_VERSION, FtConfigInfo, HeartbeatTimeoutAuto, TimeoutsInfo
+from nvrx.common.files import file_kind
 from nvrx.inspection.event_files import NotARun, discover
 from nvrx.inspection.run_report import Report, build_report, make_report
 from nvrx.inspection.timeline import CKPT_SECTION, Filters, Timeline
@@ -136,8 +138,17 @@ def check_node(report: Report, node: str) -> None:
 def check_html_target(path: Path) -> None:
     """A --html target that cannot be written is a usage error, said before any work is done."""
     parent = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
+    try:
+        mode: int | None = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):  # not there yet (the usual case), or no such dir (below)
+        mode = None
+    except OSError as exc:  # a name too long, a symlink loop, ...
+        raise click.UsageError(f"--html {path}: {exc.strerror or exc}; pick another path") from None
+    if mode is not None and stat.S_ISDIR(mode):
         raise click.UsageError(f"--html {path}: is a directory; give a file name, e.g. {path / 'report.html'}")
+    if mode is not None and not stat.S_ISREG(mode):  # the report replaces its target: never a device or a fifo
+        raise click.UsageError(f"--html {path}: {file_kind(mode)}, not a regular file; give a file name, "
+                               "e.g. report.html")
     if not parent.is_dir():
         raise click.UsageError(f"--html {path}: directory {parent} does not exist; create it or pick another path")
     if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
@@ -149,13 +160,13 @@ def _write_html(report: Report, path: Path) -> None:
     from nvrx.inspection.html_report import render_html
 
     data = render_html(report, entry_text).encode()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = _tmp_for(path)
     try:
         with open(tmp, "wb") as fh:
             fh.write(data)
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise click.ClickException(f"--html {path}: cannot write it: {exc.strerror or exc}") from None
     click.echo(f"nvrx inspect: HTML report written to {path} ({len(data) / 1e6:.2f} MB)", err=True)
 
@@ -209,13 +220,27 @@ def _write_html_quiet(report: Report, path: Path) -> None:
     """--follow: rewrite the HTML report at every poll; a failure is said once per kind, following goes on."""
     from nvrx.inspection.html_report import render_html
 
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = _tmp_for(path)
     try:
         tmp.write_text(render_html(report, entry_text))
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         click.echo(f"nvrx inspect: cannot write --html {path}: {exc.strerror or exc}", err=True)
+
+
+def _tmp_for(path: Path) -> Path:
+    """The file the report is written to before it replaces PATH: hidden, in PATH's dir, its name bounded (a
+    target name near the system's limit must fail at the rename, where the message names the target)."""
+    return path.with_name(f".{path.name[:120]}.tmp-{os.getpid()}")
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a half-written report; a failure to do so must not hide why the write failed."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        log.debug("cannot remove %s", tmp, exc_info=True)
 
 
 def _sleep(seconds: float, stop: dict[str, bool]) -> None:
