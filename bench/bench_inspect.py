@@ -359,6 +359,7 @@ def main() -> int:
     global CKPT_EVERY
     CKPT_EVERY = args.ckpt_every
 
+    load_at_start = list(os.getloadavg())
     root = args.keep or Path(tempfile.mkdtemp(prefix="nvrx-bench-inspect-"))
     if args.keep and root.exists():
         shutil.rmtree(root)
@@ -408,7 +409,7 @@ def main() -> int:
                "uptime": report["uptime"], "goodput": report["goodput"], "goodput_source": report["goodput_source"]}
     out = {"machine": {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": platform.python_version(),
                        "platform": platform.platform(), "cpu_count": os.cpu_count(),
-                       "load_avg_at_start": list(os.getloadavg())},
+                       "load_avg_at_start": load_at_start, "load_avg_at_end": list(os.getloadavg())},
            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "log_dir": {"bytes": size, "lines": lines, "files": len(files), "generate_s": round(gen_s, 2)},
            "report_summary": summary, "scale": extra,

@@ -2,11 +2,12 @@
 
 The report keeps every entry (``--json``, ``--html``, ``--follow`` show them all); only the terminal view folds:
 
-* per-node or per-rank entries of one kind between two round boundaries: more than ``FOLD_AT`` become the
-  first one, which says how many more and who (``(and 163 more like it: rank(s) 4,17,...)``);
+* per-node or per-rank entries of one kind and shape (the same sentence but for names and numbers) between two
+  round boundaries: more than ``FOLD_AT`` become the first one, which says how many more and who (``(and 163 more
+  like it: rank(s) 4,17,...)``);
 * the health checks the nodes of a round passed are said on that round's line;
 * a round that starts like the one before it (the same nodes, every rank running) is not a line of its own: the
-  stop before it says when the ranks ran again (its time lost);
+  stop before it says its time lost (to all ranks running again);
 * a failing rank's output lines: repeated lines once with a count; output that ends like an earlier fault's
   (the same error) is not quoted again: the stop's line says which round's it is like.
 
@@ -15,6 +16,7 @@ The report keeps every entry (``--json``, ``--html``, ``--follow`` show them all
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +27,7 @@ from nvrx.nvrx_cli.inspect_text import duration, entry_text
 
 FOLD_AT = 3             # more per-node entries of one kind in one round than this are folded into a count
 WHO_SHOWN = 8           # ranks or nodes named on a folded entry's line
+_DIGITS = re.compile(r"\d+")
 BOUNDARIES = frozenset({"round", "stop", "job", "job_end", "job_open"})  # Entry.key[0] of the entries that cut groups
 
 
@@ -125,13 +128,22 @@ def _groups(items: list[Entry]) -> dict[int, list[int]]:
             continue
         if it.key[0] == "health_ok" or (it.node is None and it.rank is None):
             continue
-        by_key.setdefault((segment, it.job, it.kind, it.level), []).append(i)
+        by_key.setdefault((segment, it.job, it.kind, it.level, _shape(it)), []).append(i)
     out: dict[int, list[int]] = {}
     for members in by_key.values():
         if len(members) > FOLD_AT:
             for i in members:
                 out[i] = members
     return out
+
+
+def _shape(it: Entry) -> str:
+    """An entry's sentence less what differs from node to node and rank to rank (its node's name, numbers): entries
+    of one shape are "like it" (ranks hung in one section; not a forged stop record and a forged join record)."""
+    text = entry_text(it)
+    if it.node:
+        text = text.replace(str(it.node), "<node>")
+    return _DIGITS.sub("#", text)
 
 
 def _count_words(rest: list[Entry]) -> str:

@@ -22,10 +22,11 @@ from nvrx.nvrx_cli.inspect_view import _ranges, _squeeze
 from tests.unit.test_timeline import TIMEOUTS, Node, T
 
 
-def _hangs_run(run: Path, hung: int) -> None:
-    """One node, 6 ranks. Round 0: rank 0 exits 1 and HUNG other ranks' monitors report a hang first; round 1 (the
-    same node) fails with output that ends the same way; round 2 succeeds."""
-    n = Node(run, "hostA", 7, nproc=6)
+def _hangs_run(run: Path, hung: int, two_sections: bool = False) -> None:
+    """One node. Round 0: rank 0 exits 1 and HUNG other ranks' monitors report a hang first (TWO_SECTIONS: the
+    second half in section 'ckpt'); round 1 (the same node) fails with output that ends the same way; round 2
+    succeeds."""
+    n = Node(run, "hostA", 7, nproc=max(6, hung + 1))
     n.start(T, "f")
     for r in range(3):
         t = T + 100 * r
@@ -34,7 +35,8 @@ def _hangs_run(run: Path, hung: int) -> None:
             n.stop(t + 50, r, "succeeded", StopDetail(nodes=1), r)
             break
         for lr in range(1, 1 + hung if r == 0 else 1):
-            n.mons[lr].emit(HangDetected(rank=lr, pid=pids[lr], generation=1, reason="section_timeout", section="step",
+            section = "ckpt" if two_sections and lr > hung // 2 else "step"
+            n.mons[lr].emit(HangDetected(rank=lr, pid=pids[lr], generation=1, reason="section_timeout", section=section,
                                          elapsed=31.0, timeout=30.0, timeouts=TIMEOUTS, signal="SIGKILL"), t=t + 40)
         n.agent.emit(RankExit(local_rank=0, rank=0, pid=pids[0], exitcode=1, attempt=r, abandoned=False), t=t + 41)
         tail = ["warning: slow"] * 3 + [f"step {r}", "RuntimeError: boom"]
@@ -67,6 +69,16 @@ def test_a_few_per_rank_entries_are_not_folded(tmp_path):
     _hangs_run(tmp_path / "few", hung=3)
     text = render_text(build_report([tmp_path / "few"]))
     assert sum(1 for ln in text.splitlines() if "hung in section 'step'" in ln) == 3 and "more like it" not in text
+
+
+def test_only_entries_alike_fold_together(tmp_path):
+    """Hangs in two sections in one round: two folds, one per section (names and numbers aside, the same words)."""
+    _hangs_run(tmp_path / "two", hung=8, two_sections=True)
+    text = render_text(build_report([tmp_path / "two"]))
+    hung = [ln for ln in text.splitlines() if "; monitor sent SIGKILL" in ln]
+    assert len(hung) == 2, text
+    assert "in section 'step'" in hung[0] and hung[0].endswith("(and 3 more like it: rank(s) 2-4)")
+    assert "in section 'ckpt'" in hung[1] and hung[1].endswith("(and 3 more like it: rank(s) 6-8)")
 
 
 def test_a_node_or_rank_filter_shows_every_entry(tmp_path):
