@@ -122,3 +122,17 @@ def test_ranks_and_repeated_lines_in_few_words():
     assert _ranges(list(range(0, 40, 2))) == "0,2,4,6,8,10,12,14,... (+12 more)"
     assert _squeeze(["a", "a", "b", "a"]) == ["a (x2)", "b", "a"]
     assert _squeeze([]) == []
+
+
+def test_a_node_filter_naming_no_node_of_the_run_is_a_usage_error(tmp_path):
+    import click
+
+    from nvrx.nvrx_cli.inspect_cmd import check_node
+
+    _hangs_run(tmp_path / "f", hung=1)
+    rep = build_report([tmp_path / "f"])
+    for known in ("hostA", "hostA-7", "hostA-7-abcdef"):  # its name, <host>-<pid>, its rendezvous id
+        check_node(rep, known)
+    with pytest.raises(click.UsageError) as err:
+        check_node(rep, "hostB")
+    assert err.value.format_message() == "--node hostB: no such node in this run; its nodes: hostA"
