@@ -68,45 +68,63 @@ def folds(report: Report) -> bool:
 
 def timeline_rows(report: Report, tail_lines: int, verbose: bool) -> tuple[list[Row], Folded]:
     """The timeline as the terminal shows it (every entry with VERBOSE), and what was folded."""
-    folded = Folded()
     if verbose or not folds(report):
         rows = [Row(it.t, it.level, entry_text(it) + repeats(it), _cut(it.tail, tail_lines)) for it in report.items]
-        return rows, folded
-    items = report.items
-    groups = _groups(items)
-    lost = {(f["job"], f["round"]): f.get("lost_s") for f in report.faults}
-    health = {(it.job, it.round): it for it in items if it.key[0] == "health_ok"}
-    rounds = {(it.job, it.round) for it in items if it.key[0] == "round"}
-    routine = _routine_rounds(report)
-    quoted: dict[str, int | None] = {}
-    rows: list[Row] = []
-    for i, it in enumerate(items):
-        kind = it.key[0]
-        if kind == "health_ok" and (it.job, it.round) in rounds:
-            continue  # said on its round's line
-        if kind == "round" and (it.job, it.round) in routine:
-            folded.rounds += 1
-            continue
+        return rows, Folded()
+    folder = _Folder(report, tail_lines)
+    rows = [row for i, it in enumerate(report.items) if (row := folder.row(i, it)) is not None]
+    return rows, folder.folded
+
+
+class _Folder:
+    """The default view's rows, one entry at a time, with what it needs to know about the others."""
+
+    def __init__(self, report: Report, tail_lines: int) -> None:
+        items = report.items
+        self.items = items
+        self.tail_lines = tail_lines
+        self.folded = Folded()
+        self.groups = _groups(items)
+        self.lost = {(f["job"], f["round"]): f.get("lost_s") for f in report.faults}
+        self.health = {(it.job, it.round): it for it in items if it.key[0] == "health_ok"}
+        self.rounds = {(it.job, it.round) for it in items if it.key[0] == "round"}
+        self.routine = _routine_rounds(report)
+        self.quoted: dict[str, int | None] = {}  # the last output line of a fault quoted so far -> its round
+
+    def row(self, i: int, it: Entry) -> Row | None:
+        """Entry I's row, or None when another row says it (or it is a routine round start)."""
+        kind, where = it.key[0], (it.job, it.round)
+        group = self.groups.get(i)
+        if (kind == "health_ok" and where in self.rounds) or (group is not None and group[0] != i):
+            return None
+        if kind == "round" and where in self.routine:
+            self.folded.rounds += 1
+            return None
         text = entry_text(it) + repeats(it)
-        if kind == "round" and (it.job, it.round) in health:
-            text += f"; {entry_text(health[it.job, it.round])}"
-        if kind == "stop":
-            text += _lost_words(lost.get((it.job, it.round)), (it.job, it.round) in lost)
-        group = groups.get(i)
-        if group is not None and group[0] != i:
-            continue
+        if kind == "round" and where in self.health:
+            text += f"; {entry_text(self.health[where])}"
+        if kind == "stop" and where in self.lost:
+            lost = self.lost[where]
+            text += f"; {duration(lost)} lost" if lost is not None else "; not recovered"
         if group is not None:
-            folded.entries += len(group) - 1
-            folded.groups += 1
-            text += _count_words([items[j] for j in group[1:]])
-        tail = _tail(it, tail_lines)
-        if tail and tail[-1] in quoted:  # the same error as an earlier fault: said, not quoted again
-            text += f"; its output ends like round {quoted[tail[-1]]}'s"
-            tail = []
-        elif tail:
-            quoted[tail[-1]] = it.round
-        rows.append(Row(it.t, it.level, text, tail))
-    return rows, folded
+            self.folded.entries += len(group) - 1
+            self.folded.groups += 1
+            text += _count_words([self.items[j] for j in group[1:]])
+        said, tail = self._output(it)
+        return Row(it.t, it.level, text + said, tail)
+
+    def _output(self, it: Entry) -> tuple[str, list[str]]:
+        """A failing rank's last output lines, a run of one line once with its count; output ending like an earlier
+        fault's (the same error) is named on the entry's line instead: (words for that line, lines to quote)."""
+        tail = _squeeze(it.tail)[-self.tail_lines:] if self.tail_lines else []
+        if not tail:
+            return "", []
+        if tail[-1] not in self.quoted:
+            self.quoted[tail[-1]] = it.round
+            return "", tail
+        before = self.quoted[tail[-1]]
+        return (f"; its output ends like round {before}'s" if before is not None else
+                "; its output ends like an earlier fault's"), []
 
 
 def repeats(it: Entry) -> str:
@@ -187,17 +205,6 @@ def _routine_rounds(report: Report) -> set[tuple[int, int]]:
                 out.add((job["index"], rd["round"]))
             before = nodes
     return out
-
-
-def _lost_words(lost: float | None, is_fault: bool) -> str:
-    if not is_fault:
-        return ""
-    return f"; {duration(lost)} lost" if lost is not None else "; not recovered"
-
-
-def _tail(it: Entry, n: int) -> list[str]:
-    """A failing rank's last N output lines, a run of one line once with its count."""
-    return _squeeze(it.tail)[-n:] if n else []
 
 
 def _squeeze(lines: list[str]) -> list[str]:
