@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 import click
 
-from nvrx.events import SCHEMA_VERSION, FtConfigInfo, HeartbeatTimeoutAuto, TimeoutsInfo
 from nvrx.common.files import file_kind
+from nvrx.events import SCHEMA_VERSION, FtConfigInfo, HeartbeatTimeoutAuto, TimeoutsInfo
 from nvrx.inspection.event_files import NotARun, discover
 from nvrx.inspection.run_report import Report, build_report, make_report
 from nvrx.inspection.timeline import CKPT_SECTION, Filters, Timeline
@@ -61,8 +61,11 @@ def parse_since(value: str | None, now: float | None = None) -> float | None:
 @click.argument("log_dir", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (with --follow: one JSON line per new entry).")
 @click.option("-f", "--follow", is_flag=True, help="Keep watching a live run: print new entries until Ctrl-C.")
-@click.option("--rank", type=click.IntRange(min=0), default=None, help="Only this global rank's faults and statistics.")
-@click.option("--node", default=None, help="Only this node's entries, faults, ranks and timeouts (its name, e.g. gpu001-4242).")
+@click.option("--rank", type=click.IntRange(min=0), default=None,
+              help="Only this global rank's faults and statistics; the goodput is this rank's.")
+@click.option("--node", default=None,
+              help="Only this node's entries, faults, ranks and timeouts; the goodput is its ranks' (its name as the "
+                   "report shows it, e.g. gpu001, or its rendezvous id).")
 @click.option("--html", "html_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write the report as one self-contained HTML file (a timeline per node; no network needed). "
                    "With --follow it is rewritten at every poll.")
