@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Auto-resume as a bash loop driven by `nvrx resume` exit statuses (README, "Auto-resume"):
+# Auto-resume as a bash loop driven by `nvrx resume` exit statuses (docs/guides/slurm.md, "Auto-resume"):
 #   0 finished -> stop   3 continue -> launch again (in a Slurm job: the continuation job was submitted)
 #   4 give up  -> stop   other      -> usage error (2) or failed submission (1): stop
 #

@@ -17,8 +17,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The suite's tiers, parallel-run rules and timeouts (README "Testing").
-pytest_plugins = ("tests.tiers", "tests.timeouts")
+# The suite's tiers, parallel-run rules and timeouts (docs/development.md, "Testing").
+pytest_plugins = ("tests.tiers", "tests.timeouts", "tests.durations")
 
 
 def tagged_processes(token: str) -> list[psutil.Process]:

@@ -1,6 +1,6 @@
 """The suite's tiers and the rules for running it in parallel (a pytest plugin, registered by tests/conftest.py).
 
-Every test has exactly one tier (README "Testing"):
+Every test has exactly one tier (docs/development.md, "Testing"):
   unit         no process started, no socket opened: pure functions, parsers, state machines
   integration  real processes on this host: a rank monitor, a worker group, a rendezvous, two ranks, the CLI
   e2e          whole jobs: `nvrx launch` / `nvrx resume` / torchrun running a training script, Slurm, emulated hosts

@@ -4,8 +4,8 @@
 its kind (how a raw value is parsed, validated and printed) and its help text in the field
 metadata; :data:`SCHEMA` is derived from the dataclass, and everything user-facing is derived
 from :data:`SCHEMA`: the YAML keys, the ``NVRX_FT_<FIELD>`` environment names, the
-``--ft-param-<field>`` flags of ``nvrx launch`` and the README table
-(:func:`config_table_markdown`, printed by ``scripts/gen_config_table.py``).
+``--ft-param-<field>`` flags of ``nvrx launch`` and the docs' table
+(:func:`config_table_markdown`, written to docs/reference/config.md by ``scripts/gen_docs.py``).
 
 :func:`load_ft_config` layers, lowest to highest::
 
@@ -142,7 +142,7 @@ def _yaml_error_text(exc: yaml.YAMLError) -> str:
 class ValueKind:
     """How values of one type are parsed from raw input, validated, serialized and shown."""
 
-    label: str  # for the README table, e.g. "float > 0 or null"
+    label: str  # for the docs table (docs/reference/config.md), e.g. "float > 0 or null"
     parse: Callable[[Any, str], Any]  # (raw or typed value, where) -> typed value; raises ConfigError
     dump: Callable[[Any], Any]  # typed value -> JSON-safe value
     show: Callable[[Any], str]  # typed value -> short human text (describe / table)
@@ -796,7 +796,7 @@ def inactive_settings_warning(cfg: FaultToleranceConfig) -> str | None:
     if not changed:
         return None
     return (f"{len(changed)} fault tolerance setting(s) accepted but not acted on by nvrx: {', '.join(changed)} "
-            "(NVRx features nvrx does not have; README: Fault-tolerance settings)")
+            "(NVRx features nvrx does not have; docs/reference/config.md)")
 
 
 # ---------------------------------------------------------------- layers
@@ -923,7 +923,7 @@ def _cell(text: str) -> str:
 
 
 def config_table_markdown() -> str:
-    """README table of every setting, generated from :data:`SCHEMA`."""
+    """The table of every setting (docs/reference/config.md), generated from :data:`SCHEMA`."""
     lines = [
         "| Field | YAML key | Flag | Env var | Default | Meaning |",
         "|---|---|---|---|---|---|",

@@ -30,9 +30,10 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--rdzv-backend", "--rdzv_backend"), dict(default="c10d", show_default=True,
                                                 help="Accepted for torchrun compatibility (c10d/static); nvrx runs its own.")),
     (("--rdzv-conf", "--rdzv_conf"), dict(default=None, help="KEY=VALUE,... read: join_timeout, last_call_timeout, "
-                                                             "keepalive_interval, keepalive_timeout (seconds).")),
+                                                             "keepalive_interval, keepalive_timeout, store_timeout "
+                                                             "(seconds).")),
     (("--job-secret-file",), dict(default=None, help="Private file (mode 0600) with the secret that signs the "
-                                                     "rendezvous records (env NVRX_JOB_SECRET_FILE; README: Security).")),
+                                                     "rendezvous records (env NVRX_JOB_SECRET_FILE; docs/security.md).")),
     (("--standalone",), dict(is_flag=True, help="Single node with a local rendezvous on a free port.")),
     (("--max-restarts", "--max_restarts"), dict(default="0", show_default=True,
                                                 help="Job-wide number of restarts before giving up.")),
@@ -62,18 +63,18 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--fast-exit/--no-fast-exit",), dict(default=True, show_default=True,
                                           help="Ranks end after atexit handlers and flushes, skipping interpreter teardown.")),
     (("--inprocess",), dict(is_flag=True, help="Restart a failed job inside the live ranks: the script runs in an "
-                                               "in-process restart Wrapper (README: In-process restart).")),
+                                               "in-process restart Wrapper (docs/guides/inprocess.md).")),
     (("--inprocess-spares",), dict(default="0", show_default=True, help="With --inprocess: ranks kept idle as spares, "
                                                                         "used when active ranks are lost.")),
     (("--async-ckpt",), dict(is_flag=True, help="Start each rank's persistent checkpoint writer process at rank start "
-                                                "(used by ckpt.async_save; README: Asynchronous checkpointing).")),
+                                                "(used by ckpt.async_save; docs/guides/checkpoints.md).")),
     (("--jit-ckpt",), dict(is_flag=True, help="When a rank fails, ask the survivors to save their last completed "
                                               "step before they are stopped (PeriodicCheckpointer(save_on_failure="
-                                              "True); README: Just-in-time checkpoint).")),
+                                              "True); docs/guides/checkpoints.md).")),
     (("--jit-ckpt-timeout",), dict(default=None, help="Seconds a just-in-time checkpoint may take before the restart "
                                                       "goes on without it (default 5).")),
     (("--local-ckpt-dir",), dict(default=None, help="Node-local directory for ckpt.local checkpoints, passed to ranks as "
-                                                    "NVRX_LOCAL_CKPT_DIR (README: Local checkpoints with replication).")),
+                                                    "NVRX_LOCAL_CKPT_DIR (docs/guides/checkpoints.md).")),
     (("--fault-tol-cfg-path", "--ft-cfg-path"), dict(default=None, help="YAML with FaultToleranceConfig fields "
                                                                          "(a `fault_tolerance:` key or bare fields).")),
     (("--log-level",), dict(default="WARNING", show_default=True, help="Agent log level on stderr.")),
@@ -109,7 +110,7 @@ def _add_options(func: Any) -> Any:
 def launch(ctx: click.Context, **raw: Any) -> int:
     """Run TRAINING_SCRIPT on NPROC_PER_NODE ranks per node and keep the job going through faults.
 
-    Fault-tolerance settings: --fault-tol-cfg-path FILE and --ft-param-<field> VALUE (see README).
+    Fault-tolerance settings: --fault-tol-cfg-path FILE and --ft-param-<field> VALUE (docs/reference/config.md).
     """
     from nvrx.events import EventLog
     from nvrx.monitors.ft_config import inactive_settings_warning, load_ft_config

@@ -22,7 +22,7 @@ def _wired() -> bool:
 
 
 @pytest.mark.skipif(not _wired(), reason="nvrx launch has no --async-ckpt flag yet (launch_cmd/config/bootstrap "
-                                         "lines not added; see README, Asynchronous checkpointing)")
+                                         "lines not added; see docs/guides/checkpoints.md)")
 def test_launch_async_ckpt_starts_one_writer_per_rank_at_rank_start(launcher, tmp_path: Path) -> None:
     root = tmp_path / "ckpts"
     root.mkdir()

@@ -270,6 +270,7 @@ if mode == "learn":
         client.start_section("step")
         time.sleep(0.05 * (rank + 1))  # rank 1 is slower: the agreed timeouts must follow it
         client.end_section("step")
+        time.sleep(0.1)  # out of section: learned x40 -> ~4 s, the second launch's budget between its calls
         client.send_heartbeat()
     client.start_section("ckpt")
     client.end_all_sections()
@@ -304,7 +305,10 @@ def test_client_calls_across_two_launches(launcher, tmp_path: Path) -> None:
     script = write_script(tmp_path / "ft_rank.py", FT_RANK)
     state_path = tmp_path / "ft_state.json"
     first = launcher.run("--nproc-per-node", "2", "--rdzv-id", "ft-learn", "--state-dir", str(tmp_path / "s1"),
-                         "--ft-enable-nic-monitor", "true", str(script), "learn", str(state_path), timeout=180)
+                         "--ft-enable-nic-monitor", "true",
+                         # the learned timeouts are in force from the start of the second launch, whose ranks
+                         # send no heartbeat: a factor that leaves seconds, not the 1 s floor, for a loaded host
+                         "--ft-safety-factor", "40", str(script), "learn", str(state_path), timeout=180)
     assert first.returncode == 0, first.stderr
     run_dir = tmp_path / "nvrx_logs" / "ft-learn"
     assert next(e for e in run_events(run_dir, "agent-") if e["ev"] == "ft_config")["config"]["enable_nic_monitor"]
@@ -320,7 +324,7 @@ def test_client_calls_across_two_launches(launcher, tmp_path: Path) -> None:
     hb, sec, state = (_reports(first.stdout, t) for t in ("HB", "SEC", "STATE"))
     assert hb[0] == hb[1] and sec[0] == sec[1] and state[0] == state[1]  # collective: every rank agrees
     assert hb[0]["were_calculated"] and hb[0]["subsequent"] < 2700.0
-    # rank 1's steps take ~0.1 s; times safety_factor 5 -> ~0.5 s, but learned timeouts are at least 1 s
+    # rank 1's steps take ~0.1 s; times safety_factor 40 -> ~4 s (learned timeouts are at least 1 s)
     assert sec[0]["calculated_sections"] == ["ckpt", "step"] and sec[0]["is_out_of_section_calculated"]
     assert 1.0 <= sec[0]["section"]["step"] < 60.0
     assert state[0]["heartbeat"] == hb[0] and state[0]["section"]["section"] == sec[0]["section"]

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from nvrx.common.net import port_in_use
-from tests.conftest import Launcher, run_events, tagged_processes, wait_for
+from tests.conftest import Launcher, free_port, listening, run_events, tagged_processes, wait_for
 
 TRAIN = Path(__file__).with_name("train.py")
 SHM = Path("/dev/shm")
@@ -172,6 +172,26 @@ def job(tmp_path: Path):
     fj = FaultJob(tmp_path)
     yield fj
     fj.cleanup()
+
+
+def secret_file(path: Path, content: bytes = b"s3cret-for-this-job-only-0123456789", mode: int = 0o600) -> Path:
+    """A job secret file (private unless MODE says otherwise)."""
+    path.write_bytes(content)
+    path.chmod(mode)
+    return path
+
+
+def two_agents(job: FaultJob, run_id: str, secret: Path, steps: int, fault: str, *extra: str
+               ) -> tuple[int, subprocess.Popen, subprocess.Popen]:
+    """Two agents of one job on 127.0.0.1 with a job secret: (port, the store host's process, the other's)."""
+    port = free_port()
+    job.ports.append(port)
+    args = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--nproc-per-node", "1",
+            "--term-timeout", "5", *extra, *job.train(steps, fault)]
+    env = {"FAULT_STEP_TIME": "0.1", "NVRX_JOB_SECRET_FILE": str(secret)}
+    host = job.start(*args, env=env)
+    assert wait_for(lambda: listening(port), 60)  # hosting the store, not only started
+    return port, host, job.start(*args, env=env)
 
 
 def one_line(stderr: str) -> str:

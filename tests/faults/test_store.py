@@ -21,7 +21,7 @@ from nvrx.launcher.agent.store import learn_launch
 from nvrx.events import StopDetail
 
 from tests.conftest import free_port, listening, one_line_error, wait_for
-from tests.faults.conftest import one_line
+from tests.faults.conftest import one_line, secret_file, two_agents
 
 pytestmark = pytest.mark.slow
 
@@ -110,24 +110,6 @@ def test_stop_record_naming_no_rank_says_who_wrote_it(job):
     job.assert_clean()
 
 
-def _secret_file(path):
-    path.write_bytes(b"s3cret-for-this-job-only-0123456789")
-    path.chmod(0o600)
-    return path
-
-
-def _two_agents(job, run_id: str, secret, steps: int, fault: str, *extra: str):
-    """Two agents of one job on 127.0.0.1 with a job secret: (port, the store host's process, the other's)."""
-    port = free_port()
-    job.ports.append(port)
-    args = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--nproc-per-node", "1",
-            "--term-timeout", "5", *extra, *job.train(steps, fault)]
-    env = {"FAULT_STEP_TIME": "0.1", "NVRX_JOB_SECRET_FILE": str(secret)}
-    host = job.start(*args, env=env)
-    assert wait_for(lambda: listening(port), 60)  # hosting the store, not only started
-    return port, host, job.start(*args, env=env)
-
-
 def _capture(port: int, keys: list[str], into: dict[str, bytes]) -> threading.Thread:
     """A thread that copies KEYS from the store at PORT as soon as each is written (what a spy of launch A keeps)."""
     def run() -> None:
@@ -148,7 +130,7 @@ def test_a_replay_from_an_earlier_launch_ends_nothing(job, tmp_path):
     Outcome: every record is bound to its launch (a nonce the store host draws): the copies do not check and are
     ignored (event rdzv_forged_record); the new launch trains to its last step and both agents exit 0.
     """
-    run, secret, p = "relaunch", _secret_file(tmp_path / "secret"), "nvrx/relaunch/"
+    run, secret, p = "relaunch", secret_file(tmp_path / "secret"), "nvrx/relaunch/"
     port = free_port()
     job.ports.append(port)
 
@@ -197,7 +179,7 @@ def test_a_forged_join_counter_bump_decides_nothing(job, tmp_path):
     once (not after join_timeout); the job finishes, exit 0, and no message repeats the forged number.
     """
     run = "bumped"
-    port, host, other = _two_agents(job, run, _secret_file(tmp_path / "secret"), 40, "crash", "--max-restarts", "1",
+    port, host, other = two_agents(job, run, secret_file(tmp_path / "secret"), 40, "crash", "--max-restarts", "1",
                                     "--rdzv-conf", "join_timeout=30")
     job.wait_running(rank=0, attempt=0, timeout=180)
     store = _client(port)

@@ -20,7 +20,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from tests.conftest import REPO, free_port, listening, one_line_error, wait_for
-from tests.faults.conftest import FaultJob, one_line
+from tests.faults.conftest import FaultJob, one_line, secret_file, two_agents
 
 
 @pytest.fixture
@@ -30,26 +30,9 @@ def job(tmp_path: Path):
     fj.cleanup()
 
 
-def secret_file(path: Path, content: bytes = b"s3cret-for-this-job-only-0123456789", mode: int = 0o600) -> Path:
-    path.write_bytes(content)
-    path.chmod(mode)
-    return path
-
-
 def forger(port: int) -> TCPStore:
     """A client of the agents' store that has no job secret: what any local user can open."""
     return TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
-
-
-def two_agents(job: FaultJob, run_id: str, secret: Path, steps: int, fault: str, *extra: str):
-    port = free_port()
-    job.ports.append(port)
-    args = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--nproc-per-node", "1",
-            "--term-timeout", "5", *extra, *job.train(steps, fault)]
-    env = {"FAULT_STEP_TIME": "0.1", "NVRX_JOB_SECRET_FILE": str(secret)}
-    host = job.start(*args, env=env)
-    assert wait_for(lambda: listening(port), 60)  # hosting the store, not only started
-    return port, host, job.start(*args, env=env)
 
 
 # ---------------------------------------------------------------- real agents

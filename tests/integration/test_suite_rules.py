@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import REPO, free_port, pid_gone
 
-INI = "[pytest]\naddopts = -p tests.tiers -p tests.timeouts -p no:cacheprovider\ntimeout = 120\n"
+INI = "[pytest]\naddopts = -p tests.tiers -p tests.timeouts -p tests.durations -p no:cacheprovider\ntimeout = 120\n"
 
 
 def run_pytest(where: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120
@@ -26,7 +26,7 @@ def run_pytest(where: Path, *args: str, env: dict[str, str] | None = None, timeo
     full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     full.pop("PYTEST_XDIST_WORKER", None)
     full.pop("PYTEST_XDIST_TESTRUNUID", None)
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", *args], cwd=where, env=full,
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", *args], check=False, cwd=where, env=full,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -51,6 +51,23 @@ def test_the_nearest_tier_marker_wins(tmp_path):
     res = run_pytest(tmp_path, "-m", "unit")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "PASSED test_x.py::test_own_tier" in res.stdout and "1 passed, 1 deselected" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_the_run_ends_with_time_per_tier_and_the_slowest_tests(tmp_path, workers):
+    (tmp_path / "test_x.py").write_text(
+        "import pytest, subprocess, sys\n"
+        "@pytest.mark.unit\ndef test_quick():\n    pass\n"
+        "@pytest.mark.integration\ndef test_proc():\n"
+        "    subprocess.run([sys.executable, '-c', 'import time; time.sleep(0.3)'], check=True)\n")
+    out = tmp_path / "tiers.json"
+    res = run_pytest(tmp_path, *workers, "--tier-durations", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "time per tier" in res.stdout
+    table = json.loads(out.read_text())
+    assert table["tiers"]["unit"]["tests"] == 1 and table["tiers"]["integration"]["tests"] == 1
+    assert table["tiers"]["integration"]["seconds"] >= 0.3  # the subprocess's time is the test's
+    assert table["slowest"][0]["nodeid"] == "test_x.py::test_proc" and table["slowest"][0]["tier"] == "integration"
 
 
 @pytest.mark.unit

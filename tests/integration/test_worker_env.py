@@ -3,7 +3,7 @@
 The environment test runs the same script under the real torchrun (``python -m torch.distributed.run``)
 and under ``nvrx launch`` with the same parent environment; every rank dumps ``os.environ`` to a file.
 Every key torchrun adds to its workers must be there under nvrx with the same value, except the
-differences listed (and explained) in INTENDED_DIFFERENCES.
+differences listed (and explained) in nvrx.launcher.agent.rank_env.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from nvrx.launcher.agent import rank_env
 from tests.conftest import free_port, write_script
 
 DUMP_SCRIPT = '''
@@ -26,35 +27,15 @@ with open(os.path.join(sys.argv[1], "env%s.json" % os.environ["RANK"]), "w") as 
     json.dump({"env": dict(os.environ), "error_dir_writable": os.access(error_dir, os.W_OK)}, fh)
 '''
 
-# Keys torchrun 2.13's agent gives each worker (LocalElasticAgent._start_workers, DefaultLogsSpecs.reify,
-# launch_agent's TORCHELASTIC_SIGNALS_TO_HANDLE, run.py's OMP_NUM_THREADS). The test also checks that this
-# list is exactly what torchrun added to the parent environment, so a new torch variable shows up here.
-TORCHRUN_KEYS = {
-    "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
-    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE",
-    "OMP_NUM_THREADS",
-}
-
-# Keys whose values must differ, and why (checked: present under both, with a value of the right form).
-INTENDED_DIFFERENCES = {
-    # Each launcher picks a free port for its process-group store at run time.
-    "MASTER_PORT": "a free port chosen per run",
-    # A path in each launcher's own log directory: torchrun's is a mkdtemp, nvrx's is private (0700)
-    # under <log dir>/<run id>; both end in attempt_<restart count>/<local rank>/error.json.
-    "TORCHELASTIC_ERROR_FILE": "per-run directory",
-}
-# Only in the --standalone run: both launchers invent the rendezvous id (torchrun a uuid4, nvrx
-# "standalone-<pid>"); with an explicit --rdzv-id both give that id.
-STANDALONE_DIFFERENCES = {"TORCHELASTIC_RUN_ID": "made up by each launcher under --standalone"}
-# nvrx's default --signals-to-handle adds SIGUSR1,SIGUSR2 (graceful stop); with the same flag both agree.
-DEFAULT_SIGNALS_DIFFERENCE = {"TORCHELASTIC_SIGNALS_TO_HANDLE": "nvrx also handles SIGUSR1,SIGUSR2 by default"}
-
-# Keys nvrx adds that torchrun does not (its own contract with the rank; README "The rank environment").
-NVRX_KEYS = {"NVRX_GRACEFUL_SIGNALS", "NVRX_MONITOR_SHM", "NVRX_MONITOR_SOCKET", "NVRX_ROUND", "NVRX_RUN_LOG_DIR",
-             "NVRX_FULL_EXIT", "NVRX_INPROCESS", "NVRX_INPROCESS_SPARES", "NVRX_ASYNC_CKPT", "NVRX_TEST_TOKEN",
-             "NVRX_RERUN_EXIT_FILE", "NVRX_LAUNCH"}
+# The contract lives in nvrx.launcher.agent.rank_env (also rendered as docs/reference/rank-environment.md):
+# the keys torchrun 2.13 gives each worker (the test also checks these are exactly what torchrun added, so a new
+# torch variable shows up), the differences on purpose and why, and the keys nvrx adds.
+TORCHRUN_KEYS = set(rank_env.TORCHRUN_KEYS)
+INTENDED_DIFFERENCES = dict(rank_env.INTENDED_DIFFERENCES)
+STANDALONE_DIFFERENCES = dict(rank_env.STANDALONE_DIFFERENCES)
+DEFAULT_SIGNALS_DIFFERENCE = dict(rank_env.DEFAULT_SIGNALS_DIFFERENCE)
+# NVRX_TEST_TOKEN: the test harness's marker on every process it starts (tests/conftest.py)
+NVRX_KEYS = set(rank_env.NVRX_KEYS) | {"NVRX_TEST_TOKEN"}
 
 SIGNALS = "SIGTERM,SIGINT,SIGUSR1"
 
@@ -73,7 +54,7 @@ def _run_torchrun(args: list[str], script: Path, out: Path, env: dict[str, str],
     # has no process group, but the peer still gets up to three tries: its flakiness is not under test.
     for _ in range(3):
         res = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args, "--nproc-per-node", "2",
-                              str(script), str(out)], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+                              str(script), str(out)], check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
         if res.returncode == 0:
             return
     raise AssertionError(f"torchrun failed ({res.returncode}):\n{res.stderr}")

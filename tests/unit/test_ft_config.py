@@ -8,8 +8,6 @@ import logging
 import os
 import pickle
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +16,6 @@ from nvrx.common.errors import ConfigError
 from nvrx.nvrx_cli.ft_args import extract_ft_args
 from nvrx.monitors.ft_config import (SCHEMA, FaultToleranceConfig, config_table_markdown, describe,
                                 ft_cli_flag_names, load_ft_config)
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def one_line_error(fn, *args, **kw) -> str:
@@ -376,23 +372,6 @@ def test_table_contains_every_field():
         row = next(line for line in table.splitlines() if line.startswith(f"| `{s.name}` "))
         assert s.env_name in row and s.flag in row
     assert "NVRX_FT_RANK_SECTION_TIMEOUTS" in table and "`3600.0`" in table and "`SIGKILL`" in table
-
-
-@pytest.mark.integration  # starts a process / opens a socket
-def test_gen_config_table_script():
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_config_table.py")],
-                         capture_output=True, text=True, check=True).stdout
-    assert out == config_table_markdown()
-
-
-def test_readme_table_is_generated_from_the_schema():
-    from pathlib import Path
-
-    from nvrx.monitors.ft_config import config_table_markdown
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = readme.split("<!-- ft-config-table:start -->")[1].split("<!-- ft-config-table:end -->")[0]
-    assert block.strip() == config_table_markdown().strip(), "regenerate with scripts/gen_config_table.py"
 
 
 # ---------------------------------------------------------------- ranges and the monitor's section limits

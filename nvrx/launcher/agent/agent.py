@@ -112,8 +112,8 @@ def build_rank_env(cfg: LaunchConfig, result: RoundResult, local_rank: int,
                    extra: dict[str, str] | None = None, error_file: str = "") -> dict[str, str]:
     """The torchrun environment for one rank of this round (plus e.g. where its monitor listens).
 
-    Every variable torch 2.13's LocalElasticAgent gives a worker, with its values (README: "The rank
-    environment" lists them and the few values that differ on purpose). ERROR_FILE is the rank's
+    Every variable torch 2.13's LocalElasticAgent gives a worker, with its values (rank_env.py lists
+    them and the few values that differ on purpose; docs/reference/rank-environment.md). ERROR_FILE is the rank's
     ``TORCHELASTIC_ERROR_FILE`` ("" like torchrun with no log directory: ``record`` then only logs).
     OMP_NUM_THREADS is in ``base_env`` already (torchrun's rule, ``config.build_launch_config``).
     """

@@ -96,7 +96,7 @@ class RdzvSettings:
     master_port: int | None = None  # --master-port: fixed process-group port
     # Slurm's emulated or real nodes may all resolve the endpoint as local: only node 0 hosts the store.
     hosts_only_as_node0: bool = False
-    # The job secret that signs the control records (README: Security); None: generated (--standalone) or none
+    # The job secret that signs the control records (docs/security.md); None: generated (--standalone) or none
     job_secret_file: str | None = None
     job_secret: bytes | None = field(default=None, repr=False, compare=False)
 

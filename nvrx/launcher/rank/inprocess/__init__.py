@@ -7,8 +7,8 @@
         ...
 
 Restarting inside the process skips process start, ``import torch`` and most re-initialisation.
-The names follow NVRx's ``nvidia_resiliency_ext.inprocess`` (see docs/porting.md). See README
-("In-process restart") and ``Wrapper`` for the parameters.
+The names follow NVRx's ``nvidia_resiliency_ext.inprocess`` (see docs/porting.md). See
+docs/guides/inprocess.md and ``Wrapper`` for the parameters.
 """
 
 from nvrx.launcher.rank.inprocess import (abort, completion, exception, exceptions, finalize, health_check, initialize,
