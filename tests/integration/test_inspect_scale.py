@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,10 +33,12 @@ def inspect(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def big_run(tmp_path_factory) -> Path:
+def big_run(tmp_path_factory) -> Iterator[Path]:
+    """The log set, removed after the module: ~300 MB is too much to leave to pytest's keep-the-last-3 rule."""
     root = tmp_path_factory.mktemp("scale")
     generate(root, round_s=(60.0, 90.0))
-    return root
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
