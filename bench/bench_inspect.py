@@ -5,7 +5,8 @@
 
 ``--scale`` (issue 31) writes one job of ``--nodes 1024`` agents, ``--rounds 10`` rounds of 60-120 simulated s,
 with what the agents write per round at that size (health checks, rounds, rank starts, checkpoints reported
-complete by the ranks' monitors) and times ``nvrx inspect`` (text), ``--json`` and ``--html`` against jq; it also
+complete by the ranks' monitors; where a rank hangs a collective, the hundreds of other ranks whose monitors
+report the hang too and whose agents SIGKILL them when they ignore the stop's SIGTERM) and times ``nvrx inspect`` (text), ``--json`` and ``--html`` against jq; it also
 checks the HTML size, renders it in headless Chromium (scripts/install_chromium.sh) and counts the terminal
 view's lines.
 
@@ -45,7 +46,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nvrx.events import CheckpointComplete, HealthCheckInfo, NodeHealth  # noqa: E402
+from nvrx.events import AgentKilledRank, CheckpointComplete, HealthCheckInfo, NodeHealth  # noqa: E402
 from nvrx.events import (  # noqa: E402
     AgentSignal, AgentStart, EventLog, FirstHeartbeat, FtConfig, FtConfigInfo, HangDetected, HangInfo, HeartbeatStats,
     JobEnd, MonitorConnect, MonitorDisconnect, MonitorExit, MonitorSpawned, MonitorStart, RankExit, RankStart,
@@ -59,6 +60,19 @@ SECTION_PERIOD = 10.0       # nvrx.monitors.rank_monitor.SECTION_EVENT_PERIOD
 STATS_PERIOD = 30.0         # nvrx.monitors.rank_monitor.STATS_PERIOD
 CKPT_EVERY = 900.0
 TIMEOUTS = TimeoutsInfo(initial_heartbeat=600.0, heartbeat=300.0, sections={"step": 60.0, "checkpointing": 600.0})
+
+
+SCALE = {"jobs": 1, "nodes": 1024, "nproc": 2, "rounds": 10, "round_s": (60.0, 120.0), "ckpt_every": 30.0}
+
+
+def generate(root: Path, **config: Any) -> None:
+    """Write the --scale log dir (1,024 nodes x 2 ranks, 10 rounds) under ROOT; CONFIG overrides its settings.
+
+    Also what tests/integration/test_inspect_scale.py reads: one generator for the benchmark and the test."""
+    global CKPT_EVERY
+    args = argparse.Namespace(mb=100.0, seed=7, **{**SCALE, **config})
+    CKPT_EVERY = args.ckpt_every
+    Chain(root, args).run()
 
 
 class Chain:
@@ -163,11 +177,15 @@ class Chain:
             kind = "interrupted" if done and not last else ("succeeded" if done else self.rng.choice(
                 ["failed", "failed", "hang", "node_left"]))
             bad = (self.rng.randrange(a.nodes), self.rng.randrange(a.nproc))
+            late, killed = self.collective_hang(bad) if kind == "hang" else ({}, set())
             for g in range(a.nodes):
                 for lr in range(a.nproc):
                     self.session(monitors[g][lr], lr, pids[g, lr], start, end, hung=(kind == "hang" and (g, lr) == bad),
-                             global_rank=g * a.nproc + lr)
+                                 global_rank=g * a.nproc + lr, late=late.get((g, lr)))
             stop_t = end + (15.0 if kind == "node_left" else 0.02)  # node_left: after the keepalive timeout
+            for g, lr in sorted(killed):
+                agents[g].emit(AgentKilledRank(local_rank=lr, rank=g * a.nproc + lr, pid=pids[g, lr], attempt=restarts,
+                                               signal="SIGKILL", after="SIGTERM", waited=0.6), t=stop_t + 0.6)
             if kind in ("failed", "hang"):
                 restarts += 1
                 g, lr = bad
@@ -206,13 +224,23 @@ class Chain:
                 return code
             r += 1
 
+    def collective_hang(self, bad: tuple[int, int]) -> tuple[dict[tuple[int, int], float], set[tuple[int, int]]]:
+        """Who else shows a collective hang at scale: ranks blocked in it pass their step timeout too (some monitors
+        see it before the stop reaches them: rank -> seconds after the first), and some stuck ranks ignore the stop's
+        SIGTERM, so their agents SIGKILL them. Per-rank lines by the hundred, once per such round."""
+        a, rng = self.args, self.rng
+        ranks = [(g, lr) for g in range(a.nodes) for lr in range(a.nproc) if (g, lr) != bad]
+        late = {k: round(rng.uniform(0.05, 0.9), 3) for k in ranks if rng.random() < 0.08}
+        killed = {k for k in ranks if rng.random() < 0.05}
+        return late, killed
+
     def stop(self, agents: list[EventLog], r: int, kind: str, by: str, detail: StopDetail, restarts: int,
              t: float) -> None:
         for ag in agents:
             ag.emit(RdzvStop(round=r, kind=kind, by_node=by, detail=detail, restart_count=restarts, give_up=False), t=t)
 
     def session(self, mon: EventLog, lr: int, pid: int, start: float, end: float, hung: bool,
-                global_rank: int = 0) -> None:
+                global_rank: int = 0, late: float | None = None) -> None:
         """What one rank monitor logs over one round, at the real monitor's rate limits."""
         mon.emit(MonitorConnect(rank=lr, pid=pid, generation=1, timeouts=TIMEOUTS), t=start + 2.0)
         mon.emit(FirstHeartbeat(rank=lr, pid=pid, delay=4.8), t=start + 7.0)
@@ -250,6 +278,10 @@ class Chain:
             mon.emit(HangDetected(rank=lr, pid=pid, generation=1, reason="section_timeout", section="step", elapsed=60.3,
                                   timeout=60.0, timeouts=TIMEOUTS, signal="SIGKILL"), t=end)
             mon.emit(RankTerminated(rank=lr, pid=pid, signal="SIGKILL", reason="section_timeout"), t=end + 0.001)
+        elif late is not None:  # blocked in the hung collective: its step timeout passes just after the first
+            mon.emit(HangDetected(rank=lr, pid=pid, generation=1, reason="section_timeout", section="step",
+                                  elapsed=round(60.3 + late, 3), timeout=60.0, timeouts=TIMEOUTS, signal="SIGKILL"),
+                     t=end + late / 100)
         mon.emit(HeartbeatStats(rank=lr, count=hb, max_interval=round(STEP_S * 1.2, 6), since_last=0.1), t=end + 0.01)
         mon.emit(MonitorDisconnect(rank=lr, pid=pid, generation=1, reason="rank_disconnected"), t=end + 0.02)
 
@@ -321,12 +353,13 @@ def main() -> int:
     p.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "inspect.json")
     args = p.parse_args()
     if args.scale:
-        args.jobs, args.nodes, args.nproc, args.rounds, args.round_s, args.ckpt_every = 1, 1024, 2, 10, (60.0, 120.0), 30.0
+        vars(args).update(SCALE)
         if args.output == REPO / "bench" / "results" / "inspect.json":
             args.output = REPO / "bench" / "results" / "inspect_scale.json"
     global CKPT_EVERY
     CKPT_EVERY = args.ckpt_every
 
+    load_at_start = list(os.getloadavg())
     root = args.keep or Path(tempfile.mkdtemp(prefix="nvrx-bench-inspect-"))
     if args.keep and root.exists():
         shutil.rmtree(root)
@@ -376,7 +409,7 @@ def main() -> int:
                "uptime": report["uptime"], "goodput": report["goodput"], "goodput_source": report["goodput_source"]}
     out = {"machine": {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": platform.python_version(),
                        "platform": platform.platform(), "cpu_count": os.cpu_count(),
-                       "load_avg_at_start": list(os.getloadavg())},
+                       "load_avg_at_start": load_at_start, "load_avg_at_end": list(os.getloadavg())},
            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "log_dir": {"bytes": size, "lines": lines, "files": len(files), "generate_s": round(gen_s, 2)},
            "report_summary": summary, "scale": extra,
@@ -410,8 +443,8 @@ def scale_checks(root: Path, html_path: Path, env: dict[str, str]) -> dict[str, 
 
     from tests.integration import browser
 
-    text = subprocess.run([sys.executable, "-m", "nvrx", "inspect", "--tail", "3", str(root)], env=env,
-                          stdout=subprocess.PIPE, check=True, text=True).stdout
+    text = subprocess.run([sys.executable, "-m", "nvrx", "inspect", str(root)], env=env,
+                          stdout=subprocess.PIPE, check=True, text=True).stdout  # the default view
     subprocess.run([sys.executable, "-m", "nvrx", "inspect", "--html", str(html_path), str(root)], env=env,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
     out: dict[str, Any] = {"text_lines": text.count("\n"), "timeline_lines": _section_lines(text, "Timeline"),

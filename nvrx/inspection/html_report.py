@@ -107,9 +107,10 @@ def _summary(report: Report) -> str:
     redone = _secs(a.get("recomputed_s")) if a.get("recomputed_s") is not None else "unknown"
     cards = [("wall time", _secs(span.get("wall_s")), f"{_clock(span.get('start'))} to {_clock(span.get('end'))}"
               + (" (still running)" if span.get("running") else "")),
-             ("goodput", _pct(report.goodput), f"{_secs(a.get('kept_s'))} of progress kept"
+             ("goodput", _pct(report.goodput), _scope_words(report) + f"{_secs(a.get('kept_s'))} of progress kept"
               + (f", from {report.goodput_source}" if report.goodput_source else "")),
-             ("uptime", _pct(report.uptime), f"{_secs(a.get('uptime_s'))} with all ranks running"),
+             ("uptime", _pct(report.uptime), f"{_secs(a.get('uptime_s'))} with all ranks running"
+              + (" (the whole job)" if report.goodput_scope != "job" else "")),
              ("progress redone", redone, str(a.get("recompute") or "")),
              ("time lost to faults", _secs(_total_lost(report)), f"{len(report.faults)} stop(s), {faults} of them "
               f"faults; {rounds} round(s), {len(report.jobs)} job(s)"),
@@ -120,6 +121,15 @@ def _summary(report: Report) -> str:
                    f"{_e(j['exit_code'])}), {len(j['rounds'])} round(s), {len(j['nodes'])} node(s), "
                    f"{_e(_secs(j['seconds']))}</li>" for j in report.jobs)
     return f'<div class="cards">{cells}</div><ul class="jobs">{jobs}</ul>'
+
+
+def _scope_words(report: Report) -> str:
+    """Under --rank / --node the goodput is that rank's or node's ranks': said on its card, with the job's."""
+    scope = report.goodput_scope
+    if scope == "job":
+        return ""
+    whose = f"{scope}'s ranks" if scope.startswith("node ") else scope
+    return f"of {whose} (the whole job: {_pct(report.time_accounting.get('job_goodput'))}); "
 
 
 def _skipped(report: Report) -> str:

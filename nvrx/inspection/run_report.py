@@ -72,6 +72,7 @@ class Report:
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     health: list[dict[str, Any]] = field(default_factory=list)
     series: list[dict[str, Any]] = field(default_factory=list)
+    goodput_scope: str = "job"   # whose progress: "job", or "rank N" / "node NAME" under --rank / --node
     items: list[Entry] = field(default_factory=list, repr=False)
     lanes: dict[str, list[tuple[Any, float, float | None, float | None]]] = field(default_factory=dict, repr=False)
 
@@ -79,6 +80,7 @@ class Report:
         return {"schema": REPORT_SCHEMA, "paths": self.paths, "filters": self.filters, "files": self.files,
                 "corrupt": self.corrupt, "unknown_events": self.unknown_events, "span": self.span,
                 "uptime": self.uptime, "goodput": self.goodput, "goodput_source": self.goodput_source,
+                "goodput_scope": self.goodput_scope,
                 "time_accounting": self.time_accounting, "jobs": self.jobs, "faults": self.faults, "timeline": self.timeline,
                 "ranks": self.ranks, "timeouts": self.timeouts, "checkpoints": self.checkpoints,
                 "health": self.health, "series": self.series}
@@ -105,6 +107,8 @@ class _ReportBuilder:
         items.sort(key=lambda it: (it.t, it.key[0] != "job"))
         span = self._span()
         acct = self._time_accounting(rounds, sessions, span)
+        acct["job_stops"] = len(faults)  # before --rank / --node narrow the faults to theirs
+        acct["job_lost_s"] = rounded(sum(f.get("lost_s") or 0.0 for f in faults))
         faults = [f for f in faults if self._shown(f["t"], f.get("rank"), f.get("node"))]
         return Report(
             paths=sorted({str(ef.run_dir) for ef in tl.files}),
@@ -127,6 +131,7 @@ class _ReportBuilder:
             checkpoints=self._checkpoints(sessions),
             health=self._health(),
             series=self._series(rounds, faults, span),
+            goodput_scope=self.scope,
             items=items,
             lanes=self._lanes(sessions),
         )
@@ -231,10 +236,25 @@ class _ReportBuilder:
             return not rd.job.open
         return rd.stop.get(RdzvStop.F.kind) != "succeeded"
 
+    def _in_scope(self, rank: Any, m: MonitorFile) -> bool:
+        """Whether a rank process counts toward the figures: --rank and --node narrow them to that rank or node."""
+        if self.f.rank is not None and rank != self.f.rank:
+            return False
+        return self.f.node is None or self.tl.node_of(m) == self._node_filter
+
+    @property
+    def scope(self) -> str:
+        """Whose progress the goodput is: the job's, or the filtered rank's or node's ranks'."""
+        if self.f.rank is not None:
+            return f"rank {self.f.rank}"
+        if self.f.node is not None:
+            return f"node {self._node_filter}"
+        return "job"
+
     def _progress_source(self, sessions: list) -> tuple[str, str | None] | None:
         """Which progress the goodput is measured by: ("section", name), ("heartbeats" | "auto", None) or None."""
         names = [self.f.step_section] if self.f.step_section else list(STEP_SECTIONS)
-        mine = [s for s, rank, _, _ in sessions if self.f.rank is None or rank == self.f.rank]
+        mine = [s for s, rank, _, m in sessions if self._in_scope(rank, m)]
         for name in names:
             if any(name in s.sections and s.sections[name].closes for s in mine):
                 return "section", name
@@ -279,17 +299,20 @@ class _ReportBuilder:
         out: dict[str, Any] = {
             "wall_s": wall, "uptime_s": rounded(up), "uptime": rounded(up / wall, 4) if wall > 0 else None,
             "goodput": None, "goodput_source": None, "progress_s": None, "kept_s": None, "recomputed_s": None,
-            "recompute": None,
+            "recompute": None, "scope": self.scope, "job_goodput": None,
             "definitions": {
                 "uptime": "time all ranks of a round were running (last rank start to the round's stop) / wall time",
                 "goodput": "progress kept (not redone after a restart) / wall time; progress from the step section, "
-                           "else heartbeats (explicit, else automatic); none without a progress source",
+                           "else heartbeats (explicit, else automatic); none without a progress source; with --rank or "
+                           "--node, of that rank's or node's ranks (job_goodput: the whole job's)",
             }}
         source = self._progress_source(sessions)
         if source is None:
             return out
         ckpt_known = any(s.ckpt_t is not None for s, _, _, _ in sessions)
         progress, kept = self._round_progress(rounds, sessions, source, ckpt_known)
+        if self.scope != "job" and wall > 0:
+            out["job_goodput"] = rounded(self._round_progress(rounds, sessions, source, ckpt_known, False)[1] / wall, 4)
         label = {"section": f"{source[1]!r} sections", "heartbeats": "heartbeats",
                  "auto": "automatic heartbeats"}[source[0]]
         ckpt = self.f.ckpt_section
@@ -308,11 +331,12 @@ class _ReportBuilder:
         return out
 
     def _round_progress(self, rounds: list[RoundState], sessions: list, source: tuple[str, str | None],
-                        ckpt_known: bool) -> tuple[float, float]:
-        """Progress and kept progress, summed over rounds of the mean over each round's ranks."""
+                        ckpt_known: bool, scoped: bool = True) -> tuple[float, float]:
+        """Progress and kept progress, summed over rounds of the mean over each round's ranks (SCOPED: only the ranks
+        --rank / --node select; those are the figures over time, too)."""
         per_round: dict[int, list[tuple[float, float]]] = {}
-        for s, rank, rd, _ in sessions:
-            if rd is None or (self.f.rank is not None and rank != self.f.rank):
+        for s, rank, rd, m in sessions:
+            if rd is None or (scoped and not self._in_scope(rank, m)):
                 continue
             p = self._session_progress(s, source)
             if p is not None:
@@ -328,7 +352,8 @@ class _ReportBuilder:
                 done = min(done, max(0.0, self._round_end(rd) - rd.running_at))
             progress += done
             kept += min(saved, done)
-            self.per_round[id(rd)] = (done, min(saved, done))
+            if scoped:
+                self.per_round[id(rd)] = (done, min(saved, done))
         return progress, kept
 
     # ---- faults and stops

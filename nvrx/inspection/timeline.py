@@ -560,8 +560,8 @@ class Timeline:
         f = RdzvStandby.F
         job = self._job_for(a, e["t"])
         self._note(("standby", job.index, e.get(f.round), a.ef.node), e["t"], "standby",
-                   f"node {node_name(e.get(f.node_id)) if e.get(f.node_id) else a.name} waits as a standby: round {e.get(f.round)} "
-                   f"is running with {e.get(f.nodes)} node(s) ({e.get(f.reason)})", job=job.index)
+                   f"node {node_name(e.get(f.node_id), self.names) if e.get(f.node_id) else a.name} waits as a standby: round {e.get(f.round)} "
+                   f"is running with {e.get(f.nodes)} node(s) ({e.get(f.reason)})", job=job.index, node=a.name)
 
     def _on_rank_start(self, a: AgentFile, e: dict[str, Any]) -> None:
         f = RankStart.F
@@ -584,7 +584,8 @@ class Timeline:
         job = self._job_for(a, e["t"])
         self._note(("stuck", a.ef.path, e.get(f.pid)), e["t"], "rank_stuck",
                    f"rank {e.get(f.rank)} (pid {e.get(f.pid)}) did not die after SIGKILL "
-                   f"(state {e.get(f.state)}); abandoned", level="error", job=job.index, rank=e.get(f.rank))
+                   f"(state {e.get(f.state)}); abandoned", level="error", job=job.index, rank=e.get(f.rank),
+                   node=a.name)
 
     def _on_agent_killed_rank(self, a: AgentFile, e: dict[str, Any]) -> None:
         f = AgentKilledRank.F
@@ -594,7 +595,7 @@ class Timeline:
         self._note(("agent_kill", a.ef.path, e.get(f.pid)), e["t"], "agent_killed_rank",
                    f"rank {e.get(f.rank)} (local {e.get(f.local_rank)}, pid {e.get(f.pid)}) ignored {e.get(f.after)}"
                    f"{during}: still running {rounded(e.get(f.waited), 2)} s later (--term-timeout), so the agent sent "
-                   f"{e.get(f.signal)}", level="warn", job=job.index, rank=e.get(f.rank))
+                   f"{e.get(f.signal)}", level="warn", job=job.index, rank=e.get(f.rank), node=a.name)
 
     def _on_inprocess_rank_lost(self, a: AgentFile, e: dict[str, Any]) -> None:
         f = InprocessRankLost.F
@@ -624,7 +625,7 @@ class Timeline:
         self._note(("bad_record", a.ef.path, e.get(f.key), e["t"]), e["t"], "rdzv_bad_record",
                    f"the agent of node {a.name} found a malformed record {e.get(f.key)} in the "
                    f"rendezvous store ({e.get(f.problem)}): {e.get(f.action)}; another program wrote to the store",
-                   level="error" if ends else "warn", job=job.index)
+                   level="error" if ends else "warn", job=job.index, node=a.name)
 
     def _on_rdzv_forged_record(self, a: AgentFile, e: dict[str, Any]) -> None:
         f = RdzvForgedRecord.F
@@ -634,7 +635,7 @@ class Timeline:
         self._note(("forged_record", a.ef.path, e.get(f.key), e["t"]), e["t"], "rdzv_forged_record",
                    f"the agent of node {a.name} ignored an unauthenticated record {e.get(f.key)}"
                    f"{claims} in the rendezvous store ({e.get(f.problem)}): {e.get(f.action)}{more}; a program "
-                   "without the job secret wrote to the store", level="warn", job=job.index)
+                   "without the job secret wrote to the store", level="warn", job=job.index, node=a.name)
 
     def _on_node_health(self, a: AgentFile, e: dict[str, Any]) -> None:
         """A failed check is an entry of its own; the passing nodes of a round are folded into one entry."""
@@ -691,14 +692,14 @@ class Timeline:
         if e.get(f.phase) != "running":  # while running, the interrupted stop record says it
             self._note(("signal", a.ef.path, e["t"]), e["t"], "signal",
                        f"{e.get(f.signal)} received by the agent of node {a.name} during "
-                       f"{e.get(f.phase)}", level="warn", job=job.index)
+                       f"{e.get(f.phase)}", level="warn", job=job.index, node=a.name)
 
     def _on_monitor_died(self, a: AgentFile, e: dict[str, Any]) -> None:
         f = MonitorDied.F
         job = self._job_for(a, e["t"])
         self._note(("monitor_died", a.ef.path, e.get(f.pid)), e["t"], "monitor_died",
                    f"the monitor of local rank {e.get(f.local_rank)} on node {a.name} died "
-                   f"(exit code {e.get(f.returncode)}); restarted", level="warn", job=job.index)
+                   f"(exit code {e.get(f.returncode)}); restarted", level="warn", job=job.index, node=a.name)
 
     def _on_monitor_gave_up(self, a: AgentFile, e: dict[str, Any]) -> None:
         f = MonitorGaveUp.F
@@ -716,12 +717,13 @@ class Timeline:
     def _on_monitor_stuck(self, a: AgentFile, e: dict[str, Any]) -> None:
         pid = e.get(MonitorStuck.F.pid)
         self._note(("monitor_stuck", a.ef.path, pid), e["t"], "monitor_stuck",
-                   f"a rank monitor (pid {pid}) did not exit", level="warn")
+                   f"a rank monitor (pid {pid}) did not exit", level="warn", node=a.name)
 
     def _on_fork_server_fallback(self, a: AgentFile, e: dict[str, Any]) -> None:
         job = self._job_for(a, e["t"])
         self._note(("fork_fallback", a.ef.path), e["t"], "fork_server_fallback",
-                   f"ranks spawned directly, not forked: {e.get(ForkServerFallback.F.reason)}", job=job.index)
+                   f"ranks spawned directly, not forked: {e.get(ForkServerFallback.F.reason)}", job=job.index,
+                   node=a.name)
 
     def _on_job_end(self, a: AgentFile, e: dict[str, Any]) -> None:
         f = JobEnd.F
@@ -861,7 +863,7 @@ class Timeline:
         self._note(("rank_killed", m.ef.path, e.get(f.pid)), e["t"], "rank_killed",
                    f"{who} (pid {e.get(f.pid)}) on node {self.node_of(m)} was still alive {rounded(e.get(f.grace), 2)} s "
                    f"after its monitor sent {e.get(f.after)} for a hang; the monitor sent {e.get(f.signal)}"
-                   f"{failed}", level="warn", rank=s.global_rank)
+                   f"{failed}", level="warn", rank=s.global_rank, node=self.node_of(m))
 
     def _on_monitor_disconnect(self, m: MonitorFile, e: dict[str, Any]) -> None:
         self._end_session(m, e["t"], str(e.get(MonitorDisconnect.F.reason)))
@@ -883,7 +885,7 @@ class Timeline:
                    f"({e.get(f.reason)}: {e.get(f.multiple)} x p{e.get(f.percentile)} of {e.get(f.gaps)} steady gaps, "
                    f"{e.get(f.basis)} s; p50 {e.get(f.p50)} s, p99 {e.get(f.p99)} s, longest {e.get(f.longest_gap)} s, over "
                    f"{e.get(f.observed_s)} s; floor {e.get(f.floor)} s, configured {e.get(f.configured)} s{capped})",
-                   rank=rank)
+                   rank=rank, node=self.node_of(m))
 
     def _on_heartbeat_timeout_auto_deferred(self, m: MonitorFile, e: dict[str, Any]) -> None:
         f = HeartbeatTimeoutAutoDeferred.F
@@ -896,7 +898,7 @@ class Timeline:
                    f"{who} (pid {e.get(f.pid)}) passed its automatic heartbeat timeout {e.get(f.timeout)} s busy "
                    f"(no beat for {e.get(f.elapsed)} s, state {e.get(f.state)}{cpu_text}: {e.get(f.why)}): not a hang "
                    f"yet; looked at again every {e.get(f.timeout)} s, the configured timeout {e.get(f.fallback)} s "
-                   "bounds this gap", rank=rank)
+                   "bounds this gap", rank=rank, node=self.node_of(m))
 
     def _on_timeouts_loaded(self, m: MonitorFile, e: dict[str, Any]) -> None:
         m.loaded = e.get(TimeoutsLoaded.F.timeouts)
@@ -905,18 +907,19 @@ class Timeline:
         f = TimeoutsStateIgnored.F
         self._note(("state_ignored", m.ef.path, e["t"]), e["t"], "timeouts_state_ignored",
                    f"monitor of local rank {m.ef.local_rank} ignored unusable timeouts state {e.get(f.path)}: "
-                   f"{e.get(f.error)}", level="warn")
+                   f"{e.get(f.error)}", level="warn", node=self.node_of(m))
 
     def _on_monitor_auth_failed(self, m: MonitorFile, e: dict[str, Any]) -> None:
         self._note(("auth", m.ef.path, e["t"]), e["t"], "monitor_auth_failed",
                    f"monitor of local rank {m.ef.local_rank} rejected a {_short(e.get(MonitorAuthFailed.F.op), 40)} "
-                   f"request with a wrong or stale token", level="warn")
+                   f"request with a wrong or stale token", level="warn", node=self.node_of(m))
 
     def _on_monitor_takeover_refused(self, m: MonitorFile, e: dict[str, Any]) -> None:
         f = MonitorTakeoverRefused.F
         self._note(("takeover", m.ef.path, e["t"]), e["t"], "monitor_takeover_refused",
                    f"monitor of local rank {m.ef.local_rank} refused pid {e.get(f.pid)}: it watches the live rank "
-                   f"process {e.get(f.holder)} (a child of a rank may not use RankMonitorClient)", level="warn")
+                   f"process {e.get(f.holder)} (a child of a rank may not use RankMonitorClient)", level="warn",
+                   node=self.node_of(m))
 
     def _on_workload_control(self, m: MonitorFile, e: dict[str, Any]) -> None:
         f = WorkloadControl.F
@@ -928,7 +931,8 @@ class Timeline:
         passed = "" if e.get(f.forwarded) else " (not passed on: no agent listened)"
         self._note(("workload_control", m.ef.path, e["t"]), e["t"], "workload_control",
                    f"rank {rank} (local {m.ef.local_rank}, pid {e.get(f.pid)}) asked through its monitor to {what}: "
-                   f"{e.get(f.description)}{passed}", level="warn" if action == "Continue" else "error", rank=rank)
+                   f"{e.get(f.description)}{passed}", level="warn" if action == "Continue" else "error", rank=rank,
+                   node=self.node_of(m))
 
     def _end_session(self, m: MonitorFile, t: float, reason: str) -> None:
         s = m.session

@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import signal
+import stat
 import sys
 import time
 from datetime import datetime
@@ -20,11 +21,13 @@ from typing import Any, Callable
 
 import click
 
+from nvrx.common.files import file_kind
 from nvrx.events import SCHEMA_VERSION, FtConfigInfo, HeartbeatTimeoutAuto, TimeoutsInfo
 from nvrx.inspection.event_files import NotARun, discover
 from nvrx.inspection.run_report import Report, build_report, make_report
 from nvrx.inspection.timeline import CKPT_SECTION, Filters, Timeline
 from nvrx.nvrx_cli.inspect_text import entry_dict, entry_text, report_dict
+from nvrx.nvrx_cli.inspect_view import folds, timeline_rows
 
 _REL = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)\s*d)?\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*m)?"
                   r"\s*(?:(\d+(?:\.\d+)?)\s*s)?\s*(?:ago)?\s*$", re.I)
@@ -58,8 +61,11 @@ def parse_since(value: str | None, now: float | None = None) -> float | None:
 @click.argument("log_dir", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (with --follow: one JSON line per new entry).")
 @click.option("-f", "--follow", is_flag=True, help="Keep watching a live run: print new entries until Ctrl-C.")
-@click.option("--rank", type=click.IntRange(min=0), default=None, help="Only this global rank's faults and statistics.")
-@click.option("--node", default=None, help="Only this node's entries, faults, ranks and timeouts (its name, e.g. gpu001-4242).")
+@click.option("--rank", type=click.IntRange(min=0), default=None,
+              help="Only this global rank's faults and statistics; the goodput is this rank's.")
+@click.option("--node", default=None,
+              help="Only this node's entries, faults, ranks and timeouts; the goodput is its ranks' (its name as the "
+                   "report shows it, e.g. gpu001, or its rendezvous id).")
 @click.option("--html", "html_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write the report as one self-contained HTML file (a timeline per node; no network needed). "
                    "With --follow it is rewritten at every poll.")
@@ -72,9 +78,12 @@ def parse_since(value: str | None, now: float | None = None) -> float | None:
               help="Last output lines of a failing rank to show.")
 @click.option("--interval", type=click.FloatRange(min=0.05, max=60), default=1.0, show_default=True,
               help="Seconds between polls with --follow.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Every timeline entry (the default view folds per-node entries and routine rounds to fit a "
+                   "screen), every output line, and the faults table.")
 def inspect(log_dir: tuple[Path, ...], as_json: bool, follow: bool, rank: int | None, node: str | None,
             html_path: Path | None, since: str | None, step_section: str | None, ckpt_section: str, tail_lines: int,
-            interval: float) -> int:
+            interval: float, verbose: bool) -> int:
     """Tell what happened in a run: jobs, rounds, restarts and their causes, time lost, uptime,
     goodput, heartbeats, sections and timeouts.
 
@@ -93,15 +102,17 @@ def inspect(log_dir: tuple[Path, ...], as_json: bool, follow: bool, rank: int | 
             report = build_report(paths, filters)
         except NotARun as err:
             raise click.UsageError(str(err)) from None
+        if node is not None:
+            check_node(report, node)
         try:
             if html_path is not None:
                 _write_html(report, html_path)
             if as_json:
                 click.echo(json.dumps(report_dict(report), indent=2, default=str))
             elif sys.stdout.isatty():
-                _render_rich(report, tail_lines)
+                _render_rich(report, tail_lines, verbose)
             else:
-                click.echo(render_text(report, tail_lines), nl=False)
+                click.echo(render_text(report, tail_lines, verbose), nl=False)
         except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
             # The readers skip malformed records; a value that still slips through must not end in a traceback.
             log.debug("rendering the report failed", exc_info=True)
@@ -117,11 +128,30 @@ def inspect(log_dir: tuple[Path, ...], as_json: bool, follow: bool, rank: int | 
 # ------------------------------------------------------------------ follow
 
 
+def check_node(report: Report, node: str) -> None:
+    """--node naming no node of the run is a usage error: an empty report would look like a quiet node."""
+    names = sorted({n for job in report.jobs for n in job["nodes"]})
+    ids = {str(i) for job in report.jobs for rd in job["rounds"] for i in rd["node_ids"] or []}
+    if node in names or node in ids or node in {i.rpartition("-")[0] for i in ids}:  # a name, id or <host>-<pid>
+        return
+    shown = ", ".join(names[:5]) + (f", ... ({len(names)} nodes)" if len(names) > 5 else "")
+    raise click.UsageError(f"--node {node}: no such node in this run; its nodes: {shown or 'none logged'}")
+
+
 def check_html_target(path: Path) -> None:
     """A --html target that cannot be written is a usage error, said before any work is done."""
     parent = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
+    try:
+        mode: int | None = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):  # not there yet (the usual case), or no such dir (below)
+        mode = None
+    except OSError as exc:  # a name too long, a symlink loop, ...
+        raise click.UsageError(f"--html {path}: {exc.strerror or exc}; pick another path") from None
+    if mode is not None and stat.S_ISDIR(mode):
         raise click.UsageError(f"--html {path}: is a directory; give a file name, e.g. {path / 'report.html'}")
+    if mode is not None and not stat.S_ISREG(mode):  # the report replaces its target: never a device or a fifo
+        raise click.UsageError(f"--html {path}: {file_kind(mode)}, not a regular file; give a file name, "
+                               "e.g. report.html")
     if not parent.is_dir():
         raise click.UsageError(f"--html {path}: directory {parent} does not exist; create it or pick another path")
     if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
@@ -133,13 +163,13 @@ def _write_html(report: Report, path: Path) -> None:
     from nvrx.inspection.html_report import render_html
 
     data = render_html(report, entry_text).encode()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = _tmp_for(path)
     try:
         with open(tmp, "wb") as fh:
             fh.write(data)
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise click.ClickException(f"--html {path}: cannot write it: {exc.strerror or exc}") from None
     click.echo(f"nvrx inspect: HTML report written to {path} ({len(data) / 1e6:.2f} MB)", err=True)
 
@@ -193,13 +223,27 @@ def _write_html_quiet(report: Report, path: Path) -> None:
     """--follow: rewrite the HTML report at every poll; a failure is said once per kind, following goes on."""
     from nvrx.inspection.html_report import render_html
 
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = _tmp_for(path)
     try:
         tmp.write_text(render_html(report, entry_text))
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         click.echo(f"nvrx inspect: cannot write --html {path}: {exc.strerror or exc}", err=True)
+
+
+def _tmp_for(path: Path) -> Path:
+    """The file the report is written to before it replaces PATH: hidden, in PATH's dir, its name bounded (a
+    target name near the system's limit must fail at the rename, where the message names the target)."""
+    return path.with_name(f".{path.name[:120]}.tmp-{os.getpid()}")
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a half-written report; a failure to do so must not hide why the write failed."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        log.debug("cannot remove %s", tmp, exc_info=True)
 
 
 def _sleep(seconds: float, stop: dict[str, bool]) -> None:
@@ -317,18 +361,27 @@ def _checkpoint_lines(report: Report) -> list[str]:
 def _fold_note(report: Report) -> list[str]:
     if not _folded(report):
         return []
-    return [f"  ({len(report.ranks)} ranks: the {RANKS_SHOWN} with hangs, faults or the longest heartbeat gaps shown; "
+    return [f"  ({len(report.ranks)} ranks: the {RANKS_SHOWN} with faults, hangs or the longest heartbeat gaps shown; "
             "--rank N or --node NAME shows the others)"]
 
 
 def _ratios(report: Report) -> list[str]:
-    """Uptime and goodput as two short phrases (goodput only when a progress source exists)."""
-    out = [f"uptime {report.uptime * 100:.1f} %" if report.uptime is not None else "uptime n/a"]
+    """Uptime and goodput as two short phrases (goodput only when a progress source exists); under --rank / --node
+    each says whose it is: uptime is the job's, goodput that rank's or node's ranks'."""
+    scoped = report.goodput_scope != "job"
+    up = f"uptime {report.uptime * 100:.1f} %" if report.uptime is not None else "uptime n/a"
+    out = [up + (" (job-wide)" if scoped else "")]
+    whose = f"{_whose(report.goodput_scope)}, " if scoped else ""
     if report.goodput is not None:
-        out.append(f"goodput {report.goodput * 100:.1f} % (from {report.goodput_source})")
+        out.append(f"goodput {report.goodput * 100:.1f} % ({whose}from {report.goodput_source})")
     else:
-        out.append("no goodput (no progress source: no step sections, no heartbeats)")
+        out.append(f"no goodput ({whose}no progress source: no step sections, no heartbeats)")
     return out
+
+
+def _whose(scope: str) -> str:
+    """A goodput scope in words: node gpu7's ranks, rank 3."""
+    return f"{scope}'s ranks" if scope.startswith("node ") else scope
 
 
 def _time_lines(report: Report) -> list[str]:
@@ -342,17 +395,24 @@ def _time_lines(report: Report) -> list[str]:
         return lines + [good]
     redone = (f"; {_secs(a['recomputed_s'])} of progress redone after restarts" if a["recomputed_s"] is not None
               else f"; recompute {a['recompute']}")
-    return lines + [f"{good}: {_secs(a['kept_s'])} of progress kept / {wall} wall{redone}"]
+    job = (f"; the whole job: {a['job_goodput'] * 100:.1f} %" if isinstance(a.get("job_goodput"), (int, float))
+           else "")
+    return lines + [f"{good}: {_secs(a['kept_s'])} of progress kept / {wall} wall{redone}{job}"]
 
 
 def _lost_lines(report: Report) -> list[str]:
     """Time lost to faults (each fault to all ranks running again), summed: the HTML report's figure too."""
     lost = [f["lost_s"] for f in report.faults if f.get("lost_s") is not None]
+    a = report.time_accounting
+    job = ""
+    if report.goodput_scope != "job" and isinstance(a.get("job_stops"), int):
+        job = f"; the whole job: {a['job_stops']} stop(s), {_secs(a.get('job_lost_s') or 0.0)}"
     if not report.faults:
-        return []
+        return [f"no stop shown{job}"] if job else []
     open_ = len(report.faults) - len(lost)
     tail = f" ({open_} not recovered)" if open_ else ""
-    return [f"time lost to {len(report.faults)} stop(s): {_secs(sum(lost))}{tail}"]
+    shown = " shown" if job else ""
+    return [f"time lost to {len(report.faults)} stop(s){shown}: {_secs(sum(lost))}{tail}{job}"]
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -380,7 +440,7 @@ def _ranks_shown(report: Report) -> list[dict[str, Any]]:
     if not _folded(report):
         return report.ranks
     faulty = {f.get("rank") for f in report.faults}
-    return sorted(report.ranks, key=lambda r: (-r["hangs"], r["rank"] not in faulty,
+    return sorted(report.ranks, key=lambda r: (r["rank"] not in faulty, -r["hangs"],
                                                -(r["hb_max_interval_s"] or 0)))[:RANKS_SHOWN]
 
 
@@ -473,31 +533,50 @@ RANK_HEAD = ["rank", "node", "runs", "heartbeats", "max hb gap", "first hb", "ha
 TIMEOUT_HEAD = ["rank", "in force (s)", "computed (s)", "automatic (s)"]
 
 
-def render_text(report: Report, tail_lines: int = 10) -> str:
+def render_text(report: Report, tail_lines: int = 10, verbose: bool = False) -> str:
     """The report as plain text (no colours, no box drawing): what a pipe or a log file gets."""
     with_date = _multi_day(report)
     out = _summary(report) + ["", "Timeline"]
-    for it in report.items:
-        out.append(f"  {_clock(it.t, with_date)}  {_LEVEL_MARK.get(it.level, '  ')} {entry_text(it)}{_repeats(it)}")
-        if tail_lines:
-            out += [f"  {'':14}  | {x}" for x in it.tail[-tail_lines:]]
+    rows, folded = timeline_rows(report, tail_lines, verbose)
+    for row in rows:
+        out.append(f"  {_clock(row.t, with_date)}  {_LEVEL_MARK.get(row.level, '  ')} {row.text}")
+        out += [f"  {'':14}  | {x}" for x in row.tail]
     if not report.items:
         out.append("  (no entries)")
-    if report.faults:
+    note = folded.note()
+    if note:
+        out.append(f"  {note}")
+    if report.faults and _faults_table(report, verbose):
         out += ["", "Faults and stops"] + _table(FAULT_HEAD, _fault_rows(report, with_date))
     if report.ranks:
         out += ["", "Ranks"] + _table(RANK_HEAD, _rank_rows(report)) + _fold_note(report)
     out += ["", "Timeouts", f"  configured: {_configured(report.timeouts['configured'])}"]
     rows = _timeout_rows(report)
-    if rows:
+    same = _as_configured(report, rows)
+    if same:
+        out.append(f"  {same}")
+    elif rows:
         out += _table(TIMEOUT_HEAD, rows)
     out += _problems(report)
-    out += _definitions(report)
+    if verbose:
+        out += _definitions(report)
+    while out and not out[-1]:
+        out.pop()
     return "\n".join(out) + "\n"
 
 
-def _repeats(it: Any) -> str:
-    return f" (and {it.repeats} more times, the same)" if getattr(it, "repeats", 0) else ""
+def _as_configured(report: Report, rows: list[list[str]]) -> str | None:
+    """One line instead of the timeouts table when every rank runs with the configured timeouts, none computed."""
+    if len(rows) != 1 or rows[0][2:] != ["-", "-"]:
+        return None
+    if not _configured(report.timeouts["configured"]).startswith(rows[0][1] + ";"):
+        return None
+    return f"in force on ranks {rows[0][0]}: as configured (none computed, no automatic heartbeat timeout)"
+
+
+def _faults_table(report: Report, verbose: bool) -> bool:
+    """The faults table repeats the timeline's stop lines (cause, time lost): the default view leaves it out."""
+    return verbose or not folds(report)
 
 
 def _definitions(report: Report) -> list[str]:
@@ -536,7 +615,7 @@ def _console() -> Any:
     return Console(highlight=False, soft_wrap=False)
 
 
-def _render_rich(report: Report, tail_lines: int) -> None:
+def _render_rich(report: Report, tail_lines: int, verbose: bool = False) -> None:
     from rich.markup import escape
     from rich.table import Table
 
@@ -549,16 +628,19 @@ def _render_rich(report: Report, tail_lines: int) -> None:
     tbl = Table(title="Timeline", title_justify="left", show_header=False, box=None, pad_edge=False)
     tbl.add_column("at", style="dim", no_wrap=True)
     tbl.add_column("what")
-    for it in report.items:
-        style = _LEVEL_STYLE.get(it.level, "")
-        words = escape(entry_text(it) + _repeats(it))
+    rows, folded = timeline_rows(report, tail_lines, verbose)
+    for row in rows:
+        style = _LEVEL_STYLE.get(row.level, "")
+        words = escape(row.text)
         text = f"[{style}]{words}[/{style}]" if style else words
-        tail = it.tail[-tail_lines:] if tail_lines else []
-        if tail:
-            text += "\n" + "\n".join(f"[dim]| {escape(x)}[/dim]" for x in tail)
-        tbl.add_row(_clock(it.t, with_date), text)
+        if row.tail:
+            text += "\n" + "\n".join(f"[dim]| {escape(x)}[/dim]" for x in row.tail)
+        tbl.add_row(_clock(row.t, with_date), text)
     console.print(tbl)
-    for title, headers, rows in (("Faults and stops", FAULT_HEAD, _fault_rows(report, with_date)),
+    if folded.note():
+        console.print(f"[dim]{escape(str(folded.note()))}[/dim]")
+    faults = _fault_rows(report, with_date) if _faults_table(report, verbose) else []
+    for title, headers, rows in (("Faults and stops", FAULT_HEAD, faults),
                                  ("Ranks", RANK_HEAD, _rank_rows(report)),
                                  ("Timeouts in force, computed and automatic", TIMEOUT_HEAD, _timeout_rows(report))):
         if not rows:
@@ -575,5 +657,5 @@ def _render_rich(report: Report, tail_lines: int) -> None:
     console.print(f"configured timeouts: {escape(_configured(report.timeouts['configured']))}")
     for line in _problems(report):
         console.print(f"[yellow]{escape(line)}[/yellow]" if line else "")
-    for line in _definitions(report):
+    for line in _definitions(report) if verbose else []:
         console.print(f"[dim]{escape(line)}[/dim]")

@@ -1,14 +1,19 @@
 """`nvrx inspect` (terminal, JSON, --html) on bad input: one clear line or a report that says what it skipped.
 
 Event files are written with the real writer (EventLog) and then damaged the ways issue 31 lists: lines cut off
-mid-write, events of another schema version, two runs interleaved in one dir, 50 MB of one repeated event, and a
---html target that cannot be written. Never a traceback; the HTML of damaged input renders without script errors.
+mid-write (agent and monitor files), events of a newer and of an older nvrx (another schema version; records without
+the fields added since; event names no longer known), two runs interleaved in one dir (two run ids, or one reused),
+50 MB of one repeated event, and --html targets that cannot be written (no such dir, a dir, a fifo, a file as the
+dir, a name too long, a read-only dir, the disk full). Never a traceback; the HTML of damaged input renders without
+script errors in Chromium (when installed).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -79,11 +84,16 @@ def test_truncated_lines_are_skipped_and_said(tmp_path):
     data = agent.read_bytes().split(b"\n")
     data[2] = data[2][:30]  # a line cut off mid-write in the middle
     agent.write_bytes(b"\n".join(data) + b'{"v":1,"t":1700000030.0,"src":"agent","ev":"rdzv_st')  # and a torn last one
+    monitor = run / "monitor-h1-100-0.jsonl"
+    data = monitor.read_bytes().split(b"\n")
+    data[1] = data[1][:50]  # a monitor line cut off too (monitor files are read lazily: still counted)
+    monitor.write_bytes(b"\n".join(data))
     res = inspect(str(run))
     assert res.returncode == 0
     no_traceback(res)
-    assert "Corrupt lines: 2 skipped" in res.stdout and "truncated line (cut off mid-write)" in res.stdout
-    html_renders(run, tmp_path, "Skipped 2 line(s) that are not valid events")
+    assert "Corrupt lines: 3 skipped" in res.stdout and "truncated line (cut off mid-write)" in res.stdout
+    assert "monitor-h1-100-0.jsonl:2: truncated line" in res.stdout
+    html_renders(run, tmp_path, "Skipped 3 line(s) that are not valid events")
 
 
 def test_events_of_another_schema_version_are_counted_not_misread(tmp_path):
@@ -108,6 +118,44 @@ def test_events_of_another_schema_version_are_counted_not_misread(tmp_path):
     assert res.returncode == 2 and "written by another nvrx: 1 of version 2" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     no_traceback(res)
+
+
+def test_an_older_nvrx_s_events_are_read_for_what_they_have(tmp_path):
+    """An older nvrx: events of schema version 0 (skipped, counted), version-1 records without the fields added
+    since (read as unknown), an event name this nvrx no longer has (counted), and no checkpoint reports."""
+    run = tmp_path / "older"
+    old = [{"v": 0, "t": T, "src": "agent", "ev": "agent_start", "nproc": 1},
+           {"v": 1, "t": T, "src": "agent", "ev": "agent_start", "pid": 100, "nproc": 1, "run_id": "older"},
+           {"v": 1, "t": T + 1, "src": "agent", "ev": "rdzv_round", "round": 0, "nodes": ["h1-100-abcdef"]},
+           {"v": 1, "t": T + 2, "src": "agent", "ev": "rank_start", "local_rank": 0, "rank": 0, "pid": 101},
+           {"v": 1, "t": T + 3, "src": "agent", "ev": "rdzv_keepalive", "round": 0},
+           {"v": 0, "t": T + 4, "src": "agent", "ev": "rdzv_stop", "round": 0, "kind": "failed"},
+           {"v": 1, "t": T + 20, "src": "agent", "ev": "rdzv_stop", "round": 0, "kind": "failed",
+            "detail": {"rank": 0, "exitcode": 3}},
+           {"v": 1, "t": T + 21, "src": "agent", "ev": "job_end", "status": "failed", "exit_code": 1}]
+    run.mkdir()
+    (run / "agent-h1-100.jsonl").write_text("".join(json.dumps(e) + "\n" for e in old))
+    res = inspect(str(run))
+    assert res.returncode == 0, res.stderr
+    no_traceback(res)
+    assert "round 0 stopped: rank 0 exited with code 3" in res.stdout
+    assert "Events of another nvrx skipped: 2 of version 0" in res.stdout
+    assert "Unknown events: 1 counted" in res.stdout and "agent/rdzv_keepalive: 1" in res.stdout
+    rep = json.loads(inspect("--json", str(run)).stdout)
+    assert rep["jobs"][0]["status"] == "failed" and rep["goodput"] is None and rep["checkpoints"] == []
+    html_renders(run, tmp_path, "Skipped 2 event(s) of schema version 0", "rdzv_keepalive")
+
+
+def test_two_launches_with_one_run_id_interleaved_in_one_dir_are_said(tmp_path):
+    """A reused --rdzv-id: two launches write the same run dir at the same time, each with its own round 0."""
+    run = tmp_path / "reused"
+    write_run(run, "reused", "h1", 100, T, crash=True)
+    write_run(run, "reused", "h2", 200, T + 0.5)
+    res = inspect(str(run))
+    assert res.returncode == 0, res.stderr
+    no_traceback(res)
+    assert "was logged with two different node lists" in res.stdout and "give each run its own --log-dir" in res.stdout
+    html_renders(run, tmp_path, "two different node lists")
 
 
 def test_two_runs_interleaved_in_one_dir_stay_two_jobs(tmp_path):
@@ -145,7 +193,11 @@ def test_an_html_target_that_cannot_be_written_is_one_line(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
-    cases = [tmp_path / "no" / "such" / "r.html", tmp_path, locked / "r.html"]
+    fifo = tmp_path / "pipe.html"
+    os.mkfifo(fifo)
+    (tmp_path / "afile").write_text("x")
+    cases = [tmp_path / "no" / "such" / "r.html", tmp_path, fifo, tmp_path / "afile" / "r.html",
+             tmp_path / ("r" * 300 + ".html"), locked / "r.html"]
     if os.geteuid() == 0:  # root writes anywhere: a read-only dir says nothing there
         cases.pop()
     for target in cases:
@@ -154,4 +206,27 @@ def test_an_html_target_that_cannot_be_written_is_one_line(tmp_path):
         no_traceback(res)
         (line,) = [x for x in res.stderr.strip().splitlines() if "--html" in x]
         assert str(target) in line and res.stdout == ""
-    assert not list(tmp_path.rglob("*.html"))
+    assert stat.S_ISFIFO(fifo.stat().st_mode)  # never replaced by the report
+    assert not list(tmp_path.rglob("*.html*")) or list(tmp_path.rglob("*.html*")) == [fifo]
+
+
+def test_a_write_that_fails_is_one_line_and_leaves_no_half_file(tmp_path, monkeypatch):
+    """The disk fills up (or the dir goes away) while the report is written: one line, exit 1, no temp file."""
+    import click
+
+    from nvrx.inspection.run_report import build_report
+    from nvrx.nvrx_cli import inspect_cmd
+
+    run = tmp_path / "ok"
+    write_run(run, "ok", "h1", 100, T)
+    report = build_report([run])
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(inspect_cmd.os, "replace", full)
+    target = tmp_path / "r.html"
+    with pytest.raises(click.ClickException) as err:
+        inspect_cmd._write_html(report, target)
+    assert err.value.format_message() == f"--html {target}: cannot write it: No space left on device"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]
