@@ -53,7 +53,7 @@ def _distribution_of(module: str) -> str:
 
 
 def test_the_tests_import_only_declared_packages() -> None:
-    local = {"nvrx", "tests", "conftest"} | {p.stem for p in TESTS.rglob("*.py")}
+    local = {"nvrx", "tests", "conftest", "bench"} | {p.stem for p in TESTS.rglob("*.py")}  # bench/: the checkout's
     used = _third_party(_top_level_imports(sorted(TESTS.rglob("*.py"))), local) - OPTIONAL
     declared = _requirement_names(None) | _requirement_names("test")
     missing = sorted(m for m in used if _distribution_of(m) not in declared)
