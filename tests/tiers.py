@@ -94,6 +94,7 @@ GROUP_BY_PATH: dict[str, str] = {
     # emulated hosts (network namespaces, a bridge each, agents in them): one worker at a time, not beside Slurm's
     "hosts_e2e/": "netns",
     "faults/test_partitions.py": "netns",
+    "ckpt/local/test_node_loss.py": "netns",
 }
 
 # What a unit test may not do: the audit events of starting a process or opening a socket (multiprocessing's
