@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -167,6 +168,7 @@ def main(argv: list[str]) -> int:
         print(f"bench_partition: {reason}", file=sys.stderr)
         return 2
     rows = []
+    load_before = [round(x, 2) for x in os.getloadavg()]
     for mode in args.modes.split(","):
         for launcher in args.launchers.split(","):
             row = one_run(launcher, mode, args.limit)
@@ -178,11 +180,13 @@ def main(argv: list[str]) -> int:
         for r in rows:
             if r["mode"] == mode and r["launcher"] == "nvrx":
                 r["ratio_to_best_peer"] = round(ours / min(peers), 3) if ours and peers else None
-    result = {"limit_s": args.limit, "step_time_s": STEP_TIME, "rows": rows,
+    result = {"limit_s": args.limit, "step_time_s": STEP_TIME, "rows": rows, "cpus": os.cpu_count(),
+              "load_1_5_15": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]},
               "note": "each launcher's own defaults for detecting a lost node; nvrx last_call_timeout=1, torchrun's "
                       "c10d last_call_timeout=1"}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(table(rows))
+    print(f"load (1, 5, 15 min) before {load_before}, after {result['load_1_5_15']['after']}")
     return 0
 
 

@@ -69,6 +69,7 @@ TIER_BY_PATH: dict[str, str] = {
     "integration/test_user_world.py": "e2e",
     "integration/test_worker_env.py": "e2e",
     "rerun/test_launch_rerun.py": "e2e",
+    "rerun/test_launch_rerun_hosts.py": "e2e",
     "rerun/test_resume_record.py": "e2e",
     "straggler/test_launch.py": "e2e",
     # files in tests/unit whose every test starts a process (nvrx inspect, a health hook)
@@ -94,6 +95,8 @@ GROUP_BY_PATH: dict[str, str] = {
     # emulated hosts (network namespaces, a bridge each, agents in them): one worker at a time, not beside Slurm's
     "hosts_e2e/": "netns",
     "faults/test_partitions.py": "netns",
+    "ckpt/local/test_node_loss.py": "netns",
+    "rerun/test_launch_rerun_hosts.py": "netns",
 }
 
 # What a unit test may not do: the audit events of starting a process or opening a socket (multiprocessing's

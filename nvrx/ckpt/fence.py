@@ -14,9 +14,24 @@ order the job's rounds. So:
   checkpoint whose key is below the fence unless the fence lists it (it was there before the new round looked):
   one published in the race between that check and the rename is still never taken for the newest.
 
+Just-in-time checkpoints are global checkpoints written by one rank (``nvrx.ckpt.jit``): the same stamp, check
+and filter apply to them.
+
+Local checkpoints (``nvrx.ckpt.local``) live in each rank's directory on node-local storage, which the ranks of a
+later round may never have looked at (a cut-off node's disk: it was not in the rounds that ran without it), so
+"what was there when the new round looked" cannot be kept beside the files. Instead each file's header carries the
+key, and the rounds keep a lineage: every ``find_latest`` records ``[launch, round, iteration]`` (the iteration
+that round resumed from; the lowest if it looked twice) in ``<rank dir>/.nvrx_fence.json``, the ranks merge what
+every directory holds (one all-gather, which find_latest does anyway), and a file is from a branch the job left
+when some lineage entry is of a later round and resumed from an older iteration than the file's: a round that
+resumed from iteration I never saw the files of older rounds past I. A save whose round is below a lineage entry
+of its own directory is refused on every rank (the same agreement that ends a failed save).
+
 Checkpoints saved without the launcher (no key) are never fenced out. Launches are ordered by the store host's
 clock: a relaunch on another host with a clock behind by more than the time between the launches would be
 ordered wrongly (its checkpoints would be ignored until the fence file is removed; one warning line says so).
+The key's parts come only from signed sources: the round from the signed round records, the launch time from the
+store host's signed answer to each joiner's greeting (nvrx/launcher/agent/store.py).
 """
 
 from __future__ import annotations
@@ -27,8 +42,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nvrx.ckpt.publish import atomic_write
 from nvrx.ckpt.errors import CheckpointError
+from nvrx.ckpt.publish import atomic_write
+from nvrx.common import files
 
 log = logging.getLogger(__name__)
 
@@ -113,3 +129,90 @@ def fenced_out(manifest: dict[str, Any], name: str, fence: tuple[tuple[int, int]
     log.warning("ignoring checkpoint %s: published by round %d after round %d of the job began (a node cut off "
                 "from the job)", name, key[1], fence[0][1])
     return True
+
+
+# ---------------------------------------------------------------- local checkpoints: the lineage of rounds
+
+MAX_LINEAGE = 64  # entries kept: an older entry only matters for files older than every newer entry's iteration
+Lineage = list  # [(launch, round, iteration)], sorted by key
+
+
+def key_of(value: Any) -> tuple[int, int] | None:
+    """A manifest's or header's ``fence`` as a key, or None (absent or malformed: never fenced out)."""
+    return _key_of(value)
+
+
+def _entry_of(value: Any) -> tuple[int, int, int] | None:
+    if (isinstance(value, list) and len(value) == 3
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value) and value[0] >= 0
+            and value[1] >= 0 and value[2] >= -1):
+        return value[0], value[1], value[2]
+    return None
+
+
+def read_lineage(directory: Path) -> list[tuple[int, int, int]]:
+    """The lineage recorded in DIRECTORY (a local checkpoint rank directory); [] when absent or unreadable."""
+    try:
+        data = json.loads((Path(directory) / FENCE_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    entries = data.get("lineage") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        return []
+    return merge_lineage([[e for e in map(_entry_of, entries[:4 * MAX_LINEAGE]) if e is not None]])
+
+
+def merge_lineage(lineages: list[Any]) -> list[tuple[int, int, int]]:
+    """One lineage from several (each rank's directory): per key the lowest iteration, the newest MAX_LINEAGE keys."""
+    lowest: dict[tuple[int, int], int] = {}
+    for lineage in lineages:
+        for entry in lineage or []:
+            e = _entry_of(list(entry))
+            if e is not None:
+                key = (e[0], e[1])
+                lowest[key] = min(e[2], lowest.get(key, e[2]))
+    return [(k[0], k[1], it) for k, it in sorted(lowest.items())[-MAX_LINEAGE:]]
+
+
+def record_resume(lineage: list[tuple[int, int, int]], iteration: int) -> list[tuple[int, int, int]]:
+    """LINEAGE with this rank's round resuming from ITERATION (-1: none) added; unchanged outside nvrx launch."""
+    key = current_key()
+    if key is None:
+        return lineage
+    return merge_lineage([lineage, [(key[0], key[1], iteration)]])
+
+
+def write_lineage(directory: Path, lineage: list[tuple[int, int, int]]) -> None:
+    """Store LINEAGE in DIRECTORY (atomically); a failure is logged, not raised (the files are still checked)."""
+    if read_lineage(directory) == lineage:
+        return
+    try:
+        files.atomic_write(Path(directory) / FENCE_FILE,  # private, like the local checkpoints beside it
+                           json.dumps({"lineage": [list(e) for e in lineage]}).encode())
+    except OSError as exc:
+        log.debug("cannot write the local checkpoint lineage in %s: %s", directory, exc)
+
+
+def left_branch(key: tuple[int, int] | None, iteration: int,
+                lineage: list[tuple[int, int, int]]) -> tuple[int, int, int] | None:
+    """The lineage entry showing that a local checkpoint of ITERATION written by round KEY is from a branch the job
+    left (a later round resumed from an older iteration), or None when it is not (or has no key)."""
+    if key is None:
+        return None
+    for entry in lineage:
+        if key < (entry[0], entry[1]) and iteration > entry[2]:
+            return entry
+    return None
+
+
+def local_save_refused(directory: Path) -> str | None:
+    """Why this rank may not save a local checkpoint into DIRECTORY: a later round of the job already resumed
+    there (this rank's round was left); None when it may."""
+    key = current_key()
+    if key is None:
+        return None
+    later = [e for e in read_lineage(directory) if (e[0], e[1]) > key]
+    if not later:
+        return None
+    return (f"local checkpoint in {directory} not saved: it is of round {key[1]}, which the job has left (round "
+            f"{later[-1][1]} resumed there); this node was cut off from the job")

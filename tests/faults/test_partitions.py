@@ -8,13 +8,18 @@ are the guarantees of docs/faults.md ("Partitions"): a cut-off side stops its ow
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from nvrx import ckpt
 from tests.conftest import pid_gone, wait_for
-from tests.faults.conftest import one_line
+from tests.faults.conftest import ShmWatch, one_line
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +28,7 @@ KA_INTERVAL, KA_TIMEOUT, STORE_TIMEOUT = 1.0, 3.0, 3.0
 RDZV_CONF = (f"last_call_timeout=1,keepalive_interval={KA_INTERVAL},keepalive_timeout={KA_TIMEOUT},"
              f"store_timeout={STORE_TIMEOUT}")
 SLACK = 0.5  # the guarantee's margin
+RESUME_TRAIN = Path(__file__).parents[1] / "hosts_e2e" / "resume_train.py"  # nvrx.ckpt checkpoints, resumable
 
 
 def _common(job, run_id: str, nnodes: str, steps: int, max_restarts: int = 3, conf: str = RDZV_CONF) -> list[str]:
@@ -261,4 +267,80 @@ def test_partition_host_frozen_then_thawed(host_job):
     assert store_host.returncode == 0, err0
     assert job.ledger.finished()
     job.ledger.assert_no_saved_work_lost()
+    job.assert_clean()
+
+
+def test_partition_store_host_cut_off_then_nvrx_resume_continues(host_job):
+    """Fault: partition: the link of the host holding the rendezvous store is cut for good in a fixed-size job
+    (--nnodes 2, --max-restarts 0, a job secret) run by `nvrx resume` as in auto_resume.sbatch (one `nvrx launch`
+    per host, srun's exit status: the highest); the link is back before the next launch.
+    Outcome: the other host stops its ranks within store_timeout + 0.5 s and exits 1 ("cut off from the
+    rendezvous store"); the store's host stops its ranks and exits 1 (no restart budget). Nothing is corrupt (every
+    published checkpoint verifies), `nvrx resume` decides "continue", launches again and the new launch resumes
+    from the newest complete checkpoint and finishes (its state holds exactly every step once), exit 0.
+    """
+    job = host_job(2)
+    h0, h1 = job.hosts[0], job.hosts[1]
+    steps = 60
+    secret = job.tmp_path / "secret"
+    secret.write_bytes(b"a-secret-for-this-job-only-0123456789")
+    secret.chmod(0o600)
+    spec = job.tmp_path / "hosts.json"
+    spec.write_text(json.dumps([{"name": h.name, "prefix": h.prefix()} for h in (h0, h1)]))
+    launch = [sys.executable, "-m", "nvrx", "launch", "--nnodes", "2", "--nproc-per-node", "1",
+              "--rdzv-endpoint", f"{h0.addr}:{PORT}", "--rdzv-id", "resumed", "--max-restarts", "0",
+              "--rdzv-conf", RDZV_CONF + ",join_timeout=60", "--term-timeout", "2", str(RESUME_TRAIN),
+              str(job.out), str(steps)]
+    (job.tmp_path / "resume").mkdir()
+    cmd = [sys.executable, "-m", "nvrx", "resume", "--state-dir", str(job.tmp_path / "resume"), "--max-failures", "2",
+           "--exec", "--", sys.executable, "-m", "tests.hosts_e2e.srun_hosts", str(spec), "--", *launch]
+    env = job.env({"FAULT_STEP_TIME": "0.05", "NVRX_JOB_SECRET_FILE": str(secret)})
+    job._shm = job._shm or ShmWatch(job.token)
+    resume = subprocess.Popen(cmd, cwd=job.tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    job.procs.append(resume)
+
+    def starts() -> list[dict]:  # each rank's start record, with its launch
+        return [json.loads(p.read_text()) | {"launch": p.name.split("-")[1]} for p in job.out.glob("start-*.json")]
+
+    def ends() -> dict[str, dict]:  # how each host's `nvrx launch` of the first attempt ended, and when
+        done = spec.with_name(spec.name + ".ends.jsonl")
+        return {e["host"]: e for e in map(json.loads, done.read_text().splitlines())} if done.exists() else {}
+
+    def output() -> str:  # what `nvrx resume` and the launches printed (ends the run: for failure messages)
+        resume.kill()
+        return resume.communicate()[1][-4000:]
+
+    assert wait_for(lambda: len(starts()) == 2 or resume.poll() is not None, 120), output()
+    assert len(starts()) == 2, output()
+    on_h1 = next(s for s in starts() if s["host"] == h1.name)
+    running = job.out / f"running.{on_h1['rank']}.{on_h1['launch']}"
+    assert wait_for(lambda: running.exists() and running.read_text().strip().isdigit(), 30)
+    # a checkpoint is published before the cut (every 5 steps)
+    assert wait_for(lambda: ckpt.find_latest_checkpoint(job.out / "ckpts", verify=None) is not None, 60)
+    clock = GoneClock([int(running.read_text())])
+    t_cut = time.time()
+    job.hosts.cut(h0)
+    assert wait_for(lambda: len(ends()) == 2, 60), f"the first launch did not end: {ends()}"
+    gone = clock.last(10) - t_cut
+    assert gone <= STORE_TIMEOUT + SLACK, f"the cut-off host's rank ran on {gone:.2f} s after the cut"
+    assert ends()[h1.name]["rc"] == 1 and ends()[h0.name]["rc"] == 1, ends()
+    # nothing corrupt: every published checkpoint verifies; the newest is what the next launch must resume from
+    published = ckpt.list_checkpoints(job.out / "ckpts")
+    for info in published:
+        ckpt.verify_checkpoint(info.path)
+    newest = published[0].path.name
+    job.hosts.heal(h0)
+
+    _, err = resume.communicate(timeout=240)
+    assert resume.returncode == 0, err
+    assert "cut off from the rendezvous store" in err
+    second = [s for s in starts() if s["launch"] != on_h1["launch"]]
+    assert len(second) == 2 and {s["newest"] for s in second} == {newest}, second
+    assert second[0]["start"] == second[1]["start"] > 0
+    final = json.loads((job.out / "final.json").read_text())
+    assert final["w"] == [float(steps * 2)] * 4, final  # every step exactly once across the two launches
+    decisions = [e for e in map(json.loads, (job.tmp_path / "resume" / "resume.jsonl").read_text().splitlines())
+                 if e["ev"] == "resume_decision"]
+    assert [d["action"] for d in decisions] == ["continue", "finished"], decisions
     job.assert_clean()

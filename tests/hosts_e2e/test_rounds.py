@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import wait_for
+from nvrx.slurm.nodes import find_bad_node
+from tests.conftest import wait_for, write_script
 from tests.faults.conftest import kill
 
 pytestmark = pytest.mark.slow
@@ -56,4 +57,49 @@ def test_standby_host_takes_a_lost_hosts_place(host_job):
     assert last["world_size"] == 2 and any(n.startswith(standby.split("-")[0] + "-") for n in last["nodes"])
     assert job.ledger.finished()
     job.ledger.assert_no_saved_work_lost()
+    job.assert_clean()
+
+
+HEALTH_RANK = r'''
+import json, os, socket, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+while not os.path.exists(os.path.join(sys.argv[1], "..", "health-gate")):  # the test says when (no race on start-up)
+    time.sleep(0.05)
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as fh:
+    json.dump({"world": dist.get_world_size(), "host": socket.gethostname()}, fh)
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+def test_a_host_failing_its_health_hook_sits_out_and_the_job_goes_on(host_job):
+    """--nnodes 1:2: the second host's health hook fails before it joins: that agent exits 16 ("failed its health
+    checks", the hook's words) while the first host runs the job alone (its rank waits for the test's gate), which
+    then finishes, exit 0; `nvrx inspect` says so, and the host `nvrx resume` would exclude is the sick one, by its
+    host name."""
+    job = host_job(2)
+    h0, h1 = job.hosts[0], job.hosts[1]
+    out = job.out / "health"
+    out.mkdir()
+    script = write_script(job.tmp_path / "rank.py", HEALTH_RANK)
+    common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"{h0.addr}:{PORT}",
+              "--rdzv-id", "health", "--rdzv-conf", "join_timeout=60,last_call_timeout=2",
+              "--ft-param-node_health_check_hook", "sh -c 'test -z \"$NVRX_TEST_SICK\" || { echo disk smoking; exit 1; }'"]
+    good = job.start_on(h0, *common, str(script), str(out))
+    assert wait_for(lambda: any(e["ev"] == "rdzv_join" for e in job.events("health")), 60)
+    sick = job.start_on(h1, *common, str(script), str(out), env={"NVRX_TEST_SICK": "1"})
+    _, err = sick.communicate(timeout=60)
+    assert sick.returncode == 16, err
+    assert "failed its health checks (hook: hook exited 1: disk smoking)" in err
+    (job.out / "health-gate").touch()  # the first host's job may end now
+    gout, err = good.communicate(timeout=60)
+    assert good.returncode == 0, err + gout
+    assert sorted(p.name for p in out.iterdir()) == ["rank0.json"]
+    assert (out / "rank0.json").read_text().count(h0.name) == 1
+    health = {e["ok"]: e for e in job.events("health") if e["ev"] == "node_health"}
+    assert sorted(health) == [False, True]
+    assert find_bad_node(job.tmp_path / "nvrx_logs", "health") == h1.name
+    report = job.run_inspect("health")
+    assert "failed its health checks" in report.stdout + report.stderr, report.stdout + report.stderr
     job.assert_clean()

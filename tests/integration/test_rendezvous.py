@@ -452,7 +452,8 @@ def test_records_of_an_earlier_launch_are_refused() -> None:
         for key in ("nvrx/job/r0/stop", "nvrx/job/finished", "nvrx/job/r0/closed"):
             saved[key] = spy.get(key)
         assert a.rs.auth.launch != "" and a.rs.auth.launch == b.rs.auth.launch
-        launch = a.rs.auth.launch
+        launch, launch_ns = a.rs.auth.launch, a.rs.launch
+        assert launch_ns.isdigit() and b.rs.launch == launch_ns  # the checkpoint fence's launch, from the nonce
     finally:
         launch_a.close()
     launch_b = Cluster()
@@ -463,6 +464,7 @@ def test_records_of_an_earlier_launch_are_refused() -> None:
             evil.set(key, raw)
         other = launch_b.agent(s, "node-b2")
         assert host.rs.auth.launch == other.rs.auth.launch != launch
+        assert host.rs.launch == other.rs.launch and int(host.rs.launch) > int(launch_ns)  # a later launch orders after
         ra, rb = in_parallel(host.rdzv.next_round, other.rdzv.next_round)  # not JobFinished: the replay is refused
         assert ra.round == 0 and [n.node_id for n in ra.nodes] == ["node-a2", "node-b2"]
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -695,3 +697,33 @@ def test_a_forged_answer_to_the_greeting_is_not_taken() -> None:
         server.set(key, auth.for_launch("").seal(key, -1, {"launch": "fresh", "challenge": hello["challenge"]}))
         got.append(learning.result(timeout=WAIT))
     assert got[0].launch == "fresh"
+
+
+def test_the_checkpoint_fences_launch_comes_only_from_the_hosts_signed_answer() -> None:
+    """NVRX_LAUNCH (the checkpoint fence's launch, nvrx/ckpt/fence.py) is the time part of the launch nonce, which a
+    joiner takes only from the host's signed answer: a program without the secret that answers first with an early
+    or late launch time, or writes the unsigned meta key older agents read, changes nothing."""
+    from torch.distributed import TCPStore
+
+    from nvrx.launcher.agent import store as store_mod
+    from nvrx.launcher.agent.rdzv_auth import RecordAuth, launch_time_ns, new_launch
+
+    real = new_launch()
+    assert launch_time_ns(real).isdigit() and abs(int(launch_time_ns(real)) - time.time_ns()) < 60e9
+    assert launch_time_ns("fresh") == "" and launch_time_ns("12x-ab") == "" and launch_time_ns("9" * 30 + "-a") == ""
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    auth = RecordAuth("job", b"k" * 32, True, "test")
+    outsider = RecordAuth("job", b"not-the-job-secret-0123", True, "test")
+    joiner, evil = (TCPStore("127.0.0.1", server.port, is_master=False) for _ in range(2))
+    evil.set("nvrx/meta/launch_ns", "99999999999999999999")
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        learning = pool.submit(store_mod.learn_launch, joiner, auth, "127.0.0.1", server.port, 10.0)
+        hello = json.loads(server.queue_pop(store_mod.HELLO_QUEUE, block=True))
+        key = store_mod.LAUNCH_KEY + hello["challenge"]
+        for forged in (f"1-{'0' * 32}", f"{'9' * 20}-{'0' * 32}"):
+            evil.set(key, outsider.for_launch("").seal(key, -1, {"launch": forged, "challenge": hello["challenge"]}))
+            assert not wait_for(learning.done, 0.5)
+        server.set(key, auth.for_launch("").seal(key, -1, {"launch": real, "challenge": hello["challenge"]}))
+        learnt = learning.result(timeout=WAIT)
+    assert learnt.launch == real
+    assert RendezvousStore(joiner, False, "127.0.0.1", server.port, learnt).launch == launch_time_ns(real)

@@ -3,7 +3,8 @@ nodes (SLURMD_NODENAME): a transient NaN, a NaN only one node reproduces (exit 1
 the other node), a deterministic NaN (exit 17); `nvrx resume` (record mode, as a bash loop runs it) keeps
 the verdicts, excludes the suspected node and does not count the re-runs as a restart storm; `nvrx inspect`
 shows it all. The re-run from the checkpoint landing on the suspected node again is tested in one process
-(test_machine.py). The process tree is checked after each launch."""
+(test_machine.py). The process tree is checked after each launch. The swap to a standby within one job runs on
+emulated hosts: test_launch_rerun_hosts.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, Launcher, free_port, run_events, wait_for
+from tests.conftest import Launcher
 
 TRAIN = Path(__file__).with_name("train_rerun.py")
 pytestmark = pytest.mark.slow
@@ -124,74 +125,3 @@ def test_transient_then_node_fault_then_persistent_elsewhere_and_a_deterministic
                   and "correct result" in it["text"]]
     assert verdict["level"] == "error" and "exit with code 17" in verdict["text"]
 
-
-def start_nodes(job: Job, work: Path, run_id: str, standby: bool) -> dict:
-    """`nvrx launch` agents of one job on emulated nodes nvrx-n0 (first: it hosts the store) and nvrx-n1, and with
-    STANDBY a third, nvrx-n2, once the round is full; the ranks wait before the bad step until all are there."""
-    gate = job.tmp_path / f"gate-{run_id}"
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-              "--rdzv-id", run_id, "--rdzv-conf", "join_timeout=90,last_call_timeout=1", "--log-dir", str(job.logs)]
-    run_dir = job.logs / run_id
-
-    def agent(node: str, node_rank: int):
-        return job.start(*common, "--node-rank", str(node_rank), str(TRAIN), str(work), "node",
-                         env={"SLURMD_NODENAME": node, "RERUN_GATE": str(gate)})
-
-    def seen(ev: str, n: int) -> bool:
-        return run_dir.exists() and sum(e["ev"] == ev for e in run_events(run_dir, "agent-")) >= n
-
-    agents = {"nvrx-n0": agent("nvrx-n0", 0)}
-    assert wait_for(lambda: seen("rdzv_join", 1), 60)
-    agents["nvrx-n1"] = agent("nvrx-n1", 1)
-    assert wait_for(lambda: seen("rdzv_round", 2), 60)
-    if standby:
-        agents["nvrx-n2"] = agent("nvrx-n2", 1)      # the round is full: a standby
-        assert wait_for(lambda: seen("rdzv_standby", 1), 60)
-    gate.touch()                                      # now the ranks may reach the bad step
-    return agents
-
-
-def test_a_node_fault_swaps_in_the_standby_within_the_same_job(job, clean_weights):
-    """Two emulated nodes and a standby agent under one `nvrx launch` job (no new job): the NaN reproduces
-    only on nvrx-n1 -> only that node's agent leaves (exit 16), the standby takes its place in a new round,
-    the step re-runs there from the checkpoint -> persistent_error of nvrx-n1; training finishes."""
-    work = job.tmp_path / "work"
-    work.mkdir()
-    agents = start_nodes(job, work, "swap", standby=True)
-    _, err1 = agents["nvrx-n1"].communicate(timeout=120)
-    assert agents["nvrx-n1"].returncode == 16, err1
-    assert "node nvrx-n1 leaves the job (exit 16)" in err1
-    for node in ("nvrx-n0", "nvrx-n2"):
-        _, err = agents[node].communicate(timeout=120)
-        assert agents[node].returncode == 0, err
-    assert job.leftovers() == []
-
-    out = weights(work)
-    assert out["verdicts"] == ["transient_error", "persistent_error"]
-    assert out["weights"] == clean_weights            # bitwise, across the swap
-    assert loss_hex(work, "nvrx-n2", 0) == loss_hex(work, "nvrx-n1", 0)  # the step re-ran exactly on the standby
-    evs = run_events(job.logs / "swap", "agent-")
-    stops = [e for e in evs if e["ev"] == "rdzv_stop" and e["kind"] == "failed"]
-    assert stops and all(s["detail"]["leaves"] == ["nvrx-n1"] and not s["give_up"] for s in stops)
-    assert {s["restart_count"] for s in stops} == {0}  # a swap does not spend the restart budget
-    text = job.inspect().stdout
-    assert "nvrx-n1 leave the job (exit 16); the others go on in place" in text, text
-    assert "re-run verdict for step 3: persistent error of the suspected node" in text
-    assert "rank 1 on node nvrx-n1: loss is NaN or Inf (call 1) = nan, re-run on nvrx-n2" in text
-
-
-def test_without_a_standby_the_job_ends_with_16_for_a_new_job(job):
-    """The same fault without a standby (--nnodes 2): the other node waits for the suspected node's decision,
-    which cannot leave (the re-run needs 2 nodes): every agent ends with 16, for `nvrx resume` (as before)."""
-    work = job.tmp_path / "work"
-    work.mkdir()
-    agents = start_nodes(job, work, "nostandby", standby=False)
-    errs = {node: a.communicate(timeout=120)[1] for node, a in agents.items()}
-    assert {node: a.returncode for node, a in agents.items()} == {"nvrx-n0": 16, "nvrx-n1": 16}, errs
-    assert "node nvrx-n1 cannot leave the job for a standby (1 node(s) and 0 standby would be left, the re-run " \
-           "needs 2)" in errs["nvrx-n1"]
-    assert job.leftovers() == []
-    stops = [e for e in run_events(job.logs / "nostandby", "agent-") if e["ev"] == "rdzv_stop"]
-    assert stops and all(s["give_up"] and s["detail"]["steer"] == 16 and not s["detail"].get("leaves")
-                         for s in stops)
-    assert {s["detail"]["rank"] for s in stops} == {1}  # written by the suspected node's agent, not the other

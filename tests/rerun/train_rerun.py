@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -53,7 +54,7 @@ def main() -> None:
     ckpt.resume(work / "ckpts", state)
     start = state["meta"]["step"]
     data = RerunDataIterator(batches(rank, start))
-    node = os.environ.get("SLURMD_NODENAME", "")
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # as the re-run machine names it
     glitched = []
     gate = os.environ.get("RERUN_GATE")
     for step in range(start, steps):

@@ -9,7 +9,8 @@ Only what nvrx made is removed, and only what it can prove it made: the agent cr
 before the first rank starts and writes a marker into it (``.nvrx-session``: the run id); a directory that existed
 before (a user's own ``<root>/<run id>``) gets no marker and is never removed. Removal walks by file descriptor and
 never follows a symbolic link; it deletes only the marker, ``rank<N>`` directories and the files the local tier
-writes there (checkpoints, their temporaries, damaged copies moved aside). Anything else stays, with its directories.
+writes there (checkpoints, their temporaries, damaged copies moved aside, the lineage of rounds). Anything else
+stays, with its directories.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ LOCAL_CKPT_DIR_ENV = "NVRX_LOCAL_CKPT_DIR"  # set for the ranks by --local-ckpt-
 MARKER = ".nvrx-session"
 _RANK_DIR = re.compile(r"rank\d+")
 # nvrx.ckpt.local's files in a rank directory: iter_<I>_<owner>_local.nvrxl, a temporary of one (nvrx.common.files
-# atomic writes: .<name>.tmp-...), a damaged one moved aside (.corrupt-<name>)
+# atomic writes: .<name>.tmp-...), a damaged one moved aside (.corrupt-<name>), the lineage (.nvrx_fence.json)
 _CKPT = r"iter_\d+_\d+_local\.nvrxl"
-_KNOWN_FILE = re.compile(rf"{_CKPT}|\.{_CKPT}\.tmp-[^/]*|\.corrupt-{_CKPT}")
+_FENCE = r"\.nvrx_fence\.json"  # the rank directory's lineage of rounds (nvrx/ckpt/fence.py FENCE_FILE)
+_KNOWN_FILE = re.compile(rf"{_CKPT}|\.{_CKPT}\.tmp-[^/]*|\.corrupt-{_CKPT}|{_FENCE}|\.{_FENCE}\.tmp-[^/]*")
 _NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 

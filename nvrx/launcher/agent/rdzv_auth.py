@@ -8,11 +8,13 @@ written to, besides the record. (No JSON envelope: a 256-node closed record is p
 copied to another key, round, run or launch fails the check (replay), and so does anything written without the
 secret: the agents ignore it.
 
-The launch is a random nonce the store host draws when it starts hosting (``new_launch``). `nvrx resume`
-relaunches inside one Slurm allocation with the same run id and secret; without the nonce, a record of an earlier
-launch would be valid in the next one. A joiner learns the nonce from the host by challenge and response
-(nvrx/launcher/agent/store.py): the host's answer is signed over the joiner's fresh challenge, so an answer
-copied from an earlier launch does not check either.
+The launch is a nonce the store host draws when it starts hosting (``new_launch``): its clock in ns, then a random
+part. `nvrx resume` relaunches inside one Slurm allocation with the same run id and secret; without the nonce, a
+record of an earlier launch would be valid in the next one. A joiner learns the nonce from the host by challenge and
+response (nvrx/launcher/agent/store.py): the host's answer is signed over the joiner's fresh challenge, so an answer
+copied from an earlier launch does not check either. The time part orders launches for the checkpoint fence
+(``NVRX_LAUNCH``, nvrx/ckpt/fence.py): it reaches an agent only inside that signed answer, so a program without
+the secret cannot make the job's ranks stamp or raise a fence with a launch of its choosing.
 
 Torch-free (the CLI's config builder loads the secret before torch is imported).
 """
@@ -55,8 +57,14 @@ class ForgedRecord(BadRecord):
 
 
 def new_launch() -> str:
-    """A fresh launch nonce (hex), drawn once by the agent that hosts the store."""
-    return secrets.token_hex(16)
+    """A fresh launch nonce, drawn once by the agent that hosts the store: ``<time in ns>-<32 hex digits>``."""
+    return f"{time.time_ns()}-{secrets.token_hex(16)}"
+
+
+def launch_time_ns(launch: str) -> str:
+    """The store host's start time (ns, digits) in the launch nonce LAUNCH; "" when it has none."""
+    head, sep, _ = launch.partition("-")
+    return head if sep and head.isdigit() and len(head) < 24 else ""
 
 
 def load_secret(path: str | Path) -> bytes:

@@ -7,7 +7,9 @@ different job", and fail with one clear line instead of hanging.
 
 Each launch has its own nonce (rdzv_auth.new_launch), drawn by the host and covered by every record's MAC. A
 joiner learns it by greeting the host: it pushes a challenge (and its secret's proof, host name and pid) onto a
-queue in the store; the host's LaunchGreeter answers with the nonce, signed over that challenge. An agent whose
+queue in the store; the host's LaunchGreeter answers with the nonce, signed over that challenge. The nonce begins
+with the host's start time, which orders launches for the checkpoint fence (``RendezvousStore.launch``); there is no
+unsigned copy of it in the store. An agent whose
 secret differs is named on the host at once (one warning line), instead of the host waiting out join_timeout.
 
 Two torch behaviours shape this module:
@@ -38,7 +40,8 @@ from torch.distributed import TCPStore
 
 from nvrx.launcher.agent.config import RdzvSettings
 from nvrx.common.torch_log import quiet_cpp_warnings
-from nvrx.launcher.agent.rdzv_auth import JOB_WIDE, SECRET_FILE_ENV, RecordAuth, generate_secret, new_launch
+from nvrx.launcher.agent.rdzv_auth import (JOB_WIDE, SECRET_FILE_ENV, RecordAuth, generate_secret, launch_time_ns,
+                                            new_launch)
 from nvrx.launcher.agent.rdzv_records import BadRecord
 from nvrx.common.net import (DEFAULT_OP_TIMEOUT, bind_listen, is_loopback, is_loopback_ip, local_bind_address, resolve,
                              serve_store)
@@ -50,7 +53,6 @@ MAGIC_KEY = "nvrx/meta/magic"
 MAGIC_VALUE = "nvrx-rendezvous/2"  # /2: records are bound to the launch; joiners greet the host
 RUN_ID_KEY = "nvrx/meta/run_id"
 NPROC_KEY = "nvrx/meta/nproc_per_node"
-LAUNCH_NS_KEY = "nvrx/meta/launch_ns"  # the store host's time (ns) when it began serving: orders launches (ckpt fences)
 AUTH_KEY = "nvrx/meta/auth"  # RecordAuth.proof() of the host: "secret:<hmac>" or "none:<hmac>", never the secret
 HELLO_QUEUE = "nvrx/meta/hello"  # joiners push their greeting (JSON); the host's LaunchGreeter pops and answers
 LAUNCH_KEY = "nvrx/meta/launch/"  # + the joiner's challenge: the host's signed answer {launch, challenge}
@@ -145,7 +147,6 @@ def _write_meta(store: TCPStore, settings: RdzvSettings, auth: RecordAuth) -> No
     store.set(RUN_ID_KEY, settings.run_id)
     store.set(NPROC_KEY, str(settings.nproc_per_node))
     store.set(AUTH_KEY, auth.proof())
-    store.set(LAUNCH_NS_KEY, str(time.time_ns()))
     store.set(MAGIC_KEY, MAGIC_VALUE)  # last: a client that sees it can read the others
 
 
@@ -464,7 +465,9 @@ class RendezvousStore:
         self.host = host
         self.port = port
         self.greeter = greeter  # on the host of a multi-node job: answers joiners' greetings
-        self.launch = _launch_of(store)  # orders launches for the checkpoint fence (nvrx/ckpt/fence.py)
+        # the store host's start time (ns) from the signed launch nonce: orders launches for the checkpoint fence
+        # (NVRX_LAUNCH, nvrx/ckpt/fence.py)
+        self.launch = launch_time_ns(auth.launch)
 
     @property
     def refused(self) -> list[str]:
@@ -567,16 +570,6 @@ class StoreContact:
             self.lost.set()
             self.on_lost(self.silent_for())
             return
-
-
-def _launch_of(store: TCPStore) -> str:
-    """This launch's identity (the store host's start time in ns), "" from a store that has none."""
-    try:
-        raw = store.get(LAUNCH_NS_KEY) if store.check([LAUNCH_NS_KEY]) else b""
-    except dist.DistError:
-        return ""
-    text = raw.decode(errors="replace")
-    return text if text.isdigit() and len(text) < 24 else ""
 
 
 def _host(addr: str, port: int, settings: RdzvSettings) -> RendezvousStore:

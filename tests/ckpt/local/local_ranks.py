@@ -7,7 +7,8 @@ node 1 lost again and, after find_latest, the replica rank 0 must send breaks ->
 shard deleted, restore), restore (find_latest + load), kill (save 1, start an async save
 of 2 and SIGKILL this rank at once), disk_full (node1's root is a tiny tmpfs: a save fails on every rank, clearly),
 queue (NVRx's pattern: save(is_async=True) -> AsyncCallsQueue.schedule_async_request -> maybe_finalize_async_calls;
-the files are written by the persistent writer process), queue_disk_full (the same with node1's root full).
+the files are written by the persistent writer process), queue_disk_full (the same with node1's root full),
+cut_off (a cut-off node's late files are never restored: nvrx/ckpt/fence.py).
 """
 
 from __future__ import annotations
@@ -169,12 +170,73 @@ def writer_killed(work: Path, rank: int) -> dict:
     return out
 
 
+def in_round(launch: int, rnd: int) -> None:
+    """This rank is in round RND of launch LAUNCH, as `nvrx launch` tells it (NVRX_LAUNCH, NVRX_ROUND)."""
+    os.environ.update(NVRX_LAUNCH=str(launch), NVRX_ROUND=str(rnd))
+
+
+def cut_off_writes(work: Path, rank: int, iteration: int) -> None:
+    """What a cut-off node's ranks of round 0 write after the job went on without them: node 1's ranks (2, 3)
+    write ITERATION, their own shards and the replicas their clique partners (0, 1) sent them before the cut,
+    stamped with their round as the manager stamps them. (Their own saves cannot finish: the agreement needs the
+    partners, which the job stopped.)"""
+    from nvrx.ckpt import fence
+    from nvrx.ckpt.local.codec import pack, seal, write_file
+    from nvrx.ckpt.local.naming import SUFFIX, ckpt_id
+
+    if rank // PER_NODE != 1:
+        return
+    for owner in (rank, rank - PER_NODE):
+        packed = pack(state(owner, iteration), ckpt_id(iteration, owner), checksum=False)
+        packed.header.update(world_size=WORLD, **fence.stamp())
+        write_file(work / "node1" / "job" / f"rank{rank}" / f"{packed.id}{SUFFIX}", seal(packed))
+
+
+def cut_off(work: Path, rank: int) -> dict:
+    """No split brain in the local tier. Launch 7, round 0 on node 0 (ranks 0, 1) and node 1 (ranks 2, 3) saves
+    iteration 1; node 1 is cut off, and round 1 runs on node 0 and a standby (node 2) and resumes from iteration 1;
+    node 1's ranks of round 0 then write iteration 2 on their own disk (every shard has a copy there); round 2 runs
+    on nodes 0 and 1 again. Without the fence it would restore node 1's iteration 2."""
+    out: dict = {}
+    in_round(7, 0)
+    mgr = manager(work, rank)
+    mgr.save(state(rank, 1), iteration=1)
+    in_round(7, 1)
+    standby = LocalCheckpointManager(work / ("node0" if rank < PER_NODE else "node2"), session_id="job",
+                                     repl_strategy=LazyCliqueReplicationStrategy())
+    out["round1"] = restore(standby)
+    dist.barrier()
+    in_round(7, 0)
+    cut_off_writes(work, rank, 2)
+    try:  # a save by round 0 where round 1 resumed (node 0's directories): refused on every rank
+        mgr.save(state(rank, 3), iteration=3)
+        out["stale_save"] = None
+    except LocalCheckpointError as exc:
+        out["stale_save"] = str(exc)
+    out["node0_files"] = sorted(p.name for p in (work / "node0" / "job" / f"rank{rank % PER_NODE}").iterdir())
+    dist.barrier()
+    in_round(7, 2)
+    mgr = manager(work, rank)
+    out["round2_files"] = sorted(p.name for p in mgr.local_dir.iterdir())
+    out["round2"] = restore(mgr)
+    out["round2_notes"] = mgr.find_notes
+    mgr.save(state(rank, 4), iteration=4)  # the job's own round goes on
+    out["round2_after_save"] = manager(work, rank).find_latest()
+    in_round(9, 0)  # a later launch (nvrx resume)
+    out["next_launch"] = restore(manager(work, rank))
+    return out
+
+
 def main() -> None:
     rank, port, work, scenario = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4]
     logging.basicConfig(level=logging.WARNING, format=f"rank{rank} %(levelname)s %(message)s")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank % PER_NODE),
                       LOCAL_WORLD_SIZE=str(PER_NODE), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo")
+    if scenario == "cut_off":
+        (work / f"cut_off-rank{rank}.json").write_text(json.dumps(cut_off(work, rank)))
+        dist.destroy_process_group()
+        return
     if scenario == "journey":
         (work / f"journey-rank{rank}.json").write_text(json.dumps(journey(work, rank)))
         dist.destroy_process_group()

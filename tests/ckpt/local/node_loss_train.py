@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def main() -> None:
         start = sd["step"]
         (work / f"restored-rank{rank}.json").write_text(json.dumps(
             {"attempt": attempt, "step": start, "w": sorted(set(sd["w"].tolist())), "source": mgr.last_load_source,
-             "node": os.environ.get("SLURMD_NODENAME"), "dir": str(mgr.session_dir)}))
+             "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(), "dir": str(mgr.session_dir)}))
     for step in range(start + 1, 5 if attempt == 0 else 7):
         mgr.save(state(rank, step), step, is_async=True)
     mgr.wait()

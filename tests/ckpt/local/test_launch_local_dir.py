@@ -70,4 +70,5 @@ def test_only_the_job_session_itself_is_ever_removed(tmp_path: Path) -> None:
     assert claim_job_session(root, "job") is True and claim_job_session(root, "job") is True  # a later launch
     (root / "job" / "rank0").mkdir()
     (root / "job" / "rank0" / "iter_000000001_0_local.nvrxl").write_bytes(b"x")
+    (root / "job" / "rank0" / ".nvrx_fence.json").write_bytes(b"{}")  # the lineage of rounds (nvrx/ckpt/fence.py)
     assert remove_job_session(root, "job") == root / "job" and not (root / "job").exists() and root.is_dir()

@@ -146,3 +146,21 @@ def test_a_writer_process_killed_during_an_async_save_fails_that_save_everywhere
         assert "killed by SIGKILL" in r["error"] and "previous local checkpoint is kept" in r["error"]
         assert r["found_after"] == 1 and r["new_writer"]
     assert_restored(res, 3)
+
+
+def test_a_cut_off_nodes_late_files_are_never_restored(tmp_path: Path) -> None:
+    """No split brain in the local tier (nvrx/ckpt/fence.py): node 1 is cut off, round 1 resumes from iteration 1
+    without it, node 1's ranks of round 0 then write iteration 2 (every shard has a copy on node 1). Round 2, with
+    node 1 back, restores iteration 1, not 2, and says why; a save by round 0 where round 1 resumed is refused on
+    every rank; the job's own later saves and a later launch are restored as usual."""
+    res = run_ranks(tmp_path, "cut_off")
+    assert_restored([r["round1"] for r in res], 1)
+    assert {ckpt_id(2, 2) + SUFFIX, ckpt_id(2, 0) + SUFFIX} <= set(res[2]["round2_files"])  # the late files
+    assert_restored([r["round2"] for r in res], 1)
+    for r in res:
+        assert "round 0, which the job has left" in r["stale_save"] and "\n" not in r["stale_save"]
+        assert not [n for n in r["node0_files"] if n.startswith("iter_000000003")]
+        assert any("iteration 2: written by round 0 after round 1 of the job resumed from iteration 1" in n
+                   for n in r["round2_notes"]), r["round2_notes"]
+        assert r["round2_after_save"] == 4
+    assert_restored([r["next_launch"] for r in res], 4)

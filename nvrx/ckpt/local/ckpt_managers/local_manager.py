@@ -9,6 +9,11 @@ everywhere?" -> only then are other iterations removed, so a crash at any point 
 iteration. ``find_latest`` checks every file's header and size, gathers what each rank holds and picks the newest
 iteration whose every shard has a copy somewhere it can come from; ``load`` fetches the shards that are not local
 from a replica holder, checking each payload's CRC-32 as it is read.
+
+No split brain (nvrx/ckpt/fence.py): under ``nvrx launch`` each file's header carries its round's ``[launch, round]``
+and every rank directory the lineage of rounds (``.nvrx_fence.json``: which iteration each round resumed from);
+``find_latest`` merges the lineages of all ranks and passes over files from a branch the job left (written by a
+round a later round had already left behind), and a save by such a round is refused everywhere.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from nvrx.ckpt import fence
 from nvrx.ckpt.async_ckpt.dist_wrapper import DistWrapper
 from nvrx.ckpt.async_ckpt.staging import StagingPool
 from nvrx.ckpt.local.base_state_dict import TensorAwareStateDict
@@ -60,6 +66,26 @@ def newest_restorable(available: Mapping[int, Sequence[str]], sources: Sequence[
             return it, skipped
         skipped.append(f"iteration {it}: no intact copy (own file or replica) of the shard of rank(s) {missing}")
     return -1, skipped
+
+
+def fenced_out(gathered: Sequence[Sequence[Any]], lineage: list[tuple[int, int, int]]) -> tuple[dict[int, list[str]], list[str]]:
+    """What each rank holds (GATHERED[r] = [ids, world sizes, keys of the ids, lineage]) without the files from a branch
+    the job left (LINEAGE: nvrx/ckpt/fence.py), and one line per iteration passed over for that."""
+    available: dict[int, list[str]] = {}
+    left: dict[int, tuple[tuple[int, int], tuple[int, int, int]]] = {}
+    for rank, (ids, _, keys, _) in enumerate(gathered):
+        kept = available.setdefault(rank, [])
+        for id_, raw in zip(ids, keys):
+            parsed, key = parse_id(id_), fence.key_of(raw)
+            entry = fence.left_branch(key, parsed[0], lineage) if parsed and key else None
+            if entry is None:
+                kept.append(id_)
+            else:
+                left.setdefault(parsed[0], (key, entry))  # type: ignore[index]
+    notes = [f"iteration {it}: written by round {key[1]} after round {entry[1]} of the job resumed from "
+             f"{'iteration ' + str(entry[2]) if entry[2] >= 0 else 'no local checkpoint'} (a node cut off from the "
+             "job wrote it), never used" for it, (key, entry) in sorted(left.items(), reverse=True)]
+    return available, notes
 
 
 def _check_private(path: Path) -> None:
@@ -138,6 +164,7 @@ class LocalCheckpointManager:
         self._spare: torch.Tensor | None = None
         self.last_load_source: str | None = None
         self.other_world_sizes: set[int] = set()  # world sizes of files found by the last scan that are not ours
+        self._keys: dict[str, tuple[int, int] | None] = {}  # id -> [launch, round] of the round that wrote it (scan)
         self._taken: dict[int, float] = {}  # iteration -> when its state was taken (reported once it is complete)
 
     # --- save ------------------------------------------------------------------------------------------------
@@ -185,6 +212,7 @@ class LocalCheckpointManager:
         spare, self._spare = self._spare, None
         mine = pack(state_dict, ckpt_id(iteration, self.rank), out=spare, checksum=False)
         mine.header["world_size"] = self.world_size
+        mine.header.update(fence.stamp())  # which round wrote it: the key find_latest checks against the lineage
         request = LocalSaveRequest(iteration, mine, strategy, self.local_dir)
         request.run()
         self._finish(request)
@@ -199,6 +227,7 @@ class LocalCheckpointManager:
 
         header, tensors = layout(state_dict, ckpt_id(iteration, self.rank))
         header["world_size"] = self.world_size  # shards of another world size are not this job's (find_latest)
+        header.update(fence.stamp())  # which round wrote it: the key find_latest checks against the lineage
         clique = strategy if isinstance(strategy, CliqueReplicationStrategy) else None
         given = self._user_replicas(strategy, state_dict, header["id"]) if strategy is not None and not clique else []
         head = json.dumps(header, separators=(",", ":")).encode()
@@ -248,7 +277,7 @@ class LocalCheckpointManager:
         """Finalize an asynchronous save (collective): agree it is written everywhere, then remove older files."""
         if not self._settle_async(save):
             return
-        errors = [e for e in self._dist.all_gather_json(save.error) if e]
+        errors = [e for e in self._dist.all_gather_json(save.error or fence.local_save_refused(self.local_dir)) if e]
         self._pool.release(save.staging)
         if errors:
             self._remove_iteration(save.iteration)
@@ -273,7 +302,7 @@ class LocalCheckpointManager:
 
     def _keep_only(self, names: set[str]) -> None:
         for path in self.local_dir.iterdir():
-            if path.name not in names:
+            if path.name not in names and path.name != fence.FENCE_FILE:
                 path.unlink(missing_ok=True)
 
     def _finalize_pending(self) -> None:
@@ -313,7 +342,7 @@ class LocalCheckpointManager:
 
     def _finish(self, request: LocalSaveRequest) -> None:
         """Agree the save is written everywhere; only then remove every other iteration from this rank's dir."""
-        errors = [e for e in self._dist.all_gather_json(request.error) if e]
+        errors = [e for e in self._dist.all_gather_json(request.error or fence.local_save_refused(self.local_dir)) if e]
         self._spare = request.mine.buffer  # written everywhere or abandoned: the next snapshot may reuse it
         if errors:
             for path in request.files:
@@ -336,6 +365,7 @@ class LocalCheckpointManager:
         (logged) so no plan counts on them."""
         ids = []
         self.other_world_sizes = set()
+        self._keys = {}
         for path in sorted(self.local_dir.iterdir()):
             if ".tmp-" in path.name and path.name.startswith("."):
                 path.unlink(missing_ok=True)
@@ -352,6 +382,7 @@ class LocalCheckpointManager:
                 self.other_world_sizes.add(header["world_size"])
                 continue
             ids.append(path.name[: -len(SUFFIX)])
+            self._keys[ids[-1]] = fence.key_of(header.get("fence"))
         return ids
 
     def _restore_sources(self) -> list[list[int]]:
@@ -363,12 +394,19 @@ class LocalCheckpointManager:
         return self._sources
 
     def find_latest(self) -> int:
-        """The newest iteration every rank can restore (from its files or replicas), agreed by all; -1 if none."""
+        """The newest iteration every rank can restore (from its files or replicas), agreed by all; -1 if none.
+        Under ``nvrx launch`` this round's resume point joins the lineage (nvrx/ckpt/fence.py) in every rank dir."""
         self._finalize_pending()
-        gathered = self._dist.all_gather_json([self._scan(), sorted(self.other_world_sizes)])
-        available = {r: ids for r, (ids, _) in enumerate(gathered)}
+        ids = self._scan()
+        gathered = self._dist.all_gather_json([ids, sorted(self.other_world_sizes),
+                                               [None if self._keys[i] is None else list(self._keys[i]) for i in ids],
+                                               [list(e) for e in fence.read_lineage(self.local_dir)]])
+        lineage = fence.merge_lineage([g[3] for g in gathered])
+        available, left = fenced_out(gathered, lineage)
         iteration, skipped = newest_restorable(available, self._restore_sources())
-        others = sorted({w for _, ws in gathered for w in ws})
+        skipped = left + skipped
+        fence.write_lineage(self.local_dir, fence.record_resume(lineage, iteration))
+        others = sorted({w for _, ws, *_ in gathered for w in ws})
         if others:  # an elastic job that changed size: per-rank shards do not reshard (the global tier does)
             skipped.append(f"local checkpoints saved at world size {', '.join(map(str, others))} are not used at world "
                            f"size {self.world_size} (per-rank shards do not reshard; the global tier does)")
