@@ -48,7 +48,7 @@ def check_clean(launcher, root: Path) -> None:
 def assert_fell_back(launcher, res, out: Path, why: str, root: Path | None = None) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     (line,) = agent_lines(res.stderr, "no just-in-time checkpoint")
-    assert why in line and "newest periodic checkpoint" in line, line
+    assert why in line and "newest periodic/local checkpoint" in line, line
     before = json.loads((out / "before.json").read_text())
     assert before["steps"] > 0 and starts(out, 1) == {before["steps"]}  # the previous checkpoint was used
     assert not any(p.name.startswith("jit_step_") for p in (root or out / "ckpts").iterdir())
