@@ -372,16 +372,28 @@ class PeriodicCheckpointer:
         if m["step_s"] is None:
             return
         history = _interval_history(self.root)
-        mtbf = self.mtbf_s
+        mtbf, source = self.mtbf_s, "configured mtbf_s" if self.mtbf_s is not None else ""
         if history.get("failures"):
-            seen = max(1.0, time.time() - float(history["first_start"])) / int(history["failures"])
-            mtbf = seen if mtbf is None else min(mtbf, seen)
+            ran = max(1.0, time.time() - float(history["first_start"]))
+            seen = ran / int(history["failures"])
+            if mtbf is None or seen < mtbf:
+                mtbf, source = seen, f"{int(history['failures'])} failure(s) in {ran:.0f} s of this job"
         choice = interval.choose(m["step_s"], m["save_s"] or 0.0, m["drain_s"], mtbf, history.get("restart_s"))
         every = max_over_ranks(choice.every_steps, self.process_group)
+        changed = self.interval is None or every != self.every_steps
         if every != self.every_steps:
             log.info("checkpoint interval %d -> %d steps (%s)", self.every_steps, every, choice.why)
         self.every_steps, self.interval = every, choice
         _write_interval(self.root, {**history, "every_steps": every, "choice": choice.to_dict()})
+        if changed and _coordinator():  # for `nvrx inspect` (an event of rank 0's monitor), when the choice changes
+            from nvrx.common.checkpoint_report import report_interval
+
+            why = choice.why + (f" (MTBF from {source})" if source else "")
+            if every != choice.every_steps:
+                why += f"; {every} steps: the largest any rank chose"
+            report_interval(every, why, seconds=choice.seconds, save_cost_s=choice.save_cost_s, step_s=choice.step_s,
+                            drain_s=choice.drain_s, mtbf_s=choice.mtbf_s, restart_s=choice.restart_s,
+                            expected_goodput=choice.expected_goodput)
 
     def _deferrable(self) -> Any:
         """Which tensors the copy may leave to the publisher: the parameters and the optimizer's state.
