@@ -15,8 +15,8 @@ Target: ``auto`` >= the best fixed interval - 0.5 points, at both rates.
 
 Usage (from the repo root)::
 
-    python bench/bench_interval.py                          # 2 rates x (auto + 5 fixed) + 2 references
-    python bench/bench_interval.py --rates 15 --every 10,50,200 --steps 1500
+    python bench/bench_interval.py                          # 2 rates x (auto + 5 fixed) + 2 references, 4 faults
+    python bench/bench_interval.py --rates 15 --every 10,50,200 --faults 3
 
 Prints a table and writes bench/results/interval.json.
 """
@@ -56,31 +56,34 @@ def command(spec: bg.RunSpec, settings: bg.Settings, dirs: bl.RunDirs, run_id: s
     return cmd
 
 
-def poisson_schedule(seed: int, mean: float, training_s: float, margin: float) -> list[bg.Fault]:
-    """Faults of a Poisson process of MEAN seconds between faults: each attempt's training time before its fault
-    is exponential; as many as fit in MARGIN x TRAINING_S seconds of training (every run must see all of them)."""
+def poisson_schedule(seed: int, mean: float, count: int) -> list[bg.Fault]:
+    """COUNT faults of a Poisson process of MEAN seconds of training between faults: each attempt's training
+    time before its fault is exponential (memoryless: the same process whatever the restarts cost)."""
     rng = random.Random(seed)
-    faults, total = [], 0.0
-    while True:
-        after = max(0.5, round(rng.expovariate(1.0 / mean), 2))  # (a fault before the first step is not one)
-        if total + after > margin * training_s:
-            return faults
-        total += after
-        faults.append(bg.Fault(after, rng.randrange(bg.WORLD)))
+    return [bg.Fault(max(0.5, round(rng.expovariate(1.0 / mean), 2)), rng.randrange(bg.WORLD)) for _ in range(count)]
+
+
+def steps_for(schedule: list[bg.Fault], margin: float, step_s: float) -> int:
+    """Training steps long enough for every fault of SCHEDULE to fire: its training time / MARGIN, in steps."""
+    return math.ceil(sum(f.after_s for f in schedule) / margin / step_s)
 
 
 def label(every: int) -> str:
     return "auto" if every == AUTO else str(every)
 
 
-def run(settings: bg.Settings, rates: list[float], everies: list[int], seed: int, margin: float, step_s: float,
-        keep: bool) -> tuple[list[dict[str, Any]], dict[float, list[bg.Fault]]]:
+def run(settings: bg.Settings, rates: list[float], everies: list[int], seed: int, default_faults: int,
+        faults: dict[float, int], margin: float,
+        step_s: float, keep: bool) -> tuple[list[dict[str, Any]], dict[float, list[bg.Fault]], dict[float, int]]:
     table_ = bg.launchers()
-    runs, schedules = [], {}
+    runs, schedules, steps = [], {}, {}
     for rate in rates:
-        schedule = schedules[rate] = poisson_schedule(seed + int(rate), rate, settings.steps * step_s, margin)
-        LOG.info("rate 1/%g s: %d faults at %s", rate, len(schedule), ", ".join(f"{f.after_s:g}s/r{f.rank}" for f in schedule))
-        rate_settings = bg.Settings(**{**asdict(settings), "faults": len(schedule)})
+        schedule = schedules[rate] = poisson_schedule(seed + int(rate), rate, faults.get(rate, default_faults))
+        steps[rate] = settings.steps or steps_for(schedule, margin, step_s)
+        LOG.info("rate 1/%g s: %d steps, faults at %s", rate, steps[rate],
+                 ", ".join(f"{f.after_s:g}s/r{f.rank}" for f in schedule))
+        rate_settings = bg.Settings(**{**asdict(settings), "faults": len(schedule), "steps": steps[rate],
+                                       "run_timeout": steps[rate] * 0.2 + 600})
         specs = [bg.RunSpec("nvrx", f"interval{rate:g}", "none", "none", 10)]
         specs += [bg.RunSpec("nvrx", f"interval{rate:g}", "crash", "nvrx", every) for every in everies]
         for spec in specs:
@@ -92,7 +95,7 @@ def run(settings: bg.Settings, rates: list[float], everies: list[int], seed: int
             LOG.log(logging.INFO if result.ok else logging.WARNING, "rate %g every %s: %s (load %.1f)", rate,
                     runs[-1]["every"], f"wall {result.wall_s:.1f} s, {len(result.faults)} fault(s)" if result.ok
                     else f"FAILED: {result.error}; kept {result.run_dir}", load)
-    return runs, schedules
+    return runs, schedules, steps
 
 
 def chosen_intervals(result: bg.RunResult) -> list[dict[str, Any]] | None:
@@ -148,8 +151,8 @@ def summarize(runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[di
     return rows, goals
 
 
-def report(runs: list[dict[str, Any]], schedules: dict[float, list[bg.Fault]], settings: bg.Settings,
-           output: Path, extra: dict[str, Any]) -> None:
+def report(runs: list[dict[str, Any]], schedules: dict[float, list[bg.Fault]], steps: dict[float, int],
+           settings: bg.Settings, output: Path, extra: dict[str, Any]) -> None:
     rows, goals = summarize(runs)
     header = ["rate", "every", "wall s", "faults", "lost/fault", "recompute", "blocked s", "goodput wall",
               "goodput lost", "load"]
@@ -157,9 +160,9 @@ def report(runs: list[dict[str, Any]], schedules: dict[float, list[bg.Fault]], s
              bg.fmt(row["lost_per_fault_s"]), bg.fmt(row["recompute_per_fault_s"]), bg.fmt(row["ckpt_blocked_s"]),
              bg.fmt(row.get("goodput_wall"), ""), bg.fmt(row.get("goodput_lost"), ""),
              "-" if row["load"] is None else f"{row['load']:.1f}"] for row in rows]
-    bl.print_table(header, body, f"checkpoint interval sweep: {bg.WORLD} ranks DDP+Adam gloo, {settings.steps} steps, "
-                                 f"Poisson faults (crash) at " + ", ".join(f"1/{r:g} s ({len(s)} faults)"
-                                                                           for r, s in schedules.items()))
+    bl.print_table(header, body, f"checkpoint interval sweep: {bg.WORLD} ranks DDP+Adam gloo, Poisson faults (crash) "
+                                 "at " + ", ".join(f"1/{r:g} s ({len(s)} faults, {steps[r]} steps)"
+                                                   for r, s in schedules.items()))
     for r in runs:
         if r["every"] == "auto":
             chosen = chosen_intervals(r["result"]) or []
@@ -170,7 +173,7 @@ def report(runs: list[dict[str, Any]], schedules: dict[float, list[bg.Fault]], s
         print(f"  {goal['target']}: {'-' if value is None else f'{value:.4f}'} (best fixed "
               f"{'-' if best is None else f'{best:.4f}'} at every {goal['best_every']}) "
               f"{'' if goal['met'] is None else ('met' if goal['met'] else 'MISSED')}")
-    bl.save_json(output, {**extra, "settings": asdict(settings),
+    bl.save_json(output, {**extra, "settings": asdict(settings), "steps": {f"{r:g}": n for r, n in steps.items()},
                           "schedules": {f"{rate:g}": [asdict(f) for f in s] for rate, s in schedules.items()},
                           "rows": rows, "targets": goals,
                           "runs": [{"rate_s": r["rate_s"], "every": r["every"],
@@ -180,9 +183,11 @@ def report(runs: list[dict[str, Any]], schedules: dict[float, list[bg.Fault]], s
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rates", default="15,60", help="mean seconds of training between faults, comma list")
+    p.add_argument("--rates", default="15,60",
+                   help="mean seconds of training between faults, comma list; RATE:N runs N faults at that rate")
     p.add_argument("--every", default="10,20,50,100,200", help="the fixed intervals (steps), comma list")
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--faults", type=int, default=4, help="faults per run (the Poisson schedule's first N)")
+    p.add_argument("--steps", type=int, default=0, help="training steps (default: enough for the faults to fire)")
     p.add_argument("--pause", type=float, default=0.01)
     p.add_argument("--step-s", type=float, default=0.03, help="expected seconds per step (to fit the schedule)")
     p.add_argument("--margin", type=float, default=0.85, help="the faults fit in this share of the training time")
@@ -191,17 +196,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-run-dirs", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    rates = [float(x) for x in args.rates.split(",") if x]
+    pairs = [x.split(":") for x in args.rates.split(",") if x]
+    try:
+        rates = [float(x[0]) for x in pairs]
+        per_rate = {float(x[0]): int(x[1]) for x in pairs if len(x) > 1}
+    except ValueError:
+        p.error("--rates: comma list of RATE or RATE:FAULTS")
     everies = [AUTO, *(int(x) for x in args.every.split(",") if x)]
-    if not rates or any(not math.isfinite(r) or r <= 0 for r in rates) or any(e < 0 for e in everies):
-        p.error("--rates must be positive seconds and --every positive steps")
-    base, _ = bg.parse_args(["--steps", str(args.steps), "--faults", "1", "--kinds", "crash", "--pause", str(args.pause),
+    if not rates or any(not math.isfinite(r) or r <= 0 for r in rates) or any(e < 0 for e in everies) or args.faults < 1:
+        p.error("--rates must be positive seconds, --every positive steps, --faults >= 1")
+    base, _ = bg.parse_args(["--steps", str(args.steps), "--faults", str(args.faults), "--kinds", "crash",
+                             "--pause", str(args.pause),
                              "--launchers", "nvrx", "--variants", "every10"])
     settings = bg.Settings(**{**asdict(base), "variants": ("interval",)})
     bg.command, bg.monitor_facts = command, monitor_facts
     started, load = time.monotonic(), os.getloadavg()[0]
-    runs, schedules = run(settings, rates, everies, args.seed, args.margin, args.step_s, args.keep_run_dirs)
-    report(runs, schedules, settings, args.output, {
+    runs, schedules, steps = run(settings, rates, everies, args.seed, args.faults, per_rate, args.margin, args.step_s,
+                                 args.keep_run_dirs)
+    report(runs, schedules, steps, settings, args.output, {
         "machine": bl.machine_info(), "elapsed_s": time.monotonic() - started, "load_start": load,
         "load_end": os.getloadavg()[0], "command": ["python", "bench/bench_interval.py", *(argv or sys.argv[1:])]})
     return 0
