@@ -10,7 +10,9 @@ own restarts (and, before the first one, from the time run so far).
 goodput (wall) = the fault-free wall without checkpoints (one reference run per rate, right before its sweep)
 / the run's wall. goodput (lost) = reference / (reference + the time lost to each fault, measured around the
 fault within the run + the time training was blocked in checkpoint calls): insensitive to the step-time drift
-of a shared machine between runs minutes apart, but blind to the writer slowing training down from outside.
+of a shared machine between runs minutes apart, but blind to the writer slowing training down from outside. goodput (steps) = steps x the run's own median step
+time / its wall: the whole cost of faults and saves against the step time of the same minutes (a save that slows
+fewer than half of the steps is only counted through the wall).
 Target: ``auto`` >= the best fixed interval - 0.5 points, at both rates.
 
 Usage (from the repo root)::
@@ -24,6 +26,7 @@ Prints a table and writes bench/results/interval.json.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -118,7 +121,7 @@ def monitor_facts(logs: Path) -> dict[str, Any] | None:
     return facts
 
 
-def summarize(runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def summarize(runs: list[dict[str, Any]], steps: dict[float, int]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     rows, goals = [], []
     for rate in sorted({r["rate_s"] for r in runs}):
         mine = [r for r in runs if r["rate_s"] == rate]
@@ -130,6 +133,8 @@ def summarize(runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[di
                                    "ckpt_blocked_s": res.ckpt_blocked_s, "step_median_s": res.step_median_s,
                                    "lost_per_fault_s": bg.med([f["lost"] for f in res.faults if "lost" in f]),
                                    "recompute_per_fault_s": bg.med([f["recompute"] for f in res.faults if "recompute" in f])}
+            if res.ok and res.wall_s and res.step_median_s:  # within the run: the load of its own minutes
+                row["goodput_steps"] = steps[rate] * res.step_median_s / res.wall_s
             if res.ok and ref is not None and ref.wall_s and res.wall_s:
                 row["goodput_wall"] = ref.wall_s / res.wall_s
                 if res.faults:
@@ -139,7 +144,7 @@ def summarize(runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[di
         measured = [row for row in rows if row["rate_s"] == rate and row["every"] not in ("reference",)]
         auto = next((row for row in measured if row["every"] == "auto"), None)
         fixed = [row for row in measured if row["every"] != "auto"]
-        for metric in ("goodput_wall", "goodput_lost"):
+        for metric in ("goodput_wall", "goodput_lost", "goodput_steps"):
             values = [row[metric] for row in fixed if row.get(metric) is not None]
             best = max(values) if values else None
             value = auto.get(metric) if auto else None
@@ -153,12 +158,13 @@ def summarize(runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[di
 
 def report(runs: list[dict[str, Any]], schedules: dict[float, list[bg.Fault]], steps: dict[float, int],
            settings: bg.Settings, output: Path, extra: dict[str, Any]) -> None:
-    rows, goals = summarize(runs)
+    rows, goals = summarize(runs, steps)
     header = ["rate", "every", "wall s", "faults", "lost/fault", "recompute", "blocked s", "goodput wall",
-              "goodput lost", "load"]
+              "goodput lost", "goodput steps", "load"]
     body = [[f"1/{row['rate_s']:g}s", row["every"], bg.fmt(row["wall_s"]), str(row["faults"]),
              bg.fmt(row["lost_per_fault_s"]), bg.fmt(row["recompute_per_fault_s"]), bg.fmt(row["ckpt_blocked_s"]),
              bg.fmt(row.get("goodput_wall"), ""), bg.fmt(row.get("goodput_lost"), ""),
+             bg.fmt(row.get("goodput_steps"), ""),
              "-" if row["load"] is None else f"{row['load']:.1f}"] for row in rows]
     bl.print_table(header, body, f"checkpoint interval sweep: {bg.WORLD} ranks DDP+Adam gloo, Poisson faults (crash) "
                                  "at " + ", ".join(f"1/{r:g} s ({len(s)} faults, {steps[r]} steps)"
@@ -194,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=30)
     p.add_argument("--output", type=Path, default=bg.RESULTS / "interval.json")
     p.add_argument("--keep-run-dirs", action="store_true")
+    p.add_argument("--from-json", type=Path, help="summarize a saved run again")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     pairs = [x.split(":") for x in args.rates.split(",") if x]
@@ -205,6 +212,18 @@ def main(argv: list[str] | None = None) -> int:
     everies = [AUTO, *(int(x) for x in args.every.split(",") if x)]
     if not rates or any(not math.isfinite(r) or r <= 0 for r in rates) or any(e < 0 for e in everies) or args.faults < 1:
         p.error("--rates must be positive seconds, --every positive steps, --faults >= 1")
+    if args.from_json:
+        data = json.loads(args.from_json.read_text())
+        runs = []
+        for raw in data["runs"]:
+            fields = {k: v for k, v in raw.items() if k in bg.RunResult.__dataclass_fields__}
+            fields["spec"] = bg.RunSpec(**raw["spec"])
+            runs.append({"rate_s": raw["rate_s"], "every": raw["every"], "result": bg.RunResult(**fields)})
+        schedules = {float(r): [bg.Fault(**f) for f in fs] for r, fs in data["schedules"].items()}
+        settings = bg.Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in data["settings"].items()})
+        extra = {k: data[k] for k in ("machine", "elapsed_s", "load_start", "load_end", "command") if k in data}
+        report(runs, schedules, {float(r): n for r, n in data["steps"].items()}, settings, args.output, extra)
+        return 0
     base, _ = bg.parse_args(["--steps", str(args.steps), "--faults", str(args.faults), "--kinds", "crash",
                              "--pause", str(args.pause),
                              "--launchers", "nvrx", "--variants", "every10"])

@@ -187,6 +187,15 @@ class PeriodicCheckpointer:
         private_dir(self.root)
         if self._auto:
             _record_start(self.root)
+            # the measurements of the job's earlier rounds, until this round's own replace them: a restarted
+            # round would otherwise choose from a few steps and no save (drain 0: an interval of 1 step)
+            history = _interval_history(self.root)
+            for key, value in (history.get("measured") or {}).items():
+                if key in self._measured and isinstance(value, (int, float)) and value >= 0:
+                    self._measured[key] = float(value)
+            every = history.get("every_steps")
+            if isinstance(every, int) and not isinstance(every, bool) and every >= 1:
+                self.every_steps = every  # (not AUTO_FIRST_STEPS again: the first save of this round is due as chosen)
         newest = find_latest_checkpoint(self.root, verify=None)
         if newest is None:
             # Building the optimizer's state dict would initialise its state (a zero step): not on a fresh start.
@@ -403,7 +412,7 @@ class PeriodicCheckpointer:
         if every != self.every_steps:
             log.info("checkpoint interval %d -> %d steps (%s)", self.every_steps, every, choice.why)
         self.every_steps, self.interval = every, choice
-        _write_interval(self.root, {**history, "every_steps": every, "choice": choice.to_dict()})
+        _write_interval(self.root, {**history, "every_steps": every, "choice": choice.to_dict(), "measured": dict(m)})
         if changed and _coordinator():  # for `nvrx inspect` (an event of rank 0's monitor), when the choice changes
             from nvrx.common.checkpoint_report import report_interval
 
