@@ -10,9 +10,9 @@ own restarts (and, before the first one, from the time run so far).
 goodput (wall) = the fault-free wall without checkpoints (one reference run per rate, right before its sweep)
 / the run's wall. goodput (lost) = reference / (reference + the time lost to each fault, measured around the
 fault within the run + the time training was blocked in checkpoint calls): insensitive to the step-time drift
-of a shared machine between runs minutes apart, but blind to the writer slowing training down from outside. goodput (steps) = steps x the run's own median step
-time / its wall: the whole cost of faults and saves against the step time of the same minutes (a save that slows
-fewer than half of the steps is only counted through the wall).
+of a shared machine between runs minutes apart, but blind to the writer slowing training down from outside. goodput (steps) = (the run's own median step
+time / its wall) / (the same for the reference): the whole cost of faults and saves against the step time of the
+same minutes (a save that slows fewer than half of the steps is only counted through the wall).
 Target: ``auto`` >= the best fixed interval - 0.5 points, at both rates.
 
 Usage (from the repo root)::
@@ -133,8 +133,10 @@ def summarize(runs: list[dict[str, Any]], steps: dict[float, int]) -> tuple[list
                                    "ckpt_blocked_s": res.ckpt_blocked_s, "step_median_s": res.step_median_s,
                                    "lost_per_fault_s": bg.med([f["lost"] for f in res.faults if "lost" in f]),
                                    "recompute_per_fault_s": bg.med([f["recompute"] for f in res.faults if "recompute" in f])}
-            if res.ok and res.wall_s and res.step_median_s:  # within the run: the load of its own minutes
-                row["goodput_steps"] = steps[rate] * res.step_median_s / res.wall_s
+            if res.ok and res.wall_s and res.step_median_s and ref is not None and ref.wall_s and ref.step_median_s:
+                # the work in the run's own median steps (the load of its own minutes) over its wall, against the
+                # same for the reference (start-up, the last step: the same in both)
+                row["goodput_steps"] = (res.step_median_s / res.wall_s) / (ref.step_median_s / ref.wall_s)
             if res.ok and ref is not None and ref.wall_s and res.wall_s:
                 row["goodput_wall"] = ref.wall_s / res.wall_s
                 if res.faults:
