@@ -6,7 +6,8 @@ and saving costs show up in full), resumed from its newest checkpoint at start. 
 
 * ``torch_save``: rank 0 ``torch.save``s model + optimizer every ``--every`` steps (temp file, rename), then a
   barrier; every rank loads that file at start. What a user who changed nothing does.
-* ``nvrx``: ``nvrx.ckpt.PeriodicCheckpointer`` (asynchronous DCP, one call per step), run with ``--async-ckpt``.
+* ``nvrx``: ``nvrx.ckpt.PeriodicCheckpointer`` (asynchronous DCP, one call per step), run with ``--async-ckpt``;
+  ``--every auto``: its self-tuning interval (bench/bench_interval.py).
 * ``nvrx_jit``: the same with ``save_on_failure=True``, run with ``--jit-ckpt`` (bench/bench_jit.py).
 * ``none``: no checkpoint (the fault-free reference whose wall the checkpoint cost counts against).
 
@@ -42,13 +43,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--pause", type=float, default=0.04, help="seconds slept per step after the compute")
     p.add_argument("--ckpt", choices=("none", "torch_save", "nvrx", "nvrx_jit", "twotier"), default="torch_save")
-    p.add_argument("--every", type=int, default=200, help="checkpoint every N steps")
+    p.add_argument("--every", type=every_steps, default=200,
+                   help="checkpoint every N steps (nvrx: or auto, the self-tuning interval: bench_interval.py)")
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--global-every", type=int, default=200, help="twotier: global checkpoint every N steps")
     p.add_argument("--local-dir", default=None, help="twotier: node-local root (bench/goodput_twotier.py)")
     p.add_argument("--big", action="store_true", help="~21 M parameters instead of ~2.1 M")
     p.add_argument("--pg-timeout", type=float, default=10.0, help="process-group (gloo) timeout, seconds")
     return p.parse_args()
+
+
+def every_steps(text: str) -> int | str:
+    return text if text == "auto" else int(text)
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ User API (module-level functions act on one process-wide ``AsyncCheckpointer``):
     nvrx.ckpt.resume("ckpts", state_dict)                # load the newest complete, verified checkpoint
     nvrx.ckpt.prepare(state_dict)                        # (resume does it) reserve staging: the first save is warm
     nvrx.ckpt.finalize_before_exit()                     # graceful stop: publish pending saves, stop the writer
+    nvrx.ckpt.save_on_failure("ckpts", optimizer=opt, state_fn=fn, steps_done=start)  # nvrx launch --jit-ckpt
 
     saver = ckpt.PeriodicCheckpointer("ckpts", model=model, optimizer=opt, every_steps=10)
     start = saver.resume()                          # the newest complete checkpoint (0: fresh start)
@@ -30,7 +31,7 @@ _EXPORTS = {
     "verify_checkpoint": "nvrx.ckpt.loader", "load_latest": "nvrx.ckpt.loader", "load_metadata": "nvrx.ckpt.loader",
     "CheckpointError": "nvrx.ckpt.errors", "CheckpointWriteError": "nvrx.ckpt.errors", "CheckpointCleanupError": "nvrx.ckpt.errors",
     "start_persistent_writer": "nvrx.ckpt.async_ckpt.writer_process",
-    "report_checkpoint": "nvrx.common.checkpoint_report",
+    "report_checkpoint": "nvrx.common.checkpoint_report", "save_on_failure": "nvrx.ckpt.jit",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -270,6 +270,9 @@ def resume(root: str | os.PathLike, state_dict: dict[str, Any], verify: str | No
 def finalize_before_exit() -> None:
     """Graceful stop: publish pending saves and stop the writer (no-op when nothing was saved)."""
     global _default
+    from nvrx.ckpt import jit
+
+    jit.disarm_module_level()  # training is over: nothing to save on a failure from here on
     if _default is not None:
         try:
             _default.finalize_before_exit()

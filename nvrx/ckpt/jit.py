@@ -5,7 +5,7 @@ data-parallel training every surviving replica still holds the model and optimiz
 that completed everywhere, so one survivor can save it after the failure and the restarted job loses at most
 the step that was under way.
 
-How it fits together (``nvrx launch --jit-ckpt``, README "Just-in-time checkpoint"):
+How it fits together (``nvrx launch --jit-ckpt``, docs/guides/checkpoints.md):
 
 * ``PeriodicCheckpointer(..., save_on_failure=True)`` registers a ``JitCheckpointer`` here and puts a
   ``StepGate`` around its optimizer's ``step()`` (torch's per-optimizer pre/post step hooks): a lock held
@@ -13,7 +13,7 @@ How it fits together (``nvrx launch --jit-ckpt``, README "Just-in-time checkpoin
   lock operations per optimizer step.
 * The rank bootstrap parks a thread on the rank monitor (``nvrx.launcher.rank.jit_link``); when the agent
   learns a rank crashed, hung or its node left, it asks each surviving rank's monitor, before it stops the
-  survivors, and the parked thread calls ``save_on_failure`` here.
+  survivors, and the parked thread calls ``serve`` here.
 * That thread runs while the rank's main thread is blocked in a collective waiting for the dead peer. It takes
   the gate (so never inside ``optimizer.step()``; a main thread that never leaves the step makes it give up
   at the deadline), and writes the checkpoint with no collective at all (``SOLO``): the state is replicated,
@@ -23,16 +23,25 @@ How it fits together (``nvrx launch --jit-ckpt``, README "Just-in-time checkpoin
   rank; a partial directory left by SIGKILL is swept on resume).
 * Sharded state (DTensor / ShardedTensor) has one holder per shard: a lost rank's shard cannot be saved by
   anyone else, so the job falls back to the newest periodic checkpoint, said in one log line.
+
+The same save serves the other checkpointers: ``TwoTierCheckpointer(..., save_on_failure=True,
+optimizer=opt)`` writes ``jit_iter_<iteration>`` into its global tier (its ``resume`` takes it like any
+global iteration, when newer than the local tier's), and users of the plain ``nvrx.ckpt`` functions call
+``ckpt.save_on_failure(root, optimizer=opt, state_fn=..., steps_done=start)`` once after ``ckpt.resume``:
+``jit_step_<steps done>`` in ROOT, which the next ``ckpt.resume(root, state)`` loads like any checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from nvrx.common.files import private_dir
 
 log = logging.getLogger("nvrx.ckpt.jit")
 
@@ -90,12 +99,16 @@ class JitCheckpointer:
 
     def __init__(self, root: Path, optimizer: Any, state_fn: Callable[[], dict[str, Any]],
                  steps_fn: Callable[[int], int | str], newest_fn: Callable[[], int | None],
-                 keep_last: int | None = None, step_key: str = "nvrx_steps_done") -> None:
+                 keep_last: int | None = None, step_key: str | None = "nvrx_steps_done",
+                 name_format: str = NAME_PREFIX + "{:09d}") -> None:
         self.root = Path(root)
-        self.step_key = step_key  # where the state records its steps done (PeriodicCheckpointer's STEP_KEY)
+        # where the state records its steps done (PeriodicCheckpointer's STEP_KEY; None: only the name says it)
+        self.step_key = step_key
+        self.name_format = name_format  # the checkpoint's name from its steps done
         self.gate = StepGate(optimizer)
         self.state_fn, self.steps_fn, self.newest_fn = state_fn, steps_fn, newest_fn
         self.keep_last = keep_last
+        self.module_level = False  # armed by ckpt.save_on_failure (disarmed by ckpt.finalize_before_exit)
 
     def save(self, lost: list[int], rank: int, world_size: int, deadline: float) -> dict[str, Any]:
         """Save now if this rank is the one to (the lowest surviving); the result as JSON for the agent."""
@@ -114,14 +127,16 @@ class JitCheckpointer:
             if done <= (newest or 0):
                 return {"saved": False, "skipped": f"nothing newer than the checkpoint of step {newest}", "step": done}
             taken = time.time()
-            state = self.state_fn()
+            state = dict(self.state_fn())  # (a copy of the top level: the step key is not added to the user's dict)
             sharded = _sharded(state)
             if sharded:
                 return {"saved": False, "step": done,
                         "error": f"sharded state ({sharded}): the shards of lost rank(s) {sorted(lost)} have no other "
                                  "holder"}
-            path = self.root / f"{NAME_PREFIX}{done:09d}"
-            state[self.step_key] = done
+            path = self.root / self.name_format.format(done)
+            if self.step_key is not None:
+                state[self.step_key] = done
+            private_dir(self.root)  # (a tier that has no checkpoint yet)
             save_alone(state, path, deadline, keep_last=self.keep_last)
             _report(done, taken, path)
         except Exception as exc:  # noqa: BLE001 - reported to the agent; the job restarts as it would anyway
@@ -209,7 +224,49 @@ def enabled() -> bool:
     return bool(os.environ.get(JIT_ENV))
 
 
-def save_on_failure(request: dict[str, Any], rank: int) -> dict[str, Any]:
+def save_on_failure(root: str | os.PathLike, *, optimizer: Any, state_fn: Callable[[], dict[str, Any]],
+                    steps_done: int = 0, step_key: str | None = "step",
+                    keep_last: int | None = None) -> JitCheckpointer | None:
+    """For the plain ``nvrx.ckpt`` functions: under ``nvrx launch --jit-ckpt``, when another rank fails, the
+    lowest surviving rank saves ``STATE_FN()`` as ``ROOT/jit_step_<steps done>`` (None elsewhere: nothing armed).
+
+    Call it once after ``ckpt.resume`` (STEPS_DONE: the steps the resumed state holds, 0 on a fresh start); the
+    steps done at a failure are STEPS_DONE plus OPTIMIZER's completed ``step()`` calls since, and the saved state
+    holds them under STEP_KEY (None: not added). STATE_FN is called on another thread, between two optimizer
+    steps; it declares the state replicated on every rank (DDP): sharded state is detected and not saved. The
+    next ``ckpt.resume(root, state)`` loads the JIT checkpoint like any other (the newest complete one).
+    ``close()`` on the result (or ``ckpt.finalize_before_exit()``) disarms it when training is over.
+    """
+    if not enabled():
+        log.info("ckpt.save_on_failure has no effect without `nvrx launch --jit-ckpt`")
+        return None
+    if not isinstance(steps_done, int) or isinstance(steps_done, bool) or steps_done < 0:
+        raise ValueError(f"steps_done must be an int >= 0, not {steps_done!r}")
+    root = Path(os.path.abspath(root))
+
+    def newest() -> int | None:
+        from nvrx.ckpt.loader import find_latest_checkpoint
+
+        info = find_latest_checkpoint(root, verify=None)
+        digits = re.search(r"(\d+)$", info.path.name) if info is not None else None  # step_<n>, jit_step_<n>
+        return int(digits.group(1)) if digits else None
+
+    saver = JitCheckpointer(root, optimizer, state_fn, lambda gate_steps: steps_done + gate_steps, newest,
+                            keep_last=keep_last, step_key=step_key)
+    saver.module_level = True
+    register(saver)
+    return saver
+
+
+def disarm_module_level() -> None:
+    """``ckpt.finalize_before_exit``: training is over, what ``save_on_failure`` armed saves nothing any more."""
+    with _lock:
+        savers = [s for s in _registered if s.module_level]
+    for saver in savers:
+        saver.close()
+
+
+def serve(request: dict[str, Any], rank: int) -> dict[str, Any]:
     """The agent's request (lost ranks, world size, deadline): save with the checkpointer registered here."""
     with _lock:
         savers = list(_registered)
@@ -223,6 +280,6 @@ def save_on_failure(request: dict[str, Any], rank: int) -> dict[str, Any]:
         log.info("just-in-time checkpoint of step %s saved: %s (%.2f s)", result["step"], result["path"],
                     result["seconds"])
     elif result.get("error"):
-        log.info("no just-in-time checkpoint: %s; the restart resumes from the newest periodic checkpoint",
+        log.info("no just-in-time checkpoint: %s; the restart resumes from the newest periodic/local checkpoint",
                     result["error"])
     return result

@@ -58,7 +58,8 @@ class PeriodicCheckpointer:
     EVERY_STEPS: save after every N steps; "auto": the interval that maximises expected goodput, chosen at each save
     from the measured save cost, step time and drain time and the failure rate seen (``nvrx.ckpt.interval``; the
     job's restarts across continuations are kept in ``ROOT/nvrx_interval.json`` with the choice and why), or
-    MTBF_S (the job's configured mean time between failures) while none was seen. EVERY_SECONDS: save once T seconds passed since the last save (the
+    MTBF_S (the job's configured mean time between failures) while none was seen (with neither, the time the job
+    has run so far, a lower bound of its MTBF: the interval grows with it). EVERY_SECONDS: save once T seconds passed since the last save (the
     ranks agree through one small all-reduce per step, so their clocks need not match). Either or both.
     At most one save is in flight: a save that falls due while the previous one is still being written waits
     for the first step after it was published (training is never blocked for the write).
@@ -127,7 +128,10 @@ class PeriodicCheckpointer:
         self._jit = self._arm_jit(keep_last) if save_on_failure else None
         self.mtbf_s = mtbf_s  # configured mean time between failures of the job (every_steps="auto")
         self.interval: Any = None  # the last nvrx.ckpt.interval.Choice (every_steps="auto")
-        self._measured = {"step_s": None, "save_s": None, "drain_s": 0.0}  # moving averages for "auto"
+        # moving averages for "auto": a step (no save draining / one draining), the blocking part of a save, a drain
+        self._measured = {"step_s": None, "drain_step_s": None, "save_s": None, "drain_s": 0.0}
+        self._draining = False  # a save was draining when the step under way began
+        self._reported_every: int | None = None  # the interval last reported to the monitor (nvrx inspect)
         self._last_step_at: float | None = None
         self._marker = (0, 0)  # (steps done at the last step() call or resume, the gate's optimizer steps then)
 
@@ -183,6 +187,15 @@ class PeriodicCheckpointer:
         private_dir(self.root)
         if self._auto:
             _record_start(self.root)
+            # the measurements of the job's earlier rounds, until this round's own replace them: a restarted
+            # round would otherwise choose from a few steps and no save (drain 0: an interval of 1 step)
+            history = _interval_history(self.root)
+            for key, value in (history.get("measured") or {}).items():
+                if key in self._measured and isinstance(value, (int, float)) and value >= 0:
+                    self._measured[key] = float(value)
+            every = history.get("every_steps")
+            if isinstance(every, int) and not isinstance(every, bool) and every >= 1:
+                self.every_steps = every  # (not AUTO_FIRST_STEPS again: the first save of this round is due as chosen)
         newest = find_latest_checkpoint(self.root, verify=None)
         if newest is None:
             # Building the optimizer's state dict would initialise its state (a zero step): not on a fresh start.
@@ -222,8 +235,10 @@ class PeriodicCheckpointer:
         Collective: every rank calls it for every step.
         """
         now = time.perf_counter()
-        if self._auto and self._last_step_at is not None:
-            self._average("step_s", now - self._last_step_at)
+        if self._auto and self._last_step_at is not None:  # (a step while a save drains: the drain slows it)
+            draining = self._finalizer is not None and (self._finalizer.busy() or self._draining)
+            self._average("drain_step_s" if draining else "step_s", now - self._last_step_at)
+        self._draining = self._finalizer is not None and self._finalizer.busy()
         started = self._step(step)
         self._last_step_at = time.perf_counter() if started else now  # (a save's own cost is not a step)
         self._ask_ahead(step + 1)
@@ -369,19 +384,48 @@ class PeriodicCheckpointer:
         from nvrx.ckpt import interval
 
         m = self._measured
-        if m["step_s"] is None:
+        step_s = m["step_s"] or m["drain_step_s"]
+        if step_s is None:
             return
+        # What a save costs training: the time it blocks the training thread, plus how much slower the steps run
+        # while it drains (the writer and the publisher share the host's cores and memory bandwidth with training:
+        # on a small host that is most of the cost, and Daly's C must hold it or saves come far too often).
+        slower = max(0.0, (m["drain_step_s"] or step_s) - step_s)
+        cost = (m["save_s"] or 0.0) + slower * (m["drain_s"] / max(step_s + slower, 1e-9))
         history = _interval_history(self.root)
-        mtbf = self.mtbf_s
+        mtbf, source = self.mtbf_s, "configured mtbf_s" if self.mtbf_s is not None else ""
+        ran = max(1.0, time.time() - float(history.get("first_start") or time.time()))
         if history.get("failures"):
-            seen = max(1.0, time.time() - float(history["first_start"])) / int(history["failures"])
-            mtbf = seen if mtbf is None else min(mtbf, seen)
-        choice = interval.choose(m["step_s"], m["save_s"] or 0.0, m["drain_s"], mtbf, history.get("restart_s"))
+            seen = ran / int(history["failures"])
+            if mtbf is None or seen < mtbf:
+                mtbf, source = seen, f"{int(history['failures'])} failure(s) in {ran:.0f} s of this job"
+        elif mtbf is None:
+            # No failure yet and none configured: the time run so far is the only evidence, and a lower bound of
+            # the MTBF (assuming one could strike now). Saving "rarely" instead would lose everything since the
+            # first save to the first fault; this interval grows with the square root of the time run.
+            mtbf = max(ran, 10.0 * cost)
+            source = f"no failure in {ran:.0f} s of this job yet: that time taken as a lower bound"
+        choice = interval.choose(step_s, cost, m["drain_s"], mtbf, history.get("restart_s"))
         every = max_over_ranks(choice.every_steps, self.process_group)
+        # reported (an event) when it changes: at most one per save, as the checkpoint_complete events
+        changed = self._reported_every != every
         if every != self.every_steps:
             log.info("checkpoint interval %d -> %d steps (%s)", self.every_steps, every, choice.why)
         self.every_steps, self.interval = every, choice
-        _write_interval(self.root, {**history, "every_steps": every, "choice": choice.to_dict()})
+        _write_interval(self.root, {**history, "every_steps": every, "choice": choice.to_dict(), "measured": dict(m)})
+        if changed and _coordinator():  # for `nvrx inspect` (an event of rank 0's monitor), when the choice changes
+            from nvrx.common.checkpoint_report import report_interval
+
+            self._reported_every = every
+            why = choice.why + (f" (MTBF from {source})" if source else "")
+            if slower > 0:
+                why += (f"; the save cost is {1000 * (m['save_s'] or 0.0):.1f} ms blocked + "
+                        f"{1000 * (cost - (m['save_s'] or 0.0)):.1f} ms of slower steps while it drains")
+            if every != choice.every_steps:
+                why += f"; {every} steps: the largest any rank chose"
+            report_interval(every, why, seconds=choice.seconds, save_cost_s=choice.save_cost_s, step_s=choice.step_s,
+                            drain_s=choice.drain_s, mtbf_s=choice.mtbf_s, restart_s=choice.restart_s,
+                            expected_goodput=choice.expected_goodput)
 
     def _deferrable(self) -> Any:
         """Which tensors the copy may leave to the publisher: the parameters and the optimizer's state.

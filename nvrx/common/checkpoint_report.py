@@ -35,12 +35,27 @@ class CheckpointReport:
     path: str | None = None
 
 
-Sink = Callable[[CheckpointReport], bool]
+@dataclass(frozen=True)
+class IntervalReport:
+    """The checkpoint interval ``every_steps="auto"`` chose and why (``nvrx.ckpt.interval.Choice``'s fields)."""
+
+    every_steps: int
+    why: str
+    seconds: float | None = None
+    save_cost_s: float | None = None
+    step_s: float | None = None
+    drain_s: float | None = None
+    mtbf_s: float | None = None
+    restart_s: float | None = None
+    expected_goodput: float | None = None
+
+
+Sink = Callable[[CheckpointReport | IntervalReport], bool]
 _sink: Sink | None = None
 
 
 def set_sink(sink: Sink | None) -> Sink | None:
-    """Deliver reports to SINK (returns True when delivered); returns the previous sink. None: drop reports."""
+    """Deliver reports (checkpoints and intervals) to SINK (returns True when delivered); returns the previous sink. None: drop reports."""
     global _sink
     previous, _sink = _sink, sink
     return previous
@@ -62,4 +77,17 @@ def report_checkpoint(step: int | None, tier: str, *, taken: float | None = None
         return bool(sink(report))
     except Exception as exc:  # a report must never fail a checkpoint
         log.debug("checkpoint report of step %s (%s) not delivered: %s", step, tier, exc)
+        return False
+
+
+def report_interval(every_steps: int, why: str, **inputs: float | None) -> bool:
+    """Report the checkpoint interval just chosen (EVERY_STEPS, WHY, and INPUTS: IntervalReport's measured fields)
+    for `nvrx inspect` (a ``checkpoint_interval`` event of the rank's monitor). Never raises."""
+    sink = _sink
+    if sink is None:
+        return False
+    try:
+        return bool(sink(IntervalReport(every_steps=int(every_steps), why=str(why)[:500], **inputs)))
+    except Exception as exc:  # noqa: BLE001 - a report must never fail training
+        log.debug("checkpoint interval report not delivered: %s", exc)
         return False

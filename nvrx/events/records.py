@@ -751,6 +751,25 @@ class CheckpointComplete(Event):
     path: str | None = None
 
 
+@event("checkpoint_interval", "monitor")
+class CheckpointInterval(Event):
+    """``PeriodicCheckpointer(every_steps="auto")`` chose a checkpoint interval (``nvrx.ckpt.interval``), as rank 0
+    reported it when the choice changed; `nvrx inspect` shows the last one and why."""
+
+    rank: int
+    global_rank: int | None = None
+    pid: int
+    every_steps: int                      # the interval chosen, in steps
+    seconds: float | None = None          # the optimum in seconds of training (None: no failure rate known)
+    save_cost_s: float | None = None      # what a save blocked training for (measured)
+    step_s: float | None = None           # a training step (measured)
+    drain_s: float | None = None          # a save's copy + write + publish (measured): the interval's floor
+    mtbf_s: float | None = None           # mean time between failures used (seen or configured)
+    restart_s: float | None = None        # a restart's cost (measured by earlier rounds), if known
+    expected_goodput: float | None = None
+    why: str
+
+
 @event("workload_control", "monitor")
 class WorkloadControl(Event):
     """A rank asked, through its monitor, to exclude its node or to shut the workload down (spec 001)."""

@@ -70,6 +70,7 @@ class Report:
     timeouts: dict[str, Any]
     filters: dict[str, Any]
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint_interval: dict[str, Any] | None = None  # the last interval every_steps="auto" chose, and why
     health: list[dict[str, Any]] = field(default_factory=list)
     series: list[dict[str, Any]] = field(default_factory=list)
     goodput_scope: str = "job"   # whose progress: "job", or "rank N" / "node NAME" under --rank / --node
@@ -83,7 +84,7 @@ class Report:
                 "goodput_scope": self.goodput_scope,
                 "time_accounting": self.time_accounting, "jobs": self.jobs, "faults": self.faults, "timeline": self.timeline,
                 "ranks": self.ranks, "timeouts": self.timeouts, "checkpoints": self.checkpoints,
-                "health": self.health, "series": self.series}
+                "checkpoint_interval": self.checkpoint_interval, "health": self.health, "series": self.series}
 
 
 class _ReportBuilder:
@@ -129,6 +130,7 @@ class _ReportBuilder:
             filters={"rank": self.f.rank, "node": self.f.node, "since": self.f.since, "since_time": iso(self.f.since),
                      "step_section": self.f.step_section, "ckpt_section": self.f.ckpt_section},
             checkpoints=self._checkpoints(sessions),
+            checkpoint_interval=tl.ckpt_interval,
             health=self._health(),
             series=self._series(rounds, faults, span),
             goodput_scope=self.scope,

@@ -73,7 +73,7 @@ from nvrx.events import (
 from nvrx.events import SCHEMA_VERSION
 from nvrx.events import RerunAttempt, RerunStats, RerunSuspected, RerunVerdict
 from nvrx.events import HealthCheckInfo, NodeHealth
-from nvrx.events import CheckpointComplete, RankTiming, StragglerEvent, WorkloadControl
+from nvrx.events import CheckpointComplete, CheckpointInterval, RankTiming, StragglerEvent, WorkloadControl
 from nvrx.monitors.straggler import metric_text
 from nvrx.inspection.event_files import (Damage, EventFile, event_name, first_event_time, iso, raw_string,
                                              read_chunk)
@@ -334,6 +334,7 @@ class Timeline:
         self.other_versions: dict[str, int] = {}  # schema version -> events skipped
         self.names: dict[str, str] = {}  # an agent file's <host>-<pid> -> the node's name in the report
         self.ckpt_reported = False  # some rank reported a complete checkpoint (checkpoint_complete events)
+        self.ckpt_interval: dict[str, Any] | None = None  # the last checkpoint_interval event's fields, with its time
         self.health: list[tuple[int, int, str, float, bool, float]] = []  # (job, round, node, t, ok, seconds)
         self.health_ok: dict[tuple[int, int], HealthFold] = {}
         self.stragglers: dict[tuple, Entry] = {}  # (job, rank, metric, since) -> its entry, updated per report
@@ -845,6 +846,11 @@ class Timeline:
             s.ckpt_t = taken
             s.totals_at_ckpt = {n: x.total_s for n, x in s.sections.items()}
 
+    def _on_checkpoint_interval(self, m: MonitorFile, e: dict[str, Any]) -> None:
+        """every_steps="auto" chose an interval: the newest choice is the one in force."""
+        if self.ckpt_interval is None or e["t"] >= self.ckpt_interval["t"]:
+            self.ckpt_interval = {k: v for k, v in e.items() if k not in ("v", "src", "ev")}
+
     def _on_hang_detected(self, m: MonitorFile, e: dict[str, Any]) -> None:
         s = self._current(m, e, e.get(HangDetected.F.pid))
         s.hang = {k: v for k, v in e.items() if k not in ("v", "src", "ev")}
@@ -1058,6 +1064,7 @@ MONITOR_HANDLERS: dict[type[Event], Callable[..., None]] = {
     TimeoutsStateIgnored: Timeline._on_timeouts_state_ignored,
     WorkloadControl: Timeline._on_workload_control,
     CheckpointComplete: Timeline._on_checkpoint_complete,
+    CheckpointInterval: Timeline._on_checkpoint_interval,
 }
 
 

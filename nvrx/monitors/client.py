@@ -301,8 +301,9 @@ _own_link: MonitorLink | None = None  # a link a RankMonitorClient made itself (
 REPORT_WAIT = 10.0  # s: a checkpoint report made while the bootstrap still attaches waits this long for it
 
 
-def _report_to_monitor(report: checkpoint_report.CheckpointReport) -> bool:
-    """The checkpoint-report sink (nvrx.common.checkpoint_report): one ``checkpoint`` request to the rank's monitor.
+def _report_to_monitor(report: checkpoint_report.CheckpointReport | checkpoint_report.IntervalReport) -> bool:
+    """The checkpoint-report sink (nvrx.common.checkpoint_report): one ``checkpoint`` (or ``checkpoint_interval``)
+    request to the rank's monitor.
 
     No retry and no re-attach: a monitor being restarted costs this one report, never the checkpoint's time.
     """
@@ -310,7 +311,10 @@ def _report_to_monitor(report: checkpoint_report.CheckpointReport) -> bool:
     if link is None:
         return False
     try:
-        link.request_once("checkpoint", step=report.step, tier=report.tier, taken=report.taken, path=report.path)
+        if isinstance(report, checkpoint_report.IntervalReport):
+            link.request_once("checkpoint_interval", **dataclasses.asdict(report))
+        else:
+            link.request_once("checkpoint", step=report.step, tier=report.tier, taken=report.taken, path=report.path)
     except (OSError, MonitorError, RuntimeError) as exc:
         log.debug("checkpoint report not delivered: %s", exc)
         return False

@@ -15,6 +15,7 @@ op's fields or ``error``. Ops (rank -> monitor):
   ``shutdown``                                 -> {}                   the rank's run ends (monitor stays)
   ``workload_control`` {action, description}  -> {forwarded}          passed to the agent (spec 001)
   ``checkpoint``      {step, tier, taken, path} -> {}                  a complete checkpoint: event checkpoint_complete
+  ``checkpoint_interval`` {every_steps, why, ...} -> {}               every_steps="auto" chose: event checkpoint_interval
   ``stop_monitor``    {token}                  -> {}                   the monitor exits (agent use)
 
 Only ``init``/``stop_monitor`` are accepted before a successful ``init``; a wrong token gets an error

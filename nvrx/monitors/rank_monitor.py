@@ -55,7 +55,7 @@ from nvrx.events import (EventLog, FirstHeartbeat, HangDetected, MonitorAttach, 
                              MonitorConnect, MonitorDisconnect, MonitorExit, MonitorStart, MonitorTakeoverRefused,
                              RankKilled, RankTerminated, SectionClose, SectionOpen, TimeoutsInfo, TimeoutsLoaded,
                              TimeoutsSet, TimeoutsStateIgnored)
-from nvrx.events import CheckpointComplete, RankTiming, TimingInfo, WorkloadControl
+from nvrx.events import CheckpointComplete, CheckpointInterval, RankTiming, TimingInfo, WorkloadControl
 from nvrx.events import HeartbeatTimeoutAuto, HeartbeatTimeoutAutoDeferred
 from nvrx.monitors.auto_timeout import AutoTimeout, AutoTimeoutChange
 from nvrx.monitors.rank_activity import ActivityWatch, busy_peer, sample_main_thread, stopped_peer
@@ -856,6 +856,26 @@ class RankMonitor:
         self.events.emit(CheckpointComplete(rank=self.rank, global_rank=sess.global_rank if sess is not None else None,
                                             pid=pid, step=step, tier=tier, taken=taken,
                                             path=str(path)[:500] if path is not None else None))
+        return {}
+
+    def _op_checkpoint_interval(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        """``every_steps="auto"`` chose a checkpoint interval (``report_interval``): one ``checkpoint_interval`` event."""
+        every, why = msg.get("every_steps"), msg.get("why")
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"every_steps must be a positive integer, not {every!r}")
+        if not isinstance(why, str):
+            raise ValueError(f"why must be a string, not {why!r}")
+        numbers = {}
+        for key in ("seconds", "save_cost_s", "step_s", "drain_s", "mtbf_s", "restart_s", "expected_goodput"):
+            value = msg.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 <= value < 1e12):
+                raise ValueError(f"{key} must be a non-negative number or null, not {value!r}")
+            numbers[key] = float(value) if value is not None else None
+        sess = self.session
+        pid = sess.proc.pid if sess is not None else int(msg.get("pid") or 0)
+        self.events.emit(CheckpointInterval(rank=self.rank, global_rank=sess.global_rank if sess is not None else None,
+                                            pid=pid, every_steps=every, why=why[:500], **numbers))
         return {}
 
     def _forward_to_agent(self, request: dict[str, Any]) -> bool:

@@ -332,7 +332,7 @@ def _summary(report: Report) -> list[str]:
         lines.append(f"wall time {_secs(span['wall_s'])}: {_clock(span['start'])} -> "
                      f"{_clock(span['end'])}{state}")
         lines += _time_lines(report)
-    lines += _checkpoint_lines(report)
+    lines += _checkpoint_lines(report) + _interval_line(report)
     f = report.filters
     if f.get("rank") is not None or f.get("since") is not None or f.get("node") is not None:
         lines.append("filters:" + (f" rank {f['rank']}" if f.get("rank") is not None else "")
@@ -356,6 +356,16 @@ def _checkpoint_lines(report: Report) -> list[str]:
     last = report.checkpoints[-1]
     return [f"checkpoints complete: {', '.join(parts)}; the last: step {last['step']} ({last['tier']}) at "
             f"{_clock(last['t'])}"]
+
+
+def _interval_line(report: Report) -> list[str]:
+    """One line: the checkpoint interval every_steps="auto" chose last, and why."""
+    c = report.checkpoint_interval
+    if not c:
+        return []
+    good = c.get("expected_goodput")
+    return [f"checkpoint interval (auto): every {c.get('every_steps')} steps since {_clock(c['t'])}"
+            + (f", expected goodput {good:.3f}" if isinstance(good, (int, float)) else "") + f": {c.get('why')}"]
 
 
 def _fold_note(report: Report) -> list[str]:

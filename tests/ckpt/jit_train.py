@@ -11,6 +11,8 @@ happens:
   hang     rank 1 stops (SIGSTOP) inside monitored section 'work'; its monitor kills it at the section timeout
   stop     rank 1 stops (SIGSTOP); with heartbeats, its monitor kills it (rank 0, silent in the all-reduce, waits)
   second   rank 1 SIGKILLs itself, and rank 0 SIGKILLs itself in the middle of its JIT save (a second failure)
+  other    (3 ranks) rank 1 SIGKILLs itself, and rank 0 SIGKILLs rank 2 in the middle of its JIT save (a second
+           failure elsewhere: the save, which needs no other rank, goes on)
   torn     rank 1 SIGKILLs itself; rank 0's JIT write blocks past the deadline (the agent kills it mid-write)
   stuck    rank 1 SIGKILLs itself; rank 0 stays inside optimizer.step() (never a consistent point)
   full     rank 1 fills the checkpoint file system, then SIGKILLs itself (the JIT save gets ENOSPC)
@@ -90,6 +92,10 @@ def main() -> None:
         opt.register_step_pre_hook(lambda *_: _forever() if step_no[0] == fault_at else None)
     if faulty and rank == 0 and fault == "second":
         on_jit_write(lambda: os.kill(os.getpid(), signal.SIGKILL))
+    if faulty and rank == 2 and fault == "other":
+        record(out, "pid-r2.json", {"pid": os.getpid()})
+    if faulty and rank == 0 and fault == "other":
+        on_jit_write(lambda: os.kill(json.load(open(os.path.join(out, "pid-r2.json")))["pid"], signal.SIGKILL))
     if faulty and rank == 0 and fault == "torn":
         on_jit_write(lambda: time.sleep(3600))
     gen = torch.Generator()

@@ -55,3 +55,45 @@ def test_auto_interval_is_chosen_at_the_first_save_and_recorded(tmp_path):
 def test_bad_every_steps_is_refused(tmp_path):
     with pytest.raises(ValueError, match='"auto"'):
         ckpt.PeriodicCheckpointer(tmp_path, model=torch.nn.Linear(2, 2), every_steps="often")
+
+
+def test_with_no_failure_and_no_mtbf_the_time_run_bounds_the_interval(tmp_path):
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.Adam(model.parameters())
+    saver = ckpt.PeriodicCheckpointer(tmp_path, model=model, optimizer=opt, every_steps="auto")
+    assert saver.resume() == 0
+    for step in range(60):
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        saver.step(step)
+    saver.close()
+    choice = saver.interval
+    recorded = json.loads((tmp_path / "nvrx_interval.json").read_text())
+    ran = recorded["first_start"]
+    # not "save rarely" (interval.MAX_EVERY_STEPS): the first fault would lose everything since step 50
+    assert choice is not None and choice.every_steps < interval.MAX_EVERY_STEPS
+    assert choice.mtbf_s is not None and 1.0 <= choice.mtbf_s < 600 and ran > 0
+    assert choice.every_steps == interval.choose(choice.step_s, choice.save_cost_s, choice.drain_s,
+                                                 choice.mtbf_s).every_steps
+
+
+def test_a_restarted_round_starts_from_the_measurements_and_interval_of_the_last(tmp_path):
+    def run(steps: int) -> ckpt.PeriodicCheckpointer:
+        model = torch.nn.Linear(64, 64)
+        opt = torch.optim.Adam(model.parameters())
+        saver = ckpt.PeriodicCheckpointer(tmp_path, model=model, optimizer=opt, every_steps="auto", mtbf_s=30.0)
+        start = saver.resume()
+        for step in range(start, start + steps):
+            model(torch.randn(4, 64)).sum().backward()
+            opt.step()
+            saver.step(step)
+        return saver
+
+    first = run(120)
+    first.close()
+    chosen = json.loads((tmp_path / "nvrx_interval.json").read_text())
+    again = run(0)  # resumed, no step yet: what the last round measured and chose is in force
+    assert again.every_steps == chosen["every_steps"] != 50
+    assert again._measured["step_s"] == pytest.approx(chosen["measured"]["step_s"])
+    assert again._measured["save_s"] == pytest.approx(chosen["measured"]["save_s"]) and again._measured["save_s"] > 0
+    again.close()

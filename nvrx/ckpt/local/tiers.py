@@ -27,7 +27,8 @@ from nvrx.ckpt.local.codec import local_part
 
 log = logging.getLogger(__name__)
 
-_GLOBAL_NAME = re.compile(r"^iter_(\d+)$")
+_GLOBAL_NAME = re.compile(r"^(?:jit_)?iter_(\d+)$")  # (jit_: a just-in-time save, nvrx.ckpt.jit)
+JIT_NAME = "jit_iter_{:09d}"
 
 
 @dataclass(frozen=True)
@@ -64,23 +65,79 @@ class TwoTierCheckpointer:
 
     VALIDATE(state_dict) -> bool, if given, is asked about a restored local state before it is used (all ranks
     must agree it is good). Collective: every rank calls ``step`` and ``resume`` at the same points.
+
+    SAVE_ON_FAILURE (with OPTIMIZER): under ``nvrx launch --jit-ckpt``, when another rank fails, the lowest
+    surviving rank saves the state of the last completed optimizer step into the global tier as
+    ``jit_iter_<iteration>`` (``nvrx.ckpt.jit``), which ``resume`` takes when it is newer than the local tier's.
+    The iteration is the last ``step`` call's plus one if OPTIMIZER stepped since (call ``step`` once per optimizer
+    step). The state saved is STATE_FN() if given, else the state dict last passed to ``step`` (its tensors as they
+    are at that moment: give the live tensors, e.g. ``model.state_dict()``). It declares that state replicated on
+    every rank (DDP); sharded state is detected and not saved: the restart then uses the newest local or global
+    checkpoint, said in one log line.
     """
 
     def __init__(self, local: LocalCheckpointManager, global_root: str | os.PathLike, *, local_every: int,
                  global_every: int, validate: Callable[[dict[str, Any]], bool] | None = None,
-                 local_async: bool = True) -> None:
+                 local_async: bool = True, save_on_failure: bool = False, optimizer: Any = None,
+                 state_fn: Callable[[], dict[str, Any]] | None = None) -> None:
         if local_every < 1 or global_every < 1:
             raise CheckpointError(f"local_every and global_every must be >= 1 (got {local_every}, {global_every})")
-        self.local, self.global_root = local, Path(global_root)
+        if save_on_failure and optimizer is None:
+            raise ValueError("save_on_failure needs optimizer= (it saves the last completed optimizer step)")
+        self.local, self.global_root = local, Path(os.path.abspath(global_root))
         self.local_every, self.global_every, self.validate = local_every, global_every, validate
         self.local_async = local_async  # local files written by the checkpoint writer process, finalized later
         self._dist = DistWrapper()
+        self._global_is_jit = False  # the newest global checkpoint found is a just-in-time one
+        self._state_fn, self._last_state = state_fn, None
+        self._marker = (-1, 0)  # (iteration of the last step() or resume, the gate's optimizer steps then)
+        self._jit = self._arm_jit(optimizer) if save_on_failure else None
+
+    # ------------------------------------------------------------------ save on failure
+
+    def _arm_jit(self, optimizer: Any) -> Any:
+        from nvrx.ckpt import jit
+
+        if not jit.enabled():
+            log.info("save_on_failure=True has no effect without `nvrx launch --jit-ckpt`")
+            return None
+        saver = jit.JitCheckpointer(self.global_root, optimizer, self._jit_state, self._jit_iteration,
+                                    self._global_latest_or_none, step_key=None, name_format=JIT_NAME)
+        jit.register(saver)
+        return saver
+
+    def _jit_state(self) -> dict[str, Any]:
+        if self._state_fn is not None:
+            return self._state_fn()
+        if self._last_state is None:
+            raise CheckpointError("no state to save: step() was not called yet")
+        return self._last_state
+
+    def _jit_iteration(self, gate_steps: int) -> int | str:
+        iteration, at = self._marker
+        if iteration < 0:
+            return "no iteration known yet: neither resume() nor step() was called"
+        if gate_steps - at in (0, 1):
+            return iteration + gate_steps - at
+        return (f"the optimizer stepped {gate_steps - at} times since the last TwoTierCheckpointer.step() call: "
+                "cannot tell which iteration the state holds (call step() once per optimizer step)")
+
+    def _global_latest_or_none(self) -> int | None:
+        latest = self._global_latest(verify=None)  # (on the JIT thread: names only, no checksums)
+        return latest if latest >= 0 else None
+
+    def _mark(self, iteration: int) -> None:
+        if self._jit is not None:
+            self._marker = (iteration, self._jit.gate.steps)  # one assignment: the JIT thread reads both at once
 
     def step(self, step: int, state_dict: dict[str, Any]) -> str | None:
         """Checkpoint STEP if due: 'global' (DCP, asynchronous), 'local' (a copy, replicated and written in the
         background with LOCAL_ASYNC), or None. A failed local save is logged (when it is found: at the next local
         save or ``close``) and training goes on: the global tier still covers it. A local save still being written
         when the next is due makes that one skipped (logged), not waited for."""
+        if self._jit is not None:
+            self._last_state = state_dict
+            self._mark(step)
         ckpt.maybe_finalize()
         if step % self.global_every == 0:
             ckpt.async_save(state_dict, self.global_root / f"iter_{step:09d}")
@@ -115,9 +172,10 @@ class TwoTierCheckpointer:
         except CheckpointError as exc:
             log.error("local checkpoint failed, the global tier still covers this run: %s", exc)
 
-    def _global_latest(self) -> int:
-        info = ckpt.find_latest_checkpoint(self.global_root) if self.global_root.is_dir() else None
+    def _global_latest(self, verify: str | None = "full") -> int:
+        info = ckpt.find_latest_checkpoint(self.global_root, verify=verify) if self.global_root.is_dir() else None
         m = _GLOBAL_NAME.match(info.path.name) if info is not None else None
+        self._global_is_jit = bool(m) and info.path.name.startswith("jit_")
         return int(m.group(1)) if m else -1
 
     def _try_local(self, state_dict: dict[str, Any]) -> tuple[bool, str]:
@@ -155,15 +213,20 @@ class TwoTierCheckpointer:
             fallback = f"local iteration {local_it} is not newer; "
         if global_it < 0:
             return self._report(RestoreResult(-1, None, fallback + "no global checkpoint either: starting fresh"))
+        jit = " (a just-in-time checkpoint)" if self._global_is_jit else ""
         ckpt.resume(self.global_root, state_dict)
-        return self._report(RestoreResult(global_it, "global", fallback + f"global iteration {global_it}"))
+        return self._report(RestoreResult(global_it, "global", fallback + f"global iteration {global_it}{jit}"))
 
     def _report(self, result: RestoreResult) -> RestoreResult:
+        self._mark(max(result.iteration, 0))
         if self.local.rank == 0:
             log.warning("resume: %s from %s tier: %s", result.iteration, result.tier, result.reason)
         return result
 
     def close(self) -> None:
-        """Finish pending saves of both tiers."""
+        """Finish pending saves of both tiers (training is over: nothing is saved on a failure any more)."""
+        if self._jit is not None:
+            self._jit.close()
+            self._jit = None
         self._finish_local()
         ckpt.wait()

@@ -116,4 +116,4 @@ def summary(answers: dict[int, dict[str, Any]]) -> tuple[bool, str]:
     if why is None and first(lambda a: True, "skipped") is not None:
         return False, f"no just-in-time checkpoint from this node: {first(lambda a: True, 'skipped')}"
     why = why or first(lambda a: True, "error") or "no surviving local rank to ask"
-    return False, f"no just-in-time checkpoint ({why}); the restart resumes from the newest periodic checkpoint"
+    return False, f"no just-in-time checkpoint ({why}); the restart resumes from the newest periodic/local checkpoint"

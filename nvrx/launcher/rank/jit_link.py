@@ -108,6 +108,6 @@ def _save(request: dict[str, Any], rank: int) -> dict[str, Any]:
     from nvrx.ckpt import jit
 
     try:
-        return jit.save_on_failure(request, rank)
+        return jit.serve(request, rank)
     except Exception as exc:  # noqa: BLE001 - the agent goes on as without JIT
         return {"saved": False, "error": f"{type(exc).__name__}: {exc}"}
