@@ -3,7 +3,7 @@
 At the end of every run that ran tests, a table: for each tier the tests run, their summed and mean time
 (setup + call + teardown), and the run's slowest tests with their tier. ``--tier-durations FILE`` also writes
 it as JSON with every test's tier and time, so two runs (before/after a change, quiet/loaded) can be compared.
-Works under pytest-xdist: the reports reach the controller with the test's markers, the tier among them.
+Works under pytest-xdist: tests/tiers.py puts the tier and the slow marker in each report's user_properties.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ SLOW_SECONDS = 20.0  # the `slow` marker's promise (pyproject.toml): the test ta
 
 
 class TierClock:
-    """Sums each test's phases and knows its tier from the markers on its reports."""
+    """Sums each test's phases and knows its tier from its reports."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -30,10 +30,10 @@ class TierClock:
 
     def add(self, report: pytest.TestReport) -> None:
         self.seconds[report.nodeid] += report.duration
-        tier = next((t for t in TIERS if t in report.keywords), None)
-        if tier is not None:
-            self.tier[report.nodeid] = tier
-        if "slow" in report.keywords:
+        props = dict(report.user_properties)  # set by tests/tiers.py for every phase
+        if props.get("tier") in TIERS:
+            self.tier[report.nodeid] = props["tier"]
+        if props.get("slow"):
             self.marked_slow.add(report.nodeid)
 
     def slow_audit(self) -> dict[str, list[str]]:

@@ -377,6 +377,10 @@ def pytest_runtest_makereport(item: pytest.Item, call):
     """A unit test that swallowed the guard's exception still fails."""
     outcome = yield
     report = outcome.get_result()
+    # the tier travels with the report (also to the xdist controller): keywords cannot tell it, they hold the
+    # path's directory names too (tests/integration/ holds e2e tests)
+    report.user_properties.append(("tier", item.stash.get(_TIER_KEY, None)))
+    report.user_properties.append(("slow", item.get_closest_marker("slow") is not None))
     if report.when == "call" and report.passed and GUARD.forbid and GUARD.seen:
         report.outcome = "failed"
         report.longrepr = (f"unit test started a process or opened a socket: {GUARD.seen[0]}; give it the "

@@ -55,21 +55,24 @@ def test_the_nearest_tier_marker_wins(tmp_path):
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
 def test_the_run_ends_with_time_per_tier_and_the_slowest_tests(tmp_path, workers):
-    (tmp_path / "test_x.py").write_text(
+    (tmp_path / "integration").mkdir()  # a directory named like another tier must not decide the tier
+    (tmp_path / "integration" / "test_x.py").write_text(
         "import pytest, subprocess, sys\n"
         "@pytest.mark.unit\n@pytest.mark.slow\ndef test_quick():\n    pass\n"
-        "@pytest.mark.integration\ndef test_proc():\n"
+        "@pytest.mark.e2e\ndef test_proc():\n"
         "    subprocess.run([sys.executable, '-c', 'import time; time.sleep(0.3)'], check=True)\n")
     out = tmp_path / "tiers.json"
     res = run_pytest(tmp_path, *workers, "--tier-durations", str(out))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "time per tier" in res.stdout
     table = json.loads(out.read_text())
-    assert table["tiers"]["unit"]["tests"] == 1 and table["tiers"]["integration"]["tests"] == 1
-    assert table["tiers"]["integration"]["seconds"] >= 0.3  # the subprocess's time is the test's
-    assert table["slowest"][0]["nodeid"] == "test_x.py::test_proc" and table["slowest"][0]["tier"] == "integration"
+    assert table["tiers"]["unit"]["tests"] == 1 and table["tiers"]["e2e"]["tests"] == 1, table["tiers"]
+    assert "integration" not in table["tiers"]
+    assert table["tiers"]["e2e"]["seconds"] >= 0.3  # the subprocess's time is the test's
+    assert table["slowest"][0] == {"nodeid": "integration/test_x.py::test_proc", "tier": "e2e",
+                                   "seconds": table["slowest"][0]["seconds"]}
     # test_quick is marked slow but is not: the audit names it
-    assert table["slow_audit"] == {"marked_slow_under": ["test_x.py::test_quick"], "unmarked_over": []}
+    assert table["slow_audit"] == {"marked_slow_under": ["integration/test_x.py::test_quick"], "unmarked_over": []}
 
 
 @pytest.mark.unit
