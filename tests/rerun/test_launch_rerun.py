@@ -58,16 +58,20 @@ def job(tmp_path: Path):
     j.cleanup()
 
 
-@pytest.fixture(scope="module")
-def clean_weights(tmp_path_factory) -> list[str]:
-    """The final weights of the same training without any fault."""
-    j = Job(tmp_path_factory.mktemp("clean"))
+def fault_free_weights(tmp_path: Path) -> list[str]:
+    """The final weights of the same training without any fault (one host)."""
+    j = Job(tmp_path)
     try:
         res = j.train(j.tmp_path / "work", "none", "nvrx-n1")
         assert res.returncode == 0, res.stderr
         return json.loads((j.tmp_path / "work" / "weights.json").read_text())["weights"]
     finally:
         j.cleanup()
+
+
+@pytest.fixture(scope="module")
+def clean_weights(tmp_path_factory) -> list[str]:
+    return fault_free_weights(tmp_path_factory.mktemp("clean"))
 
 
 def weights(work: Path) -> dict:

@@ -4,13 +4,12 @@ SLURMD_NODENAME). The NaN at step 3 reproduces only on host nvrx-n1 (train_rerun
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import wait_for
-from tests.rerun.test_launch_rerun import TRAIN, Job, loss_hex, weights
+from tests.rerun.test_launch_rerun import TRAIN, fault_free_weights, loss_hex, weights
 
 pytestmark = pytest.mark.slow
 PORT = 29400  # the hosts' network is the test's own
@@ -18,14 +17,7 @@ PORT = 29400  # the hosts' network is the test's own
 
 @pytest.fixture(scope="module")
 def clean_weights(tmp_path_factory) -> list[str]:
-    """The final weights of the same training without any fault (one host, as test_launch_rerun.py's)."""
-    j = Job(tmp_path_factory.mktemp("clean"))
-    try:
-        res = j.train(j.tmp_path / "work", "none", "nvrx-n1")
-        assert res.returncode == 0, res.stderr
-        return json.loads((j.tmp_path / "work" / "weights.json").read_text())["weights"]
-    finally:
-        j.cleanup()
+    return fault_free_weights(tmp_path_factory.mktemp("clean"))  # as test_launch_rerun.py's, on one host
 
 
 def start_hosts(job, run_id: str, standby: bool) -> tuple[dict, Path]:
