@@ -32,16 +32,22 @@ def test_the_choice_in_steps_respects_the_drain_time():
     assert unknown.every_steps == interval.MAX_EVERY_STEPS and unknown.expected_goodput is None
 
 
-def test_auto_interval_is_chosen_at_the_first_save_and_recorded(tmp_path):
+def _train_auto(root, steps: int, **saver_kw) -> ckpt.PeriodicCheckpointer:
+    """STEPS Adam steps of a small model from a fresh start, saving with every_steps="auto"; closed after."""
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.Adam(model.parameters())
-    saver = ckpt.PeriodicCheckpointer(tmp_path, model=model, optimizer=opt, every_steps="auto", mtbf_s=30.0)
+    saver = ckpt.PeriodicCheckpointer(root, model=model, optimizer=opt, every_steps="auto", **saver_kw)
     assert saver.resume() == 0
-    for step in range(120):
+    for step in range(steps):
         model(torch.randn(4, 64)).sum().backward()
         opt.step()
         saver.step(step)
     saver.close()
+    return saver
+
+
+def test_auto_interval_is_chosen_at_the_first_save_and_recorded(tmp_path):
+    saver = _train_auto(tmp_path, 120, mtbf_s=30.0)
     choice = saver.interval
     assert choice is not None and saver.every_steps == choice.every_steps != 50
     assert choice.mtbf_s == 30.0 and choice.step_s > 0 and choice.save_cost_s > 0
@@ -58,15 +64,7 @@ def test_bad_every_steps_is_refused(tmp_path):
 
 
 def test_with_no_failure_and_no_mtbf_the_time_run_bounds_the_interval(tmp_path):
-    model = torch.nn.Linear(64, 64)
-    opt = torch.optim.Adam(model.parameters())
-    saver = ckpt.PeriodicCheckpointer(tmp_path, model=model, optimizer=opt, every_steps="auto")
-    assert saver.resume() == 0
-    for step in range(60):
-        model(torch.randn(4, 64)).sum().backward()
-        opt.step()
-        saver.step(step)
-    saver.close()
+    saver = _train_auto(tmp_path, 60)
     choice = saver.interval
     recorded = json.loads((tmp_path / "nvrx_interval.json").read_text())
     ran = recorded["first_start"]
