@@ -235,10 +235,10 @@ class PeriodicCheckpointer:
         Collective: every rank calls it for every step.
         """
         now = time.perf_counter()
+        busy = self._finalizer is not None and self._finalizer.busy()
         if self._auto and self._last_step_at is not None:  # (a step while a save drains: the drain slows it)
-            draining = self._finalizer is not None and (self._finalizer.busy() or self._draining)
-            self._average("drain_step_s" if draining else "step_s", now - self._last_step_at)
-        self._draining = self._finalizer is not None and self._finalizer.busy()
+            self._average("drain_step_s" if busy or self._draining else "step_s", now - self._last_step_at)
+        self._draining = busy
         started = self._step(step)
         self._last_step_at = time.perf_counter() if started else now  # (a save's own cost is not a step)
         self._ask_ahead(step + 1)
