@@ -213,6 +213,7 @@ def cut_off(work: Path, rank: int) -> dict:
         out["stale_save"] = None
     except LocalCheckpointError as exc:
         out["stale_save"] = str(exc)
+    dist.barrier()  # every rank has removed its refused files (each lists a peer's directory below)
     out["node0_files"] = sorted(p.name for p in (work / "node0" / "job" / f"rank{rank % PER_NODE}").iterdir())
     dist.barrier()
     in_round(7, 2)
