@@ -3,6 +3,7 @@ publication (latest, keep_last), verification, and bad input. Real writer proces
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from pathlib import Path
@@ -351,3 +352,30 @@ def test_invalid_arguments_are_named() -> None:
         save_state_dict_async_plan([1, 2], FileSystemWriterAsync("/tmp/x"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="verify must be"):
         ckpt.find_latest_checkpoint("/tmp", verify="quick")
+
+
+def test_a_writer_being_killed_is_stopped_not_failed_for_a_detach_or_save_meanwhile(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """kill() closes the channel, then waits for the process; a staging finalizer's detach or another thread's
+    save in that window must not write to the closed socket ("checkpoint writer failed: ... Bad file
+    descriptor", seen once at a rank's sys.exit) nor start a second writer at interpreter exit."""
+    from nvrx.ckpt.async_ckpt.writer_process import WriterProcess
+
+    writer = WriterProcess()
+    writer.start()
+    proc = writer.proc
+    seen: dict = {}
+    real_wait = proc.wait
+
+    def wait_and_poke(timeout=None):  # runs inside kill(), after the channel closed
+        seen["running"] = writer.running()
+        with pytest.raises(RuntimeError, match="was stopped"):
+            writer.submit({"op": "noop"})
+        return real_wait(timeout)
+
+    proc.wait = wait_and_poke
+    with caplog.at_level(logging.WARNING, logger="nvrx.ckpt.writer"):
+        writer.kill()
+    assert seen == {"running": False}
+    assert not [r for r in caplog.records if "failed" in r.getMessage() or "starting a new" in r.getMessage()]
+    assert writer.proc is None and proc.poll() is not None

@@ -30,6 +30,7 @@ from nvrx.ckpt.async_ckpt.control import Channel, ChannelClosed
 log = logging.getLogger("nvrx.ckpt.writer")
 
 _live: "weakref.WeakSet[WriterProcess]" = weakref.WeakSet()
+STOPPED = "the checkpoint writer was stopped"
 
 
 class WriterProcess:
@@ -137,6 +138,10 @@ class WriterProcess:
         """End the writer now (exit paths: nothing it holds will be published)."""
         if self.proc is None:
             return
+        # Stopped, not failed: a detach or save that runs meanwhile (a staging finalizer, another thread at
+        # interpreter exit) must see a writer that is not running instead of writing to the closed channel and
+        # logging "checkpoint writer failed: ... Bad file descriptor".
+        self._death = self._death or STOPPED
         if self.channel is not None:
             self.channel.close()  # end of file: the writer exits at once
         try:
@@ -151,7 +156,7 @@ class WriterProcess:
             self.channel.close()
         self.channel = None
         self.proc = None
-        self._fail_pending("the checkpoint writer was stopped")
+        self._fail_pending(STOPPED)
         _live.discard(self)
 
     def _close_in_fork_child(self) -> None:
@@ -181,6 +186,8 @@ class WriterProcess:
     def submit(self, job: dict[str, Any], buffer: Any = None, fd: int | None = None) -> int:
         """Hand JOB to the writer; it reads BUFFER (attached once) or FD (sent along). Returns the job id."""
         if not self.running():
+            if self.proc is not None and self._death == STOPPED:  # kill() is ending it (interpreter exit)
+                raise RuntimeError(f"checkpoint writer process is gone: {STOPPED}")
             if self.proc is not None:
                 log.warning("checkpoint writer is gone (%s); starting a new one", self._death or "exited")
                 self._close()
