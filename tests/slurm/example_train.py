@@ -36,7 +36,7 @@ def main() -> int:
         "group_rank": int(os.environ["GROUP_RANK"]), "node": os.environ.get("SLURMD_NODENAME"),
         "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "sum": total.item(),
         "job": os.environ.get("SLURM_JOB_ID"), "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
-        "hostname": socket.gethostname(), "master_addr": os.environ["MASTER_ADDR"],
+        "pid": os.getpid(), "hostname": socket.gethostname(), "master_addr": os.environ["MASTER_ADDR"],
         "master_ip": socket.gethostbyname(os.environ["MASTER_ADDR"]), "master_port": int(os.environ["MASTER_PORT"]),
         "peers": sorted({c.raddr.ip.removeprefix("::ffff:") for c in psutil.Process().net_connections("tcp")
                          if c.raddr and c.status == psutil.CONN_ESTABLISHED}),

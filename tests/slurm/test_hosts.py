@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 
 import psutil
 import pytest
 
 from nvrx.slurm.environment import rdzv_port_for_job
-from tests.conftest import wait_for
+from tests.conftest import pid_gone, run_events, tagged_processes, wait_for
+from tests.faults.test_partitions import GoneClock
 from tests.hosts import require_hosts
 from tests.slurm.cluster import ClusterUnavailable, wait_until
 from tests.slurm.conftest import REQUIRE_ENV, slurm_required
@@ -110,8 +112,12 @@ def test_two_node_job_on_emulated_hosts_recovers_a_crash_in_place(hosts_slurm, t
     logs = (tmp_path / "nvrx_logs" / job_id).glob("agent-*.jsonl")
     assert sorted(p.name.removeprefix("agent-").rsplit("-", 1)[0] for p in logs) == [h0.name, h1.name]
 
-    # the job's steps are gone from both hosts: only the daemons run there (slurmctld's own child, slurmscriptd,
-    # is one of them; a slurmd's children are the job's slurmstepds)
+    _assert_only_daemons_left(cluster)
+
+
+def _assert_only_daemons_left(cluster) -> None:
+    """The job's steps are gone from every host: only the daemons run there (slurmctld's own child, slurmscriptd,
+    is one of them; a slurmd's children are the job's slurmstepds)."""
     ctld = cluster.procs["slurmctld"].pid
     daemons = {p.pid for p in cluster.procs.values()} | {c.pid for c in psutil.Process(ctld).children()}
     others = lambda: {pid: _cmdline(pid) for h in cluster.hosts for pid in h.pids() if pid not in daemons}
@@ -123,3 +129,52 @@ def _cmdline(pid: int) -> str:
         return " ".join(psutil.Process(pid).cmdline())[:120]
     except psutil.Error:
         return "(gone)"
+
+
+KA_TIMEOUT, STORE_TIMEOUT, SLACK = 3.0, 3.0, 0.5  # as in tests/faults/test_partitions.py
+CUT_LAUNCH_ARGS = (f"--rdzv-conf last_call_timeout=1,keepalive_interval=1,keepalive_timeout={KA_TIMEOUT},"
+                   f"store_timeout={STORE_TIMEOUT} --term-timeout 2")
+
+
+def test_second_node_cut_off_mid_job_on_emulated_hosts(hosts_slurm, tmp_path):
+    """Fault: partition on Slurm: the link of the second node (an emulated host with its own slurmd) is cut while
+    a 2-node multi_node.sbatch job (--max-restarts 0) runs; healed once the cut-off agent has exited (before
+    Slurm's SlurmdTimeout, so the node stays up).
+    Outcome: the cut-off node stops its own ranks within store_timeout + 0.5 s and its agent exits 1 ("cut off
+    from the rendezvous store"); the first node's agent notices within keepalive_timeout + 0.5 s and stops its
+    ranks (no restart budget). Once the link is back srun collects both exits and Slurm ends the job FAILED
+    1:0 (`nvrx resume` continues after a 1). Nothing is left on either host.
+    """
+    cluster = hosts_slurm
+    h0, h1 = cluster.hosts[0], cluster.hosts[1]
+    job = Job(cluster, tmp_path, "multi_node.sbatch")
+    hold = tmp_path / "go"  # never made: the ranks hold until the fault ends them
+    job_id = job.submit("--nodes=2", NVRX_NPROC_PER_NODE="2", NVRX_MAX_RESTARTS="0", EXAMPLE_HOLD_FILE=str(hold),
+                        NVRX_LAUNCH_ARGS=CUT_LAUNCH_ARGS)
+    wait_until(f"4 rank reports of job {job_id}", lambda: len(job.ranks()) == 4, 120, interval=0.1,
+               error=AssertionError)
+    ranks = job.ranks()
+    assert [r["node"] for r in ranks] == [h0.name, h0.name, h1.name, h1.name], job.output()
+    cut_off = GoneClock([r["pid"] for r in ranks if r["node"] == h1.name])
+    t_cut = time.time()
+    cluster.hosts.cut(h1)
+    try:
+        gone = cut_off.last(30) - t_cut
+        assert gone <= STORE_TIMEOUT + SLACK, f"the cut-off node's ranks ran on {gone:.2f} s after the cut"
+        on_h1 = lambda: [p for p in tagged_processes(job.token) if p.pid in set(h1.pids())]
+        assert wait_for(lambda: not on_h1(), 30), f"still on the cut-off node: {on_h1()}"
+    finally:
+        cluster.hosts.heal(h1)
+    info = job.finish(job_id)
+    out = job.output()
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "1:0"), out
+    assert "cut off from the rendezvous store" in out, out
+    stops = [e for e in run_events(tmp_path / "nvrx_logs" / job_id, f"agent-{h0.name}-")
+             if e["ev"] == "rdzv_stop" and e["kind"] == "node_left"]
+    assert stops, out
+    noticed = min(e["t"] for e in stops) - t_cut
+    assert noticed <= KA_TIMEOUT + SLACK, f"the first node noticed {noticed:.2f} s after the cut"
+    assert all(pid_gone(r["pid"]) for r in ranks)
+    _assert_only_daemons_left(cluster)
+    # both nodes are back to idle: the cut was shorter than SlurmdTimeout
+    wait_until("both nodes idle", cluster._all_idle, 30, error=AssertionError)
