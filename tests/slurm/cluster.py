@@ -4,6 +4,8 @@ Everything lives in one temp dir and runs from the project's config in tests/slu
 The emulated nodes share this host's name, network and PID namespace; each has its own
 loopback address (127.0.0.11, .12, ...) named in /etc/hosts, its own slurmd port, and its
 own spool/pid/log files (%n). Only processes started here see SLURM_CONF (via env()).
+tests/slurm/hosts_cluster.py runs the same cluster with each node on an emulated host of its own
+(command(), node_line() and the ctld_* members are what it changes).
 """
 
 from __future__ import annotations
@@ -206,7 +208,7 @@ class SlurmCluster:
         wait_until("munged creating its socket", lambda: self._check_alive("munged") and self.munge_socket.exists(), 10)
 
     def _write_config(self) -> None:
-        reason = self._proctrack_unusable()
+        reason = _cgroup_freezer_usable()
         if reason:
             self.proctrack, self.proctrack_reason = "proctrack/linuxproc", reason
             log.warning("test Slurm uses proctrack/linuxproc: %s", reason)
@@ -221,9 +223,6 @@ class SlurmCluster:
         shutil.copy(TEMPLATES / "cgroup.conf", self.conf.parent / "cgroup.conf")
         self.conf.parent.chmod(0o755)  # job steps and clients read the config
         self.conf.chmod(0o644)
-
-    def _proctrack_unusable(self) -> str | None:
-        return _cgroup_freezer_usable()
 
     def _start_daemons(self) -> None:
         self._spawn("slurmctld", self.command([_bin("slurmctld"), "-D", "-i", "-f", str(self.conf)], "slurmctld"))
