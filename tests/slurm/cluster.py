@@ -4,6 +4,8 @@ Everything lives in one temp dir and runs from the project's config in tests/slu
 The emulated nodes share this host's name, network and PID namespace; each has its own
 loopback address (127.0.0.11, .12, ...) named in /etc/hosts, its own slurmd port, and its
 own spool/pid/log files (%n). Only processes started here see SLURM_CONF (via env()).
+tests/slurm/hosts_cluster.py runs the same cluster with each node on an emulated host of its own
+(command(), node_line() and the ctld_* members are what it changes).
 """
 
 from __future__ import annotations
@@ -111,6 +113,26 @@ class SlurmCluster:
         return f"127.0.0.{10 + int(name.rsplit('n', 1)[1])}"
 
     @property
+    def ctld_host(self) -> str:
+        return socket.gethostname()
+
+    @property
+    def ctld_addr(self) -> str:
+        return "127.0.0.1"
+
+    def ctld_port(self) -> int:
+        return free_port()
+
+    def node_line(self, name: str) -> str:
+        """NAME's NodeName line in slurm.conf (the emulated nodes share this host's name and network)."""
+        return (f"NodeName={name} NodeHostname={socket.gethostname()} NodeAddr={self.node_addr(name)} "
+                f"Port={free_port()} CPUs=2 RealMemory=2000 State=UNKNOWN")
+
+    def command(self, cmd: list[str], where: str | None = None) -> list[str]:
+        """CMD as run on node WHERE (a node name, "slurmctld", None for a client): here, as it is."""
+        return cmd
+
+    @property
     def conf(self) -> Path:
         return self.base / "etc" / "slurm.conf"
 
@@ -128,7 +150,8 @@ class SlurmCluster:
     def run(self, *cmd: str, timeout: float = 30, check: bool = True,
             env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
         """A Slurm client command against this cluster, bounded in time."""
-        out = subprocess.run(list(cmd), env=self.env(env), capture_output=True, text=True, timeout=timeout, **kw)
+        out = subprocess.run(self.command(list(cmd)), check=False, env=self.env(env), capture_output=True, text=True,
+                             timeout=timeout, **kw)
         if check and out.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {out.returncode}: {out.stderr.strip() or out.stdout.strip()}")
         return out
@@ -144,10 +167,7 @@ class SlurmCluster:
         t0 = time.monotonic()
         try:
             self._layout()
-            try:
-                ensure_hosts({n: self.node_addr(n) for n in self.node_names})
-            except OSError as exc:
-                raise ClusterUnavailable(f"cannot name the emulated nodes in {HOSTS_FILE} ({exc.strerror})") from None
+            self._name_nodes()
             self._start_munge()
             self._write_config()
             self._start_daemons()
@@ -156,6 +176,12 @@ class SlurmCluster:
             raise
         self.bringup_seconds = time.monotonic() - t0
         return self
+
+    def _name_nodes(self) -> None:
+        try:
+            ensure_hosts({n: self.node_addr(n) for n in self.node_names})
+        except OSError as exc:
+            raise ClusterUnavailable(f"cannot name the emulated nodes in {HOSTS_FILE} ({exc.strerror})") from None
 
     def _layout(self) -> None:
         self.base.chmod(0o711)  # munged (another user) must reach its own subdir
@@ -186,15 +212,12 @@ class SlurmCluster:
         if reason:
             self.proctrack, self.proctrack_reason = "proctrack/linuxproc", reason
             log.warning("test Slurm uses proctrack/linuxproc: %s", reason)
-        node_lines = []
-        for name in self.node_names:
-            node_lines.append(f"NodeName={name} NodeHostname={socket.gethostname()} NodeAddr={self.node_addr(name)} "
-                              f"Port={free_port()} CPUs=2 RealMemory=2000 State=UNKNOWN")
+        node_lines = [self.node_line(name) for name in self.node_names]
         # Job ids name cgroups and rendezvous ports: a random start keeps two test clusters apart.
-        fields = dict(base=str(self.base), ctld_host=socket.gethostname(), ctld_port=str(free_port()),
-                      first_job_id=str(random.randrange(10_000, 2_000_000)),
-                      munge_socket=str(self.munge_socket), proctrack=self.proctrack, nodes="\n".join(node_lines),
-                      node_names=",".join(self.node_names))
+        fields = {"base": str(self.base), "ctld_host": self.ctld_host, "ctld_addr": self.ctld_addr,
+                  "ctld_port": str(self.ctld_port()), "first_job_id": str(random.randrange(10_000, 2_000_000)),
+                  "munge_socket": str(self.munge_socket), "proctrack": self.proctrack, "nodes": "\n".join(node_lines),
+                  "node_names": ",".join(self.node_names)}
         text = string.Template((TEMPLATES / "slurm.conf.in").read_text()).substitute(fields)
         self.conf.write_text(text)
         shutil.copy(TEMPLATES / "cgroup.conf", self.conf.parent / "cgroup.conf")
@@ -202,10 +225,10 @@ class SlurmCluster:
         self.conf.chmod(0o644)
 
     def _start_daemons(self) -> None:
-        self._spawn("slurmctld", [_bin("slurmctld"), "-D", "-i", "-f", str(self.conf)])
+        self._spawn("slurmctld", self.command([_bin("slurmctld"), "-D", "-i", "-f", str(self.conf)], "slurmctld"))
         wait_until("slurmctld answering", lambda: self._check_alive("slurmctld") and self._ping(), 20)
         for name in self.node_names:
-            self._spawn(f"slurmd-{name}", [_bin("slurmd"), "-D", "-N", name, "-f", str(self.conf)])
+            self._spawn(f"slurmd-{name}", self.command([_bin("slurmd"), "-D", "-N", name, "-f", str(self.conf)], name))
         wait_until("all emulated nodes idle", self._all_idle, 30, interval=0.1)
 
     def _spawn(self, name: str, cmd: list[str], **kw) -> None:
