@@ -68,7 +68,6 @@ def _wired() -> bool:
     return any("--async-ckpt" in names for names, _ in _OPTIONS)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not _wired(), reason="nvrx launch has no --async-ckpt flag")
 @pytest.mark.parametrize("template", ["--fork-server", "--no-fork-server"])
 def test_launch_async_ckpt_rank_reserves_after_the_first_step(launcher, tmp_path: Path, template: str) -> None:

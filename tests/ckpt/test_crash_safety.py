@@ -13,7 +13,6 @@ import uuid
 import warnings
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -26,7 +25,6 @@ SEED = int(os.environ.get("NVRX_CKPT_CRASH_SEED", "20240611"))
 TRAINER_KILLS = int(os.environ.get("NVRX_CKPT_TRAINER_KILLS", "5"))
 WRITER_KILLS = int(os.environ.get("NVRX_CKPT_WRITER_KILLS", "15"))
 
-pytestmark = pytest.mark.slow
 
 
 def lines(path: Path) -> list[str]:

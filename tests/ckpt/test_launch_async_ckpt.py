@@ -12,7 +12,6 @@ from nvrx import ckpt
 
 HERE = Path(__file__).resolve().parent
 
-pytestmark = pytest.mark.slow
 
 
 def _wired() -> bool:

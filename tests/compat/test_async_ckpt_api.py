@@ -66,7 +66,6 @@ def megatron_request(state: dict, path: Path, **writer_kw) -> tuple[AsyncRequest
 # ---------------------------------------------------------------- the distributed sequence, end to end
 
 
-@pytest.mark.slow
 def test_megatron_core_sequence_on_two_gloo_ranks_saves_loads_and_fails_like_nvrx(tmp_path: Path) -> None:
     (r0, r1), token = run_two_ranks(CKPT_TESTS / "megatron_ranks.py", tmp_path, 150)
     for r in (r0, r1):

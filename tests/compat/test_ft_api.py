@@ -300,7 +300,6 @@ def _reports(stdout: str, tag: str) -> dict[int, object]:
     return out
 
 
-@pytest.mark.slow
 def test_client_calls_across_two_launches(launcher, tmp_path: Path) -> None:
     script = write_script(tmp_path / "ft_rank.py", FT_RANK)
     state_path = tmp_path / "ft_state.json"

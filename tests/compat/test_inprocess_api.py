@@ -20,7 +20,6 @@ from tests.inprocess.harness import run_job
 EXAMPLE = Path(__file__).with_name("inprocess_example.py")
 
 
-@pytest.mark.slow
 def test_nvrx_style_script_with_a_spare_survives_a_dead_rank(tmp_path: Path) -> None:
     res = run_job(tmp_path, 3, {"exit_rank": 1, "exit_step": 2, "steps": 6}, timeout=120, script=EXAMPLE)
     assert res.codes == {0: 0, 1: 17, 2: 0}, res.stderr

@@ -9,7 +9,6 @@ import pytest
 from tests.conftest import STARTUP_WAIT, free_port, wait_for
 from tests.faults.conftest import children_named, kill
 
-pytestmark = pytest.mark.slow
 
 
 def test_agent_sigkilled(job):

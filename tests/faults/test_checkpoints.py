@@ -45,7 +45,6 @@ def _writer_gone(cp: ckpt.AsyncCheckpointer) -> None:
     assert pid is None or wait_for(lambda: pid_gone(pid), 10), f"writer {pid} left behind"
 
 
-@pytest.mark.slow
 def test_kill_during_checkpoint_save(tmp_path: Path) -> None:
     """Fault: the training process is SIGKILLed at a random moment of a checkpoint save (seeded trials).
     Outcome: the last completed checkpoint always loads, never a mix of two saves; its writer dies with it.

@@ -76,7 +76,6 @@ def test_corrupt_resume_state(resume):
     resume.assert_clean()
 
 
-@pytest.mark.slow
 def test_corrupt_and_truncated_logs_for_inspect(job):
     """Fault: `nvrx inspect` reads event logs with garbage lines, a torn last line and a wrongly typed record.
     Outcome: the report is made from the good lines and counts the corrupt ones; exit 0, no traceback.

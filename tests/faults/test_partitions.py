@@ -21,7 +21,6 @@ from nvrx import ckpt
 from tests.conftest import pid_gone, wait_for
 from tests.faults.conftest import ShmWatch, one_line
 
-pytestmark = pytest.mark.slow
 
 PORT = 29400  # the hosts' network is the test's own: the usual port cannot clash with anything
 KA_INTERVAL, KA_TIMEOUT, STORE_TIMEOUT = 1.0, 3.0, 3.0
@@ -79,6 +78,7 @@ def _stop_time(job, run_id: str, host_name: str, kind: str) -> float:
     return min(e["t"] for e in stops)
 
 
+@pytest.mark.slow
 def test_partition_cut_off_host_elastic(host_job):
     """Fault: partition: one host's link is cut for good while its agent and ranks keep running (elastic
     --nnodes 1:2, the other host holds the store).
@@ -270,6 +270,7 @@ def test_partition_host_frozen_then_thawed(host_job):
     job.assert_clean()
 
 
+@pytest.mark.slow
 def test_partition_store_host_cut_off_then_nvrx_resume_continues(host_job):
     """Fault: partition: the link of the host holding the rendezvous store is cut for good in a fixed-size job
     (--nnodes 2, --max-restarts 0, a job secret) run by `nvrx resume` as in auto_resume.sbatch (one `nvrx launch`

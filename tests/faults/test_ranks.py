@@ -5,11 +5,9 @@ from __future__ import annotations
 import os
 import stat
 
-import pytest
 
 from tests.faults.conftest import children_named, kill, one_line
 
-pytestmark = pytest.mark.slow
 
 # a restart must finish within the test's timeout even on a busy 2-core machine; hang timeouts are short
 FAST = {"FAULT_STEP_TIME": "0.03"}

@@ -9,7 +9,6 @@ import socket
 import threading
 import time
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed import TCPStore
@@ -23,7 +22,6 @@ from nvrx.events import StopDetail
 from tests.conftest import free_port, listening, one_line_error, wait_for
 from tests.faults.conftest import one_line, secret_file, two_agents
 
-pytestmark = pytest.mark.slow
 
 
 def _client(port: int) -> TCPStore:

@@ -10,11 +10,9 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
 
 from tests.conftest import wait_for
 
-pytestmark = pytest.mark.slow
 
 PORT = 29400
 RANKS = Path(__file__).with_name("addr_ranks.py")

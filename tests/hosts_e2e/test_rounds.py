@@ -3,13 +3,11 @@ and host name, as on a cluster (the 127.0.0.1 versions of these live in tests/fa
 
 from __future__ import annotations
 
-import pytest
 
 from nvrx.slurm.nodes import find_bad_node
 from tests.conftest import wait_for, write_script
 from tests.faults.conftest import kill
 
-pytestmark = pytest.mark.slow
 
 PORT = 29400
 CONF = "last_call_timeout=1,keepalive_interval=0.5,keepalive_timeout=2"

@@ -177,7 +177,6 @@ def test_nothing_of_the_wrapper_outlives_its_call_and_its_monitor_is_a_fresh_int
     assert out["monitor"]["cmdline"][1:] [:3] == ["-P", "-m", "nvrx.launcher.rank.inprocess.monitor_process"]
 
 
-@pytest.mark.slow
 def test_two_calls_in_a_row_in_two_ranks_each_restarting_once(tmp_path):
     plan = {"wrapper": FAST, "steps": 2, "calls": 2, "no_gc": True, "store_timeout": 60,
             "actions": {"0": {"1": {"at_step": 1, "do": "raise"}}}}
@@ -191,7 +190,6 @@ def test_two_calls_in_a_row_in_two_ranks_each_restarting_once(tmp_path):
     assert res.leftovers == []
 
 
-@pytest.mark.slow
 def test_a_rank_stuck_again_after_a_soft_timeout_restart_is_ended_by_the_hard_timeout(tmp_path):
     # Rank 1 blocks in time.sleep in every iteration (not rank 0: it hosts the store here). The first soft
     # timeout interrupts it (a restart attempt); stuck again right after, it is left to the hard timeout, as

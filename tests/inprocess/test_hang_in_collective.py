@@ -14,7 +14,6 @@ import pytest
 
 from tests.inprocess.harness import JobResult, run_job
 
-pytestmark = pytest.mark.slow
 
 WRAPPER = {"soft_timeout": 1.0, "hard_timeout": 20.0, "heartbeat_timeout": 20.0, "monitor_process_interval": 0.25,
            "termination_grace_time": 0.5, "barrier_timeout": 20.0, "completion_timeout": 20.0}

@@ -33,7 +33,6 @@ def _lines(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.slow
 def test_inprocess_restart_under_nvrx_launch_with_a_spare(launcher, tmp_path):
     script = write_script(tmp_path / "train.py", SCRIPT)
     res = launcher.run("--nproc-per-node", "3", "--inprocess", "--inprocess-spares", "1", "--max-restarts", "0",
@@ -109,7 +108,6 @@ def _run_script_with_own_wrapper(launcher, tmp_path, mode: str):
                         env={"TEST_MODE": mode})
 
 
-@pytest.mark.slow
 def test_the_scripts_own_wrapper_runs_with_its_own_settings_under_inprocess_launch(launcher, tmp_path):
     res = _run_script_with_own_wrapper(launcher, tmp_path, "ok")
     assert res.returncode == 0, res.stderr
@@ -125,7 +123,6 @@ def test_the_scripts_own_wrapper_runs_with_its_own_settings_under_inprocess_laun
     assert launcher.leftovers() == []
 
 
-@pytest.mark.slow
 def test_the_scripts_own_retry_limit_ends_the_job_under_inprocess_launch(launcher, tmp_path):
     # Without honouring the script's Wrapper, the launcher's (no retry limit) would restart the script forever.
     res = _run_script_with_own_wrapper(launcher, tmp_path, "exhaust")

@@ -10,7 +10,6 @@ import pytest
 
 from tests.inprocess.harness import JobResult, run_job
 
-pytestmark = pytest.mark.slow
 
 FAST = {"soft_timeout": 1.5, "hard_timeout": 3.0, "heartbeat_timeout": 3.0, "monitor_process_interval": 0.25,
         "termination_grace_time": 0.5, "barrier_timeout": 30.0, "completion_timeout": 30.0}

@@ -138,7 +138,6 @@ def test_file_store_arguments_are_checked(tmp_path):
         inprocess.store.FileStore(None)  # type: ignore[arg-type]
 
 
-@pytest.mark.slow
 def test_tree_backfill_over_a_file_store_survives_losing_rank_0(tmp_path):
     """Three real ranks; the Wrapper's store is a FileStore, so losing rank 0 loses no store. Tree: pairs
     {0, 1}, {2}, BACKFILL up to the job: rank 2 (the highest active) takes rank 0's place."""

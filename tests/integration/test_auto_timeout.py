@@ -19,7 +19,6 @@ from nvrx.inspection.run_report import build_report
 from nvrx.nvrx_cli.inspect_cmd import render_text
 from tests.integration.test_rank_monitor import Harness
 
-pytestmark = pytest.mark.slow
 
 # A scripted rank: each argv item is one action.
 RANK_SCRIPT = r'''

@@ -95,8 +95,8 @@ def _run_block(block: Block, cwd: Path, env: dict[str, str], port: int) -> str:
 PAGES = runnable_pages()
 
 
-@pytest.mark.e2e  # whole jobs: the docs' examples run nvrx launch
 @pytest.mark.slow
+@pytest.mark.e2e  # whole jobs: the docs' examples run nvrx launch
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("page", sorted(PAGES), ids=str)
 def test_runnable_examples(page, launcher, tmp_path):

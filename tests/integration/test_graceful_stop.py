@@ -10,7 +10,6 @@ import pytest
 
 from tests.conftest import free_port, run_events, wait_for, write_script
 
-pytestmark = pytest.mark.slow
 
 TRAIN = r'''
 import json, os, sys, time

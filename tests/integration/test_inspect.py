@@ -14,7 +14,6 @@ import pytest
 from nvrx.events import AgentStart, EventLog, RdzvJoin, RdzvRound
 from tests.conftest import REPO, one_line_error, write_script
 
-pytestmark = pytest.mark.slow
 
 CRASH_ONCE = r'''
 import os, signal, sys

@@ -19,7 +19,6 @@ import pytest
 from tests.conftest import REPO, run_events, write_script
 from tests.integration import browser
 
-pytestmark = pytest.mark.slow
 
 ENV = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 ARTIFACTS = Path(os.environ.get("NVRX_TEST_ARTIFACTS") or REPO / "test-artifacts")

@@ -10,11 +10,9 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 from tests.conftest import REPO, run_events, write_script
 
-pytestmark = pytest.mark.slow
 
 INSPECT = [sys.executable, "-m", "nvrx", "inspect"]
 ENV = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -21,7 +21,6 @@ import pytest
 from bench.bench_inspect import generate
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.slow
 
 ENV = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 SCREEN = 60  # lines: "about one screen" (issue 31)
@@ -75,6 +74,7 @@ def test_the_default_view_of_1024_nodes_and_10_rounds_fits_a_screen(big_run, ful
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow
 def test_verbose_and_node_show_what_the_default_view_folds(big_run, full):
     hangs = [it for it in full["timeline"] if it["kind"] == "hang_detected"]
     last = hangs[-1]  # folded into the first of its round's group by default

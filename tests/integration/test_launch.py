@@ -13,7 +13,6 @@ import pytest
 
 from tests.conftest import STARTUP_WAIT, free_port, run_events, wait_for, write_script
 
-pytestmark = pytest.mark.slow
 
 RANK_SCRIPT = r'''
 import json, os, signal, sys, time

@@ -8,11 +8,9 @@ import signal
 import time
 
 import psutil
-import pytest
 
 from tests.conftest import run_events, wait_for, write_script
 
-pytestmark = pytest.mark.slow
 
 HANG_SCRIPT = r'''
 import os, sys, time

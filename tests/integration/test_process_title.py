@@ -22,7 +22,6 @@ import pytest
 
 from tests.conftest import write_script
 
-pytestmark = pytest.mark.slow
 
 PROBE_VALUE = "probe value"
 NPROC = 2

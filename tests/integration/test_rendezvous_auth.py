@@ -38,7 +38,6 @@ def forger(port: int) -> TCPStore:
 # ---------------------------------------------------------------- real agents
 
 
-@pytest.mark.slow
 def test_forged_and_replayed_records_are_ignored(job: FaultJob, tmp_path: Path) -> None:
     """Round 0 crashes (a real restart: the budget of 1 is spent); in round 1 a program without the secret writes
     a stop record, a give-up finished record, a replay of round 0's stop record, forged keepalives and bumps of
@@ -80,7 +79,6 @@ def test_forged_and_replayed_records_are_ignored(job: FaultJob, tmp_path: Path) 
     job.assert_clean()
 
 
-@pytest.mark.slow
 def test_agents_with_different_secrets_fail_at_once(job: FaultJob, tmp_path: Path) -> None:
     """An agent whose secret differs from the store host's (or that has none) stops with one line, exit 2, before
     joining any round; the host's job is unaffected and ends cleanly when stopped."""
@@ -121,7 +119,6 @@ def test_secret_file_readable_by_others_is_one_line(job: FaultJob, tmp_path: Pat
 # ---------------------------------------------------------------- scale
 
 
-@pytest.mark.slow
 @pytest.mark.alone  # a benchmark: 256 agents on 2 cores, keepalive timeouts of 1.5 s; another test beside it starves it
 @pytest.mark.timeout(900)
 def test_256_signed_agents_agree_on_the_rounds(tmp_path: Path, launcher) -> None:

@@ -108,7 +108,6 @@ def resume(tmp_path: Path):
 
 # ---------------------------------------------------------------- real launches
 
-@pytest.mark.slow
 def test_fails_once_then_finishes_on_second_attempt(resume):
     res = resume.launch("fail_then_finish", "--max-failures", "3")
     assert res.returncode == 0, res.stderr
@@ -133,7 +132,6 @@ def test_fails_once_then_finishes_on_second_attempt(resume):
     assert not (resume.work / "ran.3.0").exists()
 
 
-@pytest.mark.slow
 def test_always_failing_job_gives_up_after_max_failures(resume):
     # an earlier job of the chain failed (recorded by a bash loop); this job's launch fails too
     pre = resume.run("--state-dir", str(resume.state_dir), "--exit-code", "1", "--max-failures", "2")
@@ -152,7 +150,6 @@ def test_always_failing_job_gives_up_after_max_failures(resume):
     assert not (resume.work / "ran.3.0").exists()
 
 
-@pytest.mark.slow
 def test_no_progress_stops_a_restart_storm(resume):
     (resume.work / "progress").write_text("7\n")
     res = resume.launch("stuck", "--progress-file", str(resume.work / "progress"), "--max-no-progress", "2",
@@ -165,7 +162,6 @@ def test_no_progress_stops_a_restart_storm(resume):
     assert resume.leftovers() == []
 
 
-@pytest.mark.slow
 def test_sigterm_is_forwarded_once_and_ends_as_continue(resume):
     proc = resume.start_waiting()
     proc.send_signal(signal.SIGTERM)
@@ -327,7 +323,6 @@ def test_bad_flags(resume, args, needle):
     assert not (resume.state_dir / "state.json").exists()
 
 
-@pytest.mark.slow
 def test_auto_resume_script_bash_loop(resume, tmp_path):
     script = write_script(tmp_path / "light.py", (
         "import os, sys\n"
@@ -350,7 +345,6 @@ def test_auto_resume_script_bash_loop(resume, tmp_path):
     assert resume.leftovers() == []
 
 
-@pytest.mark.slow
 def test_killed_driver_leaves_no_orphans_and_the_attempt_is_counted(resume):
     proc = resume.start_waiting()
     proc.kill()  # SIGKILL: nothing can be forwarded; the launch gets its parent-death signal

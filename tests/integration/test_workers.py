@@ -310,7 +310,6 @@ def test_gloo_all_reduce_from_forked_ranks(fork_harness: Harness) -> None:
         assert "sum=3.0" in ex.tail
 
 
-@pytest.mark.slow
 def test_gloo_all_reduce_from_spawned_ranks(script: Path, tmp_path: Path) -> None:
     h = Harness(_settings(script, False), tmp_path)
     try:

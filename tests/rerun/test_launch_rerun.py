@@ -19,7 +19,6 @@ import pytest
 from tests.conftest import Launcher
 
 TRAIN = Path(__file__).with_name("train_rerun.py")
-pytestmark = pytest.mark.slow
 
 
 class Job(Launcher):
@@ -82,6 +81,7 @@ def loss_hex(work: Path, node: str, n: int) -> str:
     return json.loads((work / f"loss-{node}-{n}.json").read_text())
 
 
+@pytest.mark.slow
 def test_transient_then_node_fault_then_persistent_elsewhere_and_a_deterministic_nan_stops(job, clean_weights):
     # an earlier attempt of the chain got to iteration 3 (e.g. it crashed after its step-3 checkpoint)
     progress = job.tmp_path / "progress"

@@ -11,7 +11,6 @@ import pytest
 from tests.conftest import wait_for
 from tests.rerun.test_launch_rerun import TRAIN, fault_free_weights, loss_hex, weights
 
-pytestmark = pytest.mark.slow
 PORT = 29400  # the hosts' network is the test's own
 
 
@@ -47,6 +46,7 @@ def start_hosts(job, run_id: str, standby: bool) -> tuple[dict, Path]:
     return agents, work
 
 
+@pytest.mark.slow
 def test_a_node_fault_swaps_in_the_standby_host_within_the_same_job(host_job, clean_weights):
     """Two hosts and a standby host under one `nvrx launch` job (no new job): the NaN reproduces only on
     nvrx-n1 -> only that host's agent leaves (exit 16), the standby host takes its place in a new round, the step

@@ -9,12 +9,10 @@ import shutil
 import uuid
 from pathlib import Path
 
-import pytest
 
 from tests.conftest import tagged_processes
 from tests.slurm.cluster import REPO
 
-pytestmark = pytest.mark.slow
 
 # Exits 16 in the first job execution, finishes in the next; records where each execution ran.
 TRAIN = r'''

@@ -16,7 +16,6 @@ from tests.conftest import tagged_processes
 from tests.slurm.chain import ResumeChain
 from tests.slurm.cluster import REPO
 
-pytestmark = pytest.mark.slow
 
 EXAMPLE = Path(__file__).with_name("example_train.py")
 
@@ -109,6 +108,7 @@ def test_one_agent_per_task_is_refused(slurm_cluster, tmp_path):
     assert "Traceback" not in job.output() and not job.ranks()
 
 
+@pytest.mark.slow
 def test_stopped_jobs_save_and_continue_in_new_jobs_until_finished(slurm_cluster, tmp_path):
     """The auto-resume chain on 2 nodes, stopped twice by the two signal paths that stay graceful:
     job 1: scancel --signal=TERM (Slurm signals the step: agents and ranks);

@@ -81,7 +81,7 @@ def test_interval_checks_are_spread_out_not_one_collective_per_call():
     assert 1 <= reports <= 3
 
 
-@pytest.mark.parametrize("gather", ["1", pytest.param("0", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("gather", ["1", "0"])
 def test_two_gloo_ranks_the_slow_one_is_identified_with_its_node(launcher, tmp_path, gather):
     out = tmp_path / "out"
     out.mkdir()
@@ -104,7 +104,6 @@ def test_two_gloo_ranks_the_slow_one_is_identified_with_its_node(launcher, tmp_p
 LIGHTNING = str(Path(__file__).with_name("lightning_straggler.py"))
 
 
-@pytest.mark.slow
 def test_lightning_callback_finds_the_slow_rank_and_stops_the_fit(launcher, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

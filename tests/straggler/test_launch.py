@@ -83,7 +83,6 @@ def test_a_rank_request_through_its_monitor_ends_the_job_at_once(launcher, tmp_p
     assert launcher.leftovers() == []
 
 
-@pytest.mark.slow
 def test_the_exclusion_policy_keeps_a_straggling_node_out_of_the_next_round(launcher, tmp_path):
     """Two emulated nodes; rank 1 (node B) is slow; after a fault, node B sits out with exit 16 and A goes on."""
     common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",

@@ -93,7 +93,6 @@ def test_a_copy_that_breaks_between_find_and_load_makes_every_rank_look_again_no
     assert journey[0]["late_moved_aside"] == [f".corrupt-{ckpt_id(4, 2)}{SUFFIX}"]
 
 
-@pytest.mark.slow
 def test_sigkill_during_a_local_save_restores_the_previous_iteration(tmp_path: Path) -> None:
     run_ranks(tmp_path, "kill", expect_rc=-signal.SIGKILL)
     # every rank wrote iteration 1 completely; iteration 2 was being written (64 MiB per shard) when each rank died

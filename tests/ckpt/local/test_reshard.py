@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 
 from tests.ckpt.conftest import run_rank_procs
 from tests.conftest import tagged_processes
@@ -21,7 +20,6 @@ def run(work: Path, world: int, scenario: str) -> list[dict]:
     return [json.loads((work / f"{scenario}-rank{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.mark.slow
 def test_four_ranks_save_two_ranks_resume_from_the_resharded_global_tier(tmp_path: Path) -> None:
     saved = run(tmp_path, 4, "save")
     for r in saved:
