@@ -49,9 +49,7 @@ def text(j: dict[str, Any]) -> str:
     verb = "resumed from" if j["resumed"] else "a restart resumes from"
     if j["outcome"] == "saved":
         who = f" by rank {j['rank']}" if j.get("rank") is not None else ""
-        where = f" on node {j['node']}" if j.get("node") else ""
-        return (f"just-in-time checkpoint of step {j['step']} saved in {_secs(j.get('seconds'))}{who}{where} "
-                f"({j.get('path')}); {verb} it")
+        return f"just-in-time checkpoint of step {j['step']} saved in {_secs(j.get('seconds'))}{who}; {verb} it"
     why = j.get("reason") or f"outcome {j['outcome']}"
     of = f" of step {j['step']}" if j.get("step") is not None else ""
     step = (f", step {j['resume_step']}" if j.get("resume_step") is not None

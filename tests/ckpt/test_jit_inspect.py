@@ -1,7 +1,7 @@
 """`nvrx inspect` shows a fault's just-in-time checkpoint, from real `nvrx launch --jit-ckpt` runs' events.
 
 The same trainer and launch as tests/ckpt/test_jit.py (2 DDP ranks on gloo, rank 1 dies after its step 12), with
-the run's event files in a log dir: the terminal view says the JIT outcome on one line with its round, ``--json``
+the run's event files in a log dir: the terminal view says the JIT outcome on the fault's stop line, ``--json``
 has it on the fault, ``--html`` in the faults table, and the step it names is the one the restarted job resumed
 at (what the trainer recorded).
 """
@@ -42,14 +42,15 @@ def test_inspect_shows_the_saved_step_the_restart_resumed_from(launcher, tmp_pat
     assert res.returncode == 0, res.stderr[-3000:]
     saved = FAULT_AT + 1
     assert starts(out, 1) == {saved}  # the restarted job resumed at the JIT checkpoint's step
-    (line,) = jit_lines(inspect(str(logs)).stdout)
-    assert f"round 0: just-in-time checkpoint of step {saved} saved in " in line, line
-    assert "by rank 0" in line and f"jit_step_{saved:09d}" in line and line.endswith("; resumed from it"), line
+    (line,) = jit_lines(inspect(str(logs)).stdout)  # on the fault's stop line
+    assert "round 0 stopped: rank 1 was killed by SIGKILL" in line, line
+    assert f"; just-in-time checkpoint of step {saved} saved in " in line, line
+    assert line.endswith(" s by rank 0; resumed from it"), line
     fault = fault_of(logs)
     j = fault["jit_checkpoint"]
     assert fault["rank"] == 1 and j["fault"] == "failed" and j["lost"] == [1]
     assert (j["outcome"], j["step"], j["rank"], j["resume_step"], j["resume_from"]) == ("saved", saved, 0, saved, "jit")
-    assert j["resumed"] and 0 < j["seconds"] <= j["waited_s"]
+    assert j["resumed"] and 0 < j["seconds"] <= j["waited_s"] and j["path"].endswith(f"/jit_step_{saved:09d}")
     (node,) = j["nodes"]
     assert node["answers"] == [{"local_rank": 0, "rank": 0, "outcome": "saved"}] and j["nodes_skipped"] == 0
     page = tmp_path / "report.html"
@@ -65,7 +66,8 @@ def test_inspect_shows_why_sharded_state_fell_back_and_the_step_resumed_from(lau
     previous = json.loads((out / "before.json").read_text())["steps"]
     assert 0 < previous < FAULT_AT + 1 and starts(out, 1) == {previous}
     (line,) = jit_lines(inspect(str(logs)).stdout)
-    assert line.endswith(f"round 0: no just-in-time checkpoint of step {FAULT_AT + 1} ({why}); resumed from the "
+    assert "round 0 stopped: rank 1 was killed by SIGKILL" in line, line
+    assert line.endswith(f"; no just-in-time checkpoint of step {FAULT_AT + 1} ({why}); resumed from the "
                          f"newest periodic/local checkpoint, step {previous}"), line
     j = fault_of(logs)["jit_checkpoint"]
     assert (j["outcome"], j["reason"], j["resume_step"], j["resume_from"]) == ("failed", why, previous, "checkpoint")
