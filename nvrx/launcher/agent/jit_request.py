@@ -4,7 +4,9 @@ Called once per failed round, after the stop record and before the survivors are
 monitor gets ``jit_request`` (the lost ranks, the world size, the deadline as a CLOCK_MONOTONIC time, which
 ranks of this node share with the agent) and answers when its rank has saved, skipped or failed
 (``nvrx.monitors.jit_relay``). Everything is bounded by the deadline plus a short grace: a JIT save can only
-win time; past the bound the job restarts as it would without it.
+win time; past the bound the job restarts as it would without it. ``outcome`` turns the answers into this node's
+outcome (saved / skipped / failed): the agent's log line and its ``jit_checkpoint`` event, which `nvrx inspect`
+merges over the nodes into one outcome per fault (``nvrx.inspection.jit_outcome``).
 """
 
 from __future__ import annotations
@@ -156,12 +158,6 @@ def outcome(answers: dict[int, dict[str, Any]]) -> Outcome:
     if chosen is None:
         return Outcome("skipped", line, reason=why, answers=per_rank)
     return Outcome("failed", line, step=_int(chosen.get("step")), reason=why, answers=per_rank)
-
-
-def summary(answers: dict[int, dict[str, Any]]) -> tuple[bool, str]:
-    """(saved, one line) for the agent's log: which rank saved which step, or why nothing was saved."""
-    out = outcome(answers)
-    return out.saved, out.line
 
 
 def _int(value: Any) -> int | None:
