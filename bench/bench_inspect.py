@@ -49,8 +49,8 @@ sys.path.insert(0, str(REPO))
 from nvrx.events import AgentKilledRank, CheckpointComplete, HealthCheckInfo, NodeHealth  # noqa: E402
 from nvrx.events import (  # noqa: E402
     AgentSignal, AgentStart, EventLog, FirstHeartbeat, FtConfig, FtConfigInfo, HangDetected, HangInfo, HeartbeatStats,
-    JobEnd, MonitorConnect, MonitorDisconnect, MonitorExit, MonitorSpawned, MonitorStart, RankExit, RankStart,
-    RankTerminated, RdzvJoin, RdzvRound, RdzvStop, ResumeAttemptEnd, ResumeAttemptStart, ResumeDecision, ResumeEnd,
+    JitAnswer, JitCheckpoint, JobEnd, MonitorConnect, MonitorDisconnect, MonitorExit, MonitorSpawned, MonitorStart,
+    RankExit, RankStart, RankTerminated, RdzvJoin, RdzvRound, RdzvStop, ResumeAttemptEnd, ResumeAttemptStart, ResumeDecision, ResumeEnd,
     ResumeLimits, ResumeStart, ResumeSubmit, SectionClose, SectionOpen, StopDetail, TimeoutsInfo, TimeoutsSet,
 )
 
@@ -202,10 +202,13 @@ class Chain:
                 agents[g].emit(RankExit(local_rank=lr, rank=g * a.nproc + lr, pid=pids[bad], exitcode=detail.exitcode,
                                         signal=sig, attempt=restarts - 1, abandoned=False), t=end)
                 self.stop(agents, r, "failed", node_ids[0], detail, restarts, stop_t)
+                self.jit(agents, r, "failed", [g * a.nproc + lr], stop_t, int((end - T0) / STEP_S))
             elif kind == "node_left":
                 restarts += 1
                 self.stop(agents, r, "node_left", node_ids[0], StopDetail(node=node_ids[-1], group_rank=a.nodes - 1),
                           restarts, stop_t)
+                self.jit(agents[:-1], r, "node_left", list(range((a.nodes - 1) * a.nproc, a.nodes * a.nproc)), stop_t,
+                         int((end - T0) / STEP_S))
             elif kind == "interrupted":
                 for ag in agents:
                     ag.emit(AgentSignal(signal="SIGTERM", phase="running", round=r), t=end)
@@ -238,6 +241,24 @@ class Chain:
              t: float) -> None:
         for ag in agents:
             ag.emit(RdzvStop(round=r, kind=kind, by_node=by, detail=detail, restart_count=restarts, give_up=False), t=t)
+
+    def jit(self, agents: list[EventLog], r: int, fault: str, lost: list[int], t: float, step: int) -> None:
+        """--jit-ckpt: every surviving node's agent logs its ranks' answers; the lowest surviving rank saves, the
+        others leave it to that rank (what a 1,024-node job's agents write per fault: one save, 1,023 skips)."""
+        nproc = self.args.nproc
+        saver = min(x for x in range(len(agents) * nproc) if x not in lost)
+        for g, ag in enumerate(agents):
+            ranks = [g * nproc + lr for lr in range(nproc) if g * nproc + lr not in lost]
+            skip = f"rank {saver} saves the replicated state"
+            answers = [JitAnswer(local_rank=x - g * nproc, rank=x, outcome="saved" if x == saver else "skipped",
+                                 reason=None if x == saver else skip) for x in ranks]
+            if saver in ranks:
+                rec = JitCheckpoint(round=r, fault=fault, lost=lost, outcome="saved", step=step, seconds=0.21,
+                                    waited=0.24, path=f"/ckpt/jit_step_{step:09d}", answers=answers)
+            else:
+                rec = JitCheckpoint(round=r, fault=fault, lost=lost, outcome="skipped", waited=0.01, reason=skip,
+                                    answers=answers)
+            ag.emit(rec, t=t + 0.25)
 
     def session(self, mon: EventLog, lr: int, pid: int, start: float, end: float, hung: bool,
                 global_rank: int = 0, late: float | None = None) -> None:

@@ -73,6 +73,8 @@ BOOL = Kind("true or false", {bool: None})
 SCALAR = Kind("a string or a number", {str: None, int: None, float: math.isfinite})
 _STR = frozenset({str})
 STRS = Kind("a list of strings", {list: lambda v: set(map(type, v)) <= _STR})  # (C loops: lists of 1,000s of nodes)
+_INT = frozenset({int})
+INTS = Kind("a list of integers", {list: lambda v: set(map(type, v)) <= _INT})  # (ranks: bool is not an int here)
 NUM_MAP = Kind("an object of numbers", {dict: lambda v: all(x is None or NUM.accepts(x) for x in v.values())})
 OBJECT = Kind("an object", {dict: None})
 Spec = Mapping[str, "Kind | Mapping[str, Any]"]  # a nested Mapping: the field is an object with these fields
@@ -100,6 +102,8 @@ def _field_type(tp: Any, where: str) -> Kind | Spec | None:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is list and args == (str,):
         return STRS
+    if origin is list and args == (int,):
+        return INTS
     if origin is list and _record_class(args[0]):
         item = spec_of(args[0])
         return Kind("a list of objects",

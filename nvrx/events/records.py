@@ -511,6 +511,33 @@ class InprocessRankLost(Event):
     round: int
 
 
+@nested
+class JitAnswer(Record):
+    """One surviving local rank's answer to a just-in-time checkpoint request (``jit_checkpoint.answers``)."""
+
+    local_rank: int
+    rank: int | None = None               # its global rank
+    outcome: str                          # saved | skipped | failed
+    reason: str | None = None             # why it did not save (skipped / failed)
+
+
+@event("jit_checkpoint", "agent")
+class JitCheckpoint(Event):
+    """``nvrx launch --jit-ckpt``: what this node's surviving ranks answered when asked, after a fault, to save their
+    last completed step (``nvrx.ckpt.jit``); `nvrx inspect` shows one line per fault, merged over the nodes."""
+
+    round: int                            # the round the fault stopped
+    fault: str                            # the stop's kind it answers: failed | node_left
+    lost: list[int]                       # the global ranks lost (the failed rank, or the ranks of the node that left)
+    outcome: str                          # saved (a rank of this node saved) | skipped (left to another rank) | failed
+    step: int | None = None               # the steps done at the fault: those saved, or not saved (and why)
+    seconds: float | None = None          # the save, as the saving rank measured it
+    waited: float                         # the whole request: asking until every answer (or the bound)
+    path: str | None = None               # the checkpoint saved
+    reason: str | None = None             # why nothing was saved here: the rank's words, one line
+    answers: list[JitAnswer]
+
+
 @event("agent_signal", "agent")
 class AgentSignal(Event):
     signal: str

@@ -311,9 +311,16 @@ def _faults(report: Report) -> str:
         rows.append(f'<tr class="fault-row"><td>{_e(f["job"])}</td><td>{_e(f["round"])}</td>'
                     f'<td>{_e(_clock(f.get("t")))}</td><td>{_e(f["kind"])}</td><td>{_e(f.get("rank", "-"))}</td>'
                     f'<td>{_e(f.get("node") or "-")}</td><td class="cause">{_e(f["cause"])}{quoted}</td>'
-                    f"<td>{_e(lost)}</td></tr>")
+                    f"<td>{_e(lost)}</td><td class=\"jit\">{_e(_jit(f))}</td></tr>")
     return ("<h2>Faults</h2><table><tr><th>job</th><th>round</th><th>at</th><th>kind</th><th>rank</th><th>node</th>"
-            f"<th>cause (and the rank's last output lines)</th><th>time lost</th></tr>{''.join(rows)}</table>")
+            f"<th>cause (and the rank's last output lines)</th><th>time lost</th><th>just-in-time checkpoint</th>"
+            f"</tr>{''.join(rows)}</table>")
+
+
+def _jit(fault: dict[str, Any]) -> str:
+    """The fault's just-in-time checkpoint line (--jit-ckpt), or a dash when none was asked for."""
+    j = fault.get("jit_checkpoint")
+    return str(j["text"]) if isinstance(j, dict) and j.get("text") else "-"
 
 
 def _health(report: Report) -> str:

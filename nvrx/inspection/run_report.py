@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from nvrx.events import SCHEMA_VERSION, AgentStart, HangInfo, JobEnd, RankErrorInfo, RdzvStop, StopDetail
+from nvrx.inspection import jit_outcome
 from nvrx.inspection.event_files import NotARun, discover, iso
 from nvrx.inspection.timeline import (STEP_SECTIONS, Entry, Filters, JobState, MonitorFile, RankSession,
                                           RoundState, SectionTally, Timeline, node_name, rounded)
@@ -71,6 +72,7 @@ class Report:
     filters: dict[str, Any]
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     checkpoint_interval: dict[str, Any] | None = None  # the last interval every_steps="auto" chose, and why
+    jit_checkpoints: list[dict[str, Any]] = field(default_factory=list)  # --jit-ckpt: each fault's outcome
     health: list[dict[str, Any]] = field(default_factory=list)
     series: list[dict[str, Any]] = field(default_factory=list)
     goodput_scope: str = "job"   # whose progress: "job", or "rank N" / "node NAME" under --rank / --node
@@ -84,7 +86,8 @@ class Report:
                 "goodput_scope": self.goodput_scope,
                 "time_accounting": self.time_accounting, "jobs": self.jobs, "faults": self.faults, "timeline": self.timeline,
                 "ranks": self.ranks, "timeouts": self.timeouts, "checkpoints": self.checkpoints,
-                "checkpoint_interval": self.checkpoint_interval, "health": self.health, "series": self.series}
+                "checkpoint_interval": self.checkpoint_interval, "jit_checkpoints": self.jit_checkpoints,
+                "health": self.health, "series": self.series}
 
 
 class _ReportBuilder:
@@ -101,7 +104,8 @@ class _ReportBuilder:
         sessions = self._sessions()
         rounds = [rd for job in tl.jobs for rd in sorted(job.rounds.values(), key=lambda r: r.number)]
         faults, items = self._faults(rounds)
-        items += self._job_items() + self._round_items(rounds) + self._hang_items(faults)
+        jits, jit_items = self._jit_checkpoints(faults)
+        items += jit_items + self._job_items() + self._round_items(rounds) + self._hang_items(faults)
         items += tl.others
         self._tie_to_jobs(items)
         items = [it for it in items if self._shown(it.t, it.rank, it.node)]
@@ -131,6 +135,7 @@ class _ReportBuilder:
                      "step_section": self.f.step_section, "ckpt_section": self.f.ckpt_section},
             checkpoints=self._checkpoints(sessions),
             checkpoint_interval=tl.ckpt_interval,
+            jit_checkpoints=jits,
             health=self._health(),
             series=self._series(rounds, faults, span),
             goodput_scope=self.scope,
@@ -370,6 +375,30 @@ class _ReportBuilder:
             items.append(Entry(("stop", rd.job.index, rd.number), f["t_stop"], f["kind"], f["text"], level,
                                job=rd.job.index, round=rd.number, rank=f.get("rank"), tail=f.get("tail") or []))
         return faults, items
+
+    def _jit_checkpoints(self, faults: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Entry]]:
+        """--jit-ckpt: each fault's just-in-time checkpoint merged over its nodes (``jit_outcome``), set on the fault
+        (``jit_checkpoint``, None without one) and one timeline entry per fault; a JIT record whose stop is not in the
+        logs still gets its entry."""
+        by_round = {(f["job"], f["round"]): f for f in faults}
+        for f in faults:
+            f["jit_checkpoint"] = None
+        ckpts = [(t, step) for m in self.tl.monitors.values() for s in m.sessions for t, _, step, _, _ in s.ckpts]
+        out, items = [], []
+        for job in self.tl.jobs:
+            for number, events in sorted(job.jit.items()):
+                j = {"job": job.index, "round": number} | jit_outcome.merge(events, ckpts, self._went_on(job, number))
+                out.append(j)
+                if (job.index, number) in by_round:
+                    by_round[(job.index, number)]["jit_checkpoint"] = j
+                items.append(Entry(("jit", job.index, number), j["t"], "jit_checkpoint", f"round {number}: {j['text']}",
+                                   jit_outcome.level(j), job=job.index, round=number, node=j.get("node")))
+        return out, items
+
+    def _went_on(self, job: JobState, number: int) -> bool:
+        """Whether training went on after round NUMBER of JOB stopped: a later round's ranks ran, or a later job."""
+        later = any(rd.number > number and rd.running_at is not None for rd in job.rounds.values())
+        return later or any(other.index > job.index for other in self.tl.jobs)
 
     def _fault(self, rd: RoundState) -> dict[str, Any]:
         stop = rd.stop or {}

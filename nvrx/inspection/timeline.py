@@ -74,6 +74,7 @@ from nvrx.events import SCHEMA_VERSION
 from nvrx.events import RerunAttempt, RerunStats, RerunSuspected, RerunVerdict
 from nvrx.events import HealthCheckInfo, NodeHealth
 from nvrx.events import CheckpointComplete, CheckpointInterval, RankTiming, StragglerEvent, WorkloadControl
+from nvrx.events import JitCheckpoint
 from nvrx.monitors.straggler import metric_text
 from nvrx.inspection.event_files import (Damage, EventFile, event_name, first_event_time, iso, raw_string,
                                              read_chunk)
@@ -135,6 +136,7 @@ class JobState:
     rounds: dict[int, RoundState] = field(default_factory=dict)
     ends: list[dict[str, Any]] = field(default_factory=list)  # job_end fields (JobEnd.F names) + t, node
     left_nodes: set[str] = field(default_factory=set)  # reported gone (node_left): they write no job_end
+    jit: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # round -> its nodes' jit_checkpoint fields
 
     @property
     def info(self) -> dict[str, Any]:
@@ -726,6 +728,15 @@ class Timeline:
                    f"ranks spawned directly, not forked: {e.get(ForkServerFallback.F.reason)}", job=job.index,
                    node=a.name)
 
+    def _on_jit_checkpoint(self, a: AgentFile, e: dict[str, Any]) -> None:
+        """A node's just-in-time checkpoint after a fault: kept with its round; the report merges the nodes' answers
+        into one outcome per fault (a saved one wins), so 1,000 nodes make one line, not 1,000."""
+        job = self._job_for(a, e["t"])
+        rnd = e.get(JitCheckpoint.F.round)
+        if isinstance(rnd, int):
+            job.jit.setdefault(rnd, []).append({k: v for k, v in e.items() if k not in _ENVELOPE}
+                                               | {"t": e["t"], "node": a.name})
+
     def _on_job_end(self, a: AgentFile, e: dict[str, Any]) -> None:
         f = JobEnd.F
         job = self._job_for(a, e["t"])
@@ -1040,6 +1051,7 @@ AGENT_HANDLERS: dict[type[Event], Callable[..., None]] = {
     InprocessRankLost: Timeline._on_inprocess_rank_lost,
     AgentSignal: Timeline._on_agent_signal,
     JobEnd: Timeline._on_job_end,
+    JitCheckpoint: Timeline._on_jit_checkpoint,
 }
 
 MONITOR_HANDLERS: dict[type[Event], Callable[..., None]] = {

@@ -6,6 +6,8 @@ The report keeps every entry (``--json``, ``--html``, ``--follow`` show them all
   round boundaries: more than ``FOLD_AT`` become the first one, which says how many more and who (``(and 163 more
   like it: rank(s) 4,17,...)``);
 * the health checks the nodes of a round passed are said on that round's line;
+* a fault's just-in-time checkpoint (``--jit-ckpt``: every node's agent logs its ranks' answers; the report merges
+  them into one outcome per fault) is said on the fault's stop line;
 * a round that starts like the one before it (the same nodes, every rank running) is not a line of its own: the
   stop before it says its time lost (to all ranks running again);
 * a failing rank's output lines: repeated lines once with a count; output that ends like an earlier fault's
@@ -90,6 +92,9 @@ class _Folder:
         self.rounds = {(it.job, it.round) for it in items if it.key[0] == "round"}
         self.routine = _routine_rounds(report)
         self.quoted: dict[str, int | None] = {}  # the last output line of a fault quoted so far -> its round
+        stops = {(it.job, it.round) for it in items if it.key[0] == "stop"}
+        self.jit = {(f["job"], f["round"]): f["jit_checkpoint"]["text"] for f in report.faults
+                    if f.get("jit_checkpoint") and (f["job"], f["round"]) in stops}  # said on the stop's line
 
     def row(self, i: int, it: Entry) -> Row | None:
         """Entry I's row, or None when another row says it (or it is a routine round start)."""
@@ -100,12 +105,16 @@ class _Folder:
         if kind == "round" and where in self.routine:
             self.folded.rounds += 1
             return None
+        if kind == "jit" and where in self.jit:
+            return None
         text = entry_text(it) + repeats(it)
         if kind == "round" and where in self.health:
             text += f"; {entry_text(self.health[where])}"
         if kind == "stop" and where in self.lost:
             lost = self.lost[where]
             text += f"; {duration(lost)} lost" if lost is not None else "; not recovered"
+        if kind == "stop" and where in self.jit:
+            text += f"; {self.jit[where]}"
         if group is not None:
             self.folded.entries += len(group) - 1
             self.folded.groups += 1

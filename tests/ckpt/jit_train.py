@@ -16,6 +16,8 @@ happens:
   torn     rank 1 SIGKILLs itself; rank 0's JIT write blocks past the deadline (the agent kills it mid-write)
   stuck    rank 1 SIGKILLs itself; rank 0 stays inside optimizer.step() (never a consistent point)
   full     rank 1 fills the checkpoint file system, then SIGKILLs itself (the JIT save gets ENOSPC)
+  sharded  as crash, with a DTensor sharded over the ranks in the saved state (every attempt): a lost rank's shard
+           has no other holder, so nothing is saved just in time
 
 Every attempt records the steps it resumed at (start-a<attempt>-r<rank>.json); rank 0 records the final
 parameters (final.json) to compare with a run without faults.
@@ -78,7 +80,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 4)))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    saver = ckpt.PeriodicCheckpointer(root, model=model, optimizer=opt, every_steps=5, save_on_failure=True)
+    state = {"shard": _sharded_tensor()} if fault == "sharded" else None
+    saver = ckpt.PeriodicCheckpointer(root, model=model, optimizer=opt, state=state, every_steps=5, save_on_failure=True)
     if attempt == 1:  # the full-disk case: space again for the restarted job (both ranks try: either may win)
         try:
             os.unlink(os.path.join(root, "filler"))
@@ -132,6 +135,16 @@ def main() -> None:
     if rank == 0:
         record(out, "final.json", {"params": [p.detach().flatten().tolist() for p in model.parameters()]})
     dist.destroy_process_group()
+
+
+def _sharded_tensor():
+    """A DTensor sharded over every rank (one row per rank): the state nobody else holds a copy of."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return distribute_tensor(torch.arange(4.0 * dist.get_world_size()).reshape(dist.get_world_size(), 4), mesh,
+                             [Shard(0)])
 
 
 def _forever() -> None:

@@ -1,5 +1,6 @@
 """`nvrx inspect` on a 1,024-node, 10-round run: the default view fits about a screen, and says the faults, their
-causes, the time lost and the goodput; --verbose and --node show what it folds; --node's goodput says whose it is.
+causes, the time lost, each fault's just-in-time checkpoint (one line, not one per node) and the goodput; --verbose
+and --node show what it folds; --node's goodput says whose it is.
 
 The log set is the benchmark's (bench/bench_inspect.py --scale, written with the real writer and the records the
 agents and monitors emit: every agent logs every round's 1,024-node list, so ~300 MB), with shorter rounds.
@@ -66,6 +67,16 @@ def test_the_default_view_of_1024_nodes_and_10_rounds_fits_a_screen(big_run, ful
     for f, line in zip(full["faults"], stops):  # each fault: its cause and the time it cost, on its line
         assert f["cause"] in line and re.search(r"; [\d.]+ (s|min) lost", line), line
     assert lost > 0
+    # --jit-ckpt: every agent logs its ranks' answers per fault (one save, the other nodes' skips): one line per fault
+    jit = [ln for ln in text.splitlines() if "just-in-time checkpoint" in ln]
+    faults = [f for f in full["faults"] if f["kind"] in ("failed", "node_left")]
+    assert len(jit) == len(faults) and all(" stopped: " in ln and "; just-in-time checkpoint of step " in ln
+                                          and " saved in 0.21 s by rank " in ln and "; resumed from it" in ln
+                                          for ln in jit), jit
+    for f in faults:
+        j = f["jit_checkpoint"]
+        assert j["outcome"] == "saved" and len(j["nodes"]) == 1 and j["resume_step"] == j["step"], j
+        assert j["nodes_skipped"] == len(job["nodes"]) - 1 - (f["kind"] == "node_left")
     assert len([ln for ln in text.splitlines() if "health checks" in ln]) == 1  # round 0's; the others are alike
     assert "1024 nodes passed their health checks" in text
     hung = [ln for ln in text.splitlines() if "; monitor sent SIGKILL" in ln]  # hangs that stopped no round

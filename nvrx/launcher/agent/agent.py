@@ -30,8 +30,8 @@ from nvrx.launcher.agent.restart_policy import FAULT_KINDS, RestartPolicy
 from nvrx.launcher.agent.stragglers import StragglerAggregator
 from nvrx.launcher.agent.worker_group import RankExit, RankSpec, WorkerGroup
 from nvrx.events import (AgentSignal as AgentSignalEvent, AgentStart, EventLog, FtConfig, FtConfigInfo, HangInfo,
-                             HealthCheckInfo, InprocessRankLost, JobEnd, JobFailure, NodeHealth, RankErrorInfo,
-                             StopDetail)
+                             HealthCheckInfo, InprocessRankLost, JitAnswer, JitCheckpoint, JobEnd, JobFailure,
+                             NodeHealth, RankErrorInfo, StopDetail)
 from nvrx.monitors.ft_config import FaultToleranceConfig
 
 if TYPE_CHECKING:  # both import torch: the agent does so only after the fork server started importing it
@@ -642,7 +642,8 @@ class Agent:
 
     def _save_on_failure(self, result: RoundResult, record: StopRecord) -> None:
         """--jit-ckpt: ask this node's surviving ranks, through their monitors, for a just-in-time checkpoint of
-        their last completed step (nvrx.ckpt.jit), bounded by --jit-ckpt-timeout; one log line says the outcome."""
+        their last completed step (nvrx.ckpt.jit), bounded by --jit-ckpt-timeout; one log line says the outcome, and a
+        jit_checkpoint event records it for `nvrx inspect` (which merges the nodes' events into one line per fault)."""
         timeout = self.cfg.jit_ckpt_timeout
         if timeout is None or self.monitors is None or record.kind not in FAULT_KINDS:
             return
@@ -655,8 +656,14 @@ class Agent:
         started = time.monotonic()
         answers = jit_request.request_saves(targets, {"round": result.round, "lost": lost,
                                                       "world_size": result.world_size}, timeout)
-        saved, line = jit_request.summary(answers)
-        (log.warning if saved else log.error)("%s (%.2f s)", line, time.monotonic() - started)
+        out = jit_request.outcome(answers)
+        waited = time.monotonic() - started
+        (log.warning if out.saved else log.error)("%s (%.2f s)", out.line, waited)
+        self.events.emit(JitCheckpoint(
+            round=result.round, fault=record.kind.value, lost=lost, outcome=out.outcome, step=out.step,
+            seconds=out.seconds, waited=round(waited, 4), path=out.path, reason=out.reason,
+            answers=[JitAnswer(local_rank=lr, rank=result.rank_offset + lr, outcome=what, reason=why)
+                     for lr, what, why in out.answers]))
 
     def _let_ranks_finish(self, grace: float) -> None:
         """After a forwarded stop signal, give ranks the grace period to save and exit on their own."""

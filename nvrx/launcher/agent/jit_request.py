@@ -4,7 +4,9 @@ Called once per failed round, after the stop record and before the survivors are
 monitor gets ``jit_request`` (the lost ranks, the world size, the deadline as a CLOCK_MONOTONIC time, which
 ranks of this node share with the agent) and answers when its rank has saved, skipped or failed
 (``nvrx.monitors.jit_relay``). Everything is bounded by the deadline plus a short grace: a JIT save can only
-win time; past the bound the job restarts as it would without it.
+win time; past the bound the job restarts as it would without it. ``outcome`` turns the answers into this node's
+outcome (saved / skipped / failed): the agent's log line and its ``jit_checkpoint`` event, which `nvrx inspect`
+merges over the nodes into one outcome per fault (``nvrx.inspection.jit_outcome``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import selectors
 import socket
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -99,21 +102,67 @@ def _answer(raw: bytes) -> dict[str, Any]:
     return msg
 
 
-def summary(answers: dict[int, dict[str, Any]]) -> tuple[bool, str]:
-    """(saved, one line) for the agent's log: which rank saved which step, or why nothing was saved.
+def classify(answer: dict[str, Any]) -> tuple[str, str | None]:
+    """(outcome, reason) of one rank's answer: saved; failed (it tried and failed, had no saver waiting, could not
+    be asked or did not answer in time); skipped (it left the save to another rank, or had nothing newer)."""
+    if answer.get("saved"):
+        return "saved", None
+    if answer.get("error"):
+        return "failed", str(answer["error"])
+    return "skipped", str(answer.get("skipped") or "") or None
+
+
+@dataclass
+class Outcome:
+    """This node's just-in-time checkpoint in one word and its details: what the agent logs and records.
+
+    LINE is the agent's log line; ANSWERS each asked local rank's (local rank, outcome, reason).
+    """
+
+    outcome: str                          # saved | skipped | failed
+    line: str
+    step: int | None = None
+    seconds: float | None = None
+    path: str | None = None
+    reason: str | None = None
+    answers: list[tuple[int, str, str | None]] = field(default_factory=list)
+
+    @property
+    def saved(self) -> bool:
+        return self.outcome == "saved"
+
+
+def outcome(answers: dict[int, dict[str, Any]]) -> Outcome:
+    """The node's outcome from its ranks' ANSWERS (by local rank), with one line for the agent's log.
 
     A rank that saved wins; then a rank that tried and failed (its reason); then one that left the save to a
-    rank of another node; last a rank with nothing registered to save.
+    rank of another node (skipped); a rank that could not be reached or had no saver waiting comes last. No rank to
+    ask (every local rank was lost) is skipped too: the save is another node's to make.
     """
-    def first(pred: Any, key: str) -> str | None:
-        return next((str(a[key]) for a in answers.values() if pred(a) and a.get(key)), None)
-
+    per_rank = [(lr, *classify(a)) for lr, a in sorted(answers.items())]
     saved = [a for a in answers.values() if a.get("saved")]
     if saved:
         a = saved[0]
-        return True, f"just-in-time checkpoint of step {a.get('step')} saved in {a.get('seconds')} s: {a.get('path')}"
-    why = first(lambda a: a.get("relayed", True), "error")
-    if why is None and first(lambda a: True, "skipped") is not None:
-        return False, f"no just-in-time checkpoint from this node: {first(lambda a: True, 'skipped')}"
-    why = why or first(lambda a: True, "error") or "no surviving local rank to ask"
-    return False, f"no just-in-time checkpoint ({why}); the restart resumes from the newest periodic/local checkpoint"
+        return Outcome("saved", f"just-in-time checkpoint of step {a.get('step')} saved in {a.get('seconds')} s: "
+                                f"{a.get('path')}", step=_int(a.get("step")), seconds=_float(a.get("seconds")),
+                       path=str(a.get("path")) if a.get("path") else None, answers=per_rank)
+    failed = next((a for a in answers.values() if a.get("error") and a.get("relayed", True)), None)
+    skipped = next((a for a in answers.values() if a.get("skipped")), None)
+    if failed is None and skipped is not None:
+        why = str(skipped["skipped"])
+        return Outcome("skipped", f"no just-in-time checkpoint from this node: {why}", step=_int(skipped.get("step")),
+                       reason=why, answers=per_rank)
+    chosen = failed or next((a for a in answers.values() if a.get("error")), None)
+    why = str(chosen["error"]) if chosen is not None else "no surviving local rank to ask"
+    line = f"no just-in-time checkpoint ({why}); the restart resumes from the newest periodic/local checkpoint"
+    if chosen is None:
+        return Outcome("skipped", line, reason=why, answers=per_rank)
+    return Outcome("failed", line, step=_int(chosen.get("step")), reason=why, answers=per_rank)
+
+
+def _int(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
