@@ -77,16 +77,23 @@ def _sync_sys_path_with_env() -> None:
     _SYS_PATH_PYTHONPATH = current
 
 
+_main_path: str | None = None  # what _set_main_path put first on sys.path (replaced, not stacked, by a re-run)
+
+
 def _set_main_path(entry: str) -> None:
     """Put ENTRY first on sys.path, where ``python SCRIPT`` / ``python -m`` puts the script's directory / cwd.
 
     Our interpreters start with ``-P`` (nothing prepended: the directory nvrx was started from must not
-    shadow our imports); one started without it has the directory to replace in sys.path[0].
+    shadow our imports); one started without it has the directory to replace in sys.path[0]. The Wrapper's
+    in-process restart runs the script again in this process: the entry put there before is replaced.
     """
-    if sys.flags.safe_path:
+    global _main_path
+    ours = _main_path is not None and sys.path[:1] == [_main_path]  # an in-process restart runs the script again
+    if sys.flags.safe_path and not ours:
         sys.path.insert(0, entry)
     else:
         sys.path[0] = entry
+    _main_path = entry
 
 
 def _line_buffer_stdout() -> None:
