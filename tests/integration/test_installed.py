@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -54,9 +55,12 @@ def wheel(tmp_path_factory) -> Path:
     if not (REPO / "nvrx" / "__init__.py").is_file():
         pytest.skip("no checkout to build a wheel from and NVRX_TEST_WHEEL is not set (scripts/test.sh sets it)")
     out = tmp_path_factory.mktemp("wheel")
+    # Built from a private copy: setuptools builds in the source tree's build/, which two xdist workers building
+    # at once shared (one removed it under the other: a wheel without its console script, seen in a flake hunt).
+    src = out / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".venv*"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(REPO)], check=True, capture_output=True, text=True, timeout=300, cwd=out)
-    subprocess.run(["rm", "-rf", str(REPO / "build")], check=False)
+                    str(src)], check=True, capture_output=True, text=True, timeout=300, cwd=out)
     (found,) = out.glob("nvrx-*.whl")
     return found
 
