@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from nvrx.common.net import port_in_use
-from tests.conftest import Launcher, free_port, listening, run_events, tagged_processes, wait_for
+from tests.conftest import STARTUP_WAIT, Launcher, free_port, listening, run_events, tagged_processes, wait_for
 
 TRAIN = Path(__file__).with_name("train.py")
 SHM = Path("/dev/shm")
@@ -139,10 +139,13 @@ class FaultJob(Launcher):
         return subprocess.run(cmd, cwd=self.tmp_path, env=self.env({"COLUMNS": "200"}), capture_output=True,
                               text=True, timeout=60)
 
-    def wait_running(self, rank: int = 0, attempt: int = 0, timeout: float = 60) -> int:
-        """The pid of RANK once train.py runs its steps in ATTEMPT."""
-        path = self.out / f"running.{rank}.{attempt}"
-        assert wait_for(path.exists, timeout), f"rank {rank} did not start attempt {attempt}"
+    def wait_running(self, rank: int = 0, attempt: int | None = 0, timeout: float = STARTUP_WAIT) -> int:
+        """The pid of RANK once train.py runs its steps in ATTEMPT (None: in whichever attempt comes first,
+        for jobs whose first round may close without every node and scale up)."""
+        pattern = f"running.{rank}.{'*' if attempt is None else attempt}"
+        found = lambda: next(iter(sorted(self.out.glob(pattern))), None)  # noqa: E731
+        assert wait_for(lambda: found() is not None, timeout), f"rank {rank} did not start attempt {attempt}"
+        path = found()
         assert wait_for(lambda: path.read_text().strip().isdigit(), 5)
         return int(path.read_text())
 
