@@ -27,7 +27,7 @@ directory at the fault). Target (issue 30): lost per fault <= that + 0.5 s. Chec
 resumed step and tier are what they must be; every rank's restored weights equal (CRC-32) the weights rank 0 had
 after that step before the fault; with ``sharded``, every rank's shard holds exactly its own values.
 
-    python bench/bench_nodeloss.py --quick     # 1 fault per variant (~3 min)
+    python bench/bench_nodeloss.py --quick     # 120 steps, 1 fault per variant (~3.3 min at load 12-16)
     python bench/bench_nodeloss.py             # 3 faults per variant
 """
 
@@ -211,7 +211,13 @@ class NodeLossInjector(bg.Injector):
             self._replace(self.lost.pop())
         return t_first
 
+    def add_standby_when_training(self, host: Host) -> None:
+        """Once the job's first attempt is ready, start HOST as the standby (it would join the round otherwise)."""
+        if self._wait_attempt(0) is not None:
+            self._replace(host)
+
     def _replace(self, host: Host) -> None:
+        """Start HOST's agent (emptied: a replaced node) and wait until it waits as the standby."""
         standbys = self.cluster.events("rdzv_standby")
         self.cluster.start(host)
         while self.alive() and self.cluster.events("rdzv_standby") <= standbys:
@@ -258,8 +264,7 @@ def execute(variant: str, settings: Settings, schedule: list[bg.Fault], keep: bo
         time.sleep(2.0)  # the store's host first
         cluster.start(cluster.hosts[1])
         injector = NodeLossInjector(cluster, t0 + settings.run_timeout)
-        if injector._wait_attempt(0) is not None:  # the job trains: the third host joins as the standby
-            injector._replace(cluster.hosts[2])
+        injector.add_standby_when_training(cluster.hosts[2])
         fired = injector.run(schedule)
         agent0 = cluster.agents[cluster.hosts[0].name]
         try:
