@@ -9,6 +9,8 @@ and saving costs show up in full), resumed from its newest checkpoint at start. 
 * ``nvrx``: ``nvrx.ckpt.PeriodicCheckpointer`` (asynchronous DCP, one call per step), run with ``--async-ckpt``;
   ``--every auto``: its self-tuning interval (bench/bench_interval.py).
 * ``nvrx_jit``: the same with ``save_on_failure=True``, run with ``--jit-ckpt`` (bench/bench_jit.py).
+* ``twotier`` / ``twotier_jit``: local + global tiers (bench/goodput_twotier.py; bench_goodput_local.py,
+  bench_nodeloss.py), ``twotier_jit`` with ``save_on_failure=True`` (run with ``--jit-ckpt``).
 * ``none``: no checkpoint (the fault-free reference whose wall the checkpoint cost counts against).
 
 Instrumentation for the benchmark (the same under every launcher, written to ``--out``):
@@ -22,10 +24,15 @@ import time
 
 T_START = time.time()  # first line of user code in this rank
 
+import sys  # noqa: E402
+
+WARM = "torch._dynamo" in sys.modules  # forked from a warmed-up template (DDP's first use imports torch._dynamo)
+
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import socket  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
@@ -42,12 +49,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--pause", type=float, default=0.04, help="seconds slept per step after the compute")
-    p.add_argument("--ckpt", choices=("none", "torch_save", "nvrx", "nvrx_jit", "twotier"), default="torch_save")
+    p.add_argument("--ckpt", choices=("none", "torch_save", "nvrx", "nvrx_jit", "twotier", "twotier_jit"),
+                   default="torch_save")
     p.add_argument("--every", type=every_steps, default=200,
                    help="checkpoint every N steps (nvrx: or auto, the self-tuning interval: bench_interval.py)")
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--global-every", type=int, default=200, help="twotier: global checkpoint every N steps")
-    p.add_argument("--local-dir", default=None, help="twotier: node-local root (bench/goodput_twotier.py)")
+    p.add_argument("--local-dir", default=None, help="twotier: node-local root (bench/goodput_twotier.py); default: "
+                   "the launcher's --local-ckpt-dir, replicated to the other node")
+    p.add_argument("--sharded", action="store_true", help="twotier: the state also holds a DTensor sharded over ranks")
+    p.add_argument("--digests", action="store_true",
+                   help="twotier: rank 0 writes each step's weight digest (digest-a<attempt>-r0.txt; bench_nodeloss)")
     p.add_argument("--big", action="store_true", help="~21 M parameters instead of ~2.1 M")
     p.add_argument("--pg-timeout", type=float, default=10.0, help="process-group (gloo) timeout, seconds")
     return p.parse_args()
@@ -111,10 +123,11 @@ def make_checkpoint(args: argparse.Namespace, model: torch.nn.Module, opt: torch
         from nvrx import ckpt
 
         return ckpt.PeriodicCheckpointer(args.ckpt_dir, model=model, optimizer=opt, every_steps=args.every)
-    if args.ckpt == "twotier":  # bench_goodput_local.py: local every --every steps, global every --global-every
+    if args.ckpt in ("twotier", "twotier_jit"):  # local every --every steps, global every --global-every
         from goodput_twotier import TwoTierSaver
 
-        return TwoTierSaver(model, opt, Path(args.ckpt_dir), Path(args.local_dir), args.every, args.global_every)
+        return TwoTierSaver(model, opt, Path(args.ckpt_dir), Path(args.local_dir) if args.local_dir else None,
+                            args.every, args.global_every, jit=args.ckpt == "twotier_jit", sharded=args.sharded)
     return None
 
 
@@ -148,6 +161,16 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, saver: Any, g
     return blocked
 
 
+def log_step(progress: Any, digests: Any, model: torch.nn.Module, step: int) -> None:
+    """One progress line per step done; with --digests (rank 0) the weights' digest after it, written after the
+    progress line so the bench's step times do not include it (bench_nodeloss checks restored weights with it)."""
+    progress.write(f"{step} {time.time():.6f}\n")
+    if digests is not None:
+        from goodput_twotier import digest
+
+        digests.write(f"{step + 1} {digest(model)}\n")
+
+
 def main() -> None:
     args = parse_args()
     out = Path(args.out)
@@ -162,10 +185,13 @@ def main() -> None:
     start = saver.resume() if saver is not None else 0
     write_json(out / f"ready-a{attempt}-r{rank}.json", {
         "rank": rank, "attempt": attempt, "pid": os.getpid(), "start_step": start, "t_start": T_START,
-        "t_imported": T_IMPORTED, "t_pg": t_pg, "t_built": t_built, "t_loaded": time.time()})
+        "t_imported": T_IMPORTED, "t_pg": t_pg, "t_built": t_built, "t_loaded": time.time(),
+        "restored": getattr(saver, "restored", None), "host": socket.gethostname(), "warm": WARM})
+    digests = open(out / f"digest-a{attempt}-r{rank}.txt", "a", buffering=1) if args.digests and rank == 0 else None
     with open(out / f"progress-a{attempt}-r{rank}.txt", "a", buffering=1) as progress:
-        blocked = train(args, model, opt, saver, start,
-                        lambda step: progress.write(f"{step} {time.time():.6f}\n"))
+        blocked = train(args, model, opt, saver, start, lambda step: log_step(progress, digests, model.module, step))
+    if digests is not None:
+        digests.close()
     if saver is not None:
         t = time.perf_counter()
         saver.close()
