@@ -210,3 +210,40 @@ def host_job(tmp_path: Path):
     make, close = host_job_factory(tmp_path)
     yield make
     close()
+
+
+# A test that leaves a signal ignored or blocked in this process passes it on to every process a later test starts
+# (an ignored disposition and the mask survive exec): a later `nvrx inspect --follow` or rank then never sees its
+# SIGINT, an order-dependent failure (seen in loaded parallel runs). Each test gets the state back, and the one
+# that changed it is named in a warning.
+_WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+
+
+def _signal_state() -> tuple[dict[int, object], set[int]]:
+    return ({int(s): signal.getsignal(s) for s in _WATCHED_SIGNALS},
+            set(signal.pthread_sigmask(signal.SIG_BLOCK, ())))
+
+
+@pytest.fixture(autouse=True)
+def _signal_state_kept(request: pytest.FixtureRequest):
+    """Restore the main thread's signal dispositions and mask after each test; warn naming a test that left them
+    changed."""
+    import threading
+    import warnings
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handlers, mask = _signal_state()
+    yield
+    now_handlers, now_mask = _signal_state()
+    changed = {signal.Signals(s).name for s, h in now_handlers.items() if h != handlers[s]}
+    changed |= {f"{signal.Signals(s).name} blocked" for s in now_mask ^ mask}
+    if not changed:
+        return
+    for s, h in handlers.items():
+        if h is not None and now_handlers[s] != h:
+            signal.signal(s, h)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    warnings.warn(f"{request.node.nodeid} left the test process's signal state changed ({', '.join(sorted(changed))});"
+                  " restored", stacklevel=1)

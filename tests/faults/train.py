@@ -8,6 +8,9 @@ start resumes from before a step reported saved. FAULT says what goes wrong, onc
 
   none | crash | crash_always | hang_heartbeat | hang_section | hang_outside | hang_first | stuck_c | graceful
   (the rank that misbehaves is the last one; "graceful" asks should_stop() every step instead)
+
+FAULT_STEP_TIME sets the seconds per step; FAULT_GATE / FAULT_END_GATE name a file the ranks wait for before
+their first step / before they exit.
 """
 
 from __future__ import annotations
@@ -66,6 +69,12 @@ def misbehave(fault: str, client) -> None:
         ctypes.CDLL(None).sleep(3600)  # ...and sleeps in C: only SIGKILL ends it
 
 
+def wait_for_file(path: str | None, bound: float = 300.0) -> None:
+    deadline = time.monotonic() + bound
+    while path and not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def main() -> None:
     out, steps, fault = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     step_time = float(os.environ.get("FAULT_STEP_TIME", "0.05"))
@@ -90,6 +99,7 @@ def main() -> None:
     if rank == 0:
         ledger(out, ev="resumed", step=start, attempt=attempt)
     (out / f"running.{rank}.{attempt}").write_text(str(os.getpid()))
+    wait_for_file(os.environ.get("FAULT_GATE"))  # train only once the test has seen what it waits for
     for step in range(start + 1, steps + 1):
         if client is not None:
             client.send_heartbeat()
@@ -110,6 +120,7 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         ledger(out, ev="finished", step=steps)
+    wait_for_file(os.environ.get("FAULT_END_GATE"))  # exit only once the test has seen what it waits for
 
 
 if __name__ == "__main__":

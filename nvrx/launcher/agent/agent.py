@@ -392,16 +392,33 @@ class Agent:
                     left = max(0.0, self._hold[0] - time.monotonic())
                     wake_in = left if wake_in is None else min(wake_in, left)
                 exits = self.workers.wait([wake_fd, self._sig_r, self._lost_r, *monitor_fds], timeout=wake_in)
-                if self._store_is_lost():
-                    raise self._store_lost_error()
-                self._step(result, exits)
-                if watch.done.is_set():
-                    if watch.error is not None:
-                        raise watch.error
-                    assert watch.record is not None
-                    return watch.record
+                try:
+                    if self._store_is_lost():
+                        raise self._store_lost_error()
+                    self._step(result, exits)
+                    if watch.done.is_set():
+                        if watch.error is not None:
+                            raise watch.error
+                        assert watch.record is not None
+                        return watch.record
+                except RendezvousError as err:
+                    done = self._succeeded_without_store(result, err)
+                    if done is None:
+                        raise
+                    return done
         finally:
             os.close(wake_fd)
+
+    def _succeeded_without_store(self, result: RoundResult, err: RendezvousError) -> StopRecord | None:
+        """The store lost after every local rank exited 0 and this node said so: its work is done (the store host
+        ended the job before this node read the end; its linger for the others is bounded). Ends this node with 0
+        and a warning, as torchrun's agent does when its exit barrier fails. None in any other state."""
+        if self._state is not RoundState.SUCCEEDED:
+            return None
+        log.warning("every rank of this node exited 0, but the job's end could not be read: %s; ending with 0",
+                    str(err).splitlines()[0])
+        return StopRecord(result.round, StopKind.SUCCEEDED, self._node, StopDetail(describe=str(err).splitlines()[0]),
+                          result.restart_count, False)
 
     def _step(self, result: RoundResult, exits: list[RankExit]) -> None:
         """Act on one wake-up of the supervising loop (rank exits, a signal, a monitor event) and move the state."""
