@@ -277,8 +277,9 @@ FENCE_TRAIN = Path(__file__).parents[1] / "hosts_e2e" / "fence_train.py"  # stal
 
 
 def _frozen_mid_publish(job, point: str, late: str, jit: bool) -> None:
-    """A host frozen while its rank publishes checkpoint LATE (stopped at POINT of the publish: before / after
-    the fence check), the other host going on alone and saving newer checkpoints, then the thaw: the shared
+    """A host frozen while its rank publishes checkpoint LATE (stopped at POINT of the publish: before the
+    manifest and the fence check, so that its publication time is later than the survivors' saves; or after the
+    check, before the rename), the other host going on alone and saving newer checkpoints, then the thaw: the shared
     checkpoint directory must never offer LATE as the newest, and the job must end on the survivors' lineage.
 
     The store is on h1 and h0 starts first with a last call of 4 s: the round of both hosts is the first one and
@@ -311,20 +312,28 @@ def _frozen_mid_publish(job, point: str, late: str, jit: bool) -> None:
 
     assert wait_for(lambda: len(newer_saves()) >= 2, 90), "the other host did not go on alone and save"
     assert all(e["host"] == h1.name for e in newer_saves())
-    (job.out / "go").write_text("")
-    os.kill(rank0, signal.SIGCONT)  # the late publisher first (see above)
-    attempt_file = job.out / "attempt.json"
-    assert wait_for(attempt_file.exists, 30), "the thawed rank never tried to finish its publish"
-    attempt = json.loads(attempt_file.read_text())
-    # before: the new round raised the fence before this check, so nothing is published; after: past the check
-    # when frozen, renamed after the new round raised the fence without listing it: removed again at once
-    assert attempt["outcome"] == "refused" and "which the job has left" in attempt["error"], attempt
-    if point == "after":
-        assert "removed after its publication" in attempt["error"], attempt
-    assert not (root / late).exists() and read_latest(root) != late
-    newest = ckpt.find_latest_checkpoint(root)  # what a resume of the job would take now
-    assert newest is not None and newest.path.name != late, newest
-    assert newest.manifest["fence"][1] > old_round, newest.manifest.get("fence")
+    # the survivors' rank publishes nothing while the late publish is tried and judged (else a newer save of
+    # theirs could hide a late checkpoint taken for the newest): stopped alone, its agent and the store run on
+    survivor_rank = newer_saves()[-1]["pid"]
+    os.kill(survivor_rank, signal.SIGSTOP)
+    try:
+        (job.out / "go").write_text("")
+        os.kill(rank0, signal.SIGCONT)  # the late publisher first (see above)
+        attempt_file = job.out / "attempt.json"
+        assert wait_for(attempt_file.exists, 30), "the thawed rank never tried to finish its publish"
+        attempt = json.loads(attempt_file.read_text())
+        # before: the new round raised the fence before this check, so nothing is published (else, published last,
+        # it would be the newest); after: past the check when frozen, renamed after the new round raised the fence
+        # without listing it: removed again at once (else `latest` would name it)
+        assert attempt["outcome"] == "refused" and "which the job has left" in attempt["error"], attempt
+        if point == "after":
+            assert "removed after its publication" in attempt["error"], attempt
+        assert not (root / late).exists() and read_latest(root) != late
+        newest = ckpt.find_latest_checkpoint(root)  # what a resume of the job would take now
+        assert newest is not None and newest.path.name != late, newest
+        assert newest.manifest["fence"][1] > old_round, newest.manifest.get("fence")
+    finally:
+        os.kill(survivor_rank, signal.SIGCONT)
     job.hosts.thaw(h0)
     assert wait_for(lambda: pid_gone(rank0), 10), "the thawed host's rank trains on in a round the job left"
     progress = json.loads((job.out / f"progress.{h0.name}.{old_round}").read_text())["done"]
@@ -351,11 +360,11 @@ def _frozen_mid_publish(job, point: str, late: str, jit: bool) -> None:
 @pytest.mark.parametrize("point", ["before", "after"])
 def test_partition_host_frozen_mid_publish_never_publishes_the_newest(host_job, point):
     """Fault: a host is frozen while its rank (the coordinator) publishes a periodic checkpoint
-    (PeriodicCheckpointer, shared directory): stopped just before the fence check, or just after it (before the
-    rename); the other host goes on alone in a new round and saves newer checkpoints; then the frozen rank is
+    (PeriodicCheckpointer, shared directory): stopped once every rank's files are written (before the manifest
+    and the fence check), or just after the fence check (before the rename); the other host goes on alone in a new round and saves newer checkpoints; then the frozen rank is
     thawed first and its publish goes on, then the rest of its host.
-    Outcome: no split brain on disk: stopped before the check, the late publish is refused ("which the job has
-    left"); past it, the renamed checkpoint is removed again at once (the new round's fence does not list it:
+    Outcome: no split brain on disk: stopped before the check, the late publish (the last one: it would be the
+    newest) is refused ("which the job has left"); past it, the renamed checkpoint is removed again at once (the new round's fence does not list it:
     no loader would take it), before `latest` moves. Either way the newest checkpoint stays the survivors'. The
     thawed rank trains no further step of its old round; every start of the job resumes from the survivors'
     lineage, which finishes with every step done exactly once, exit 0. Nothing saved is lost, nothing is left.

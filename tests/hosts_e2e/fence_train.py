@@ -9,15 +9,17 @@ fail for another reason than the fence), ``save_on_failure=True`` (a just-in-tim
 ``nvrx launch --jit-ckpt``).
 
 Records in OUT: ``ledger.jsonl`` (tests/faults/conftest.py ``Ledger``: "resumed" at each start by rank 0,
-"saved" by the coordinator once a checkpoint of its round is published, "finished"; each with its round);
+"saved" by the coordinator once a checkpoint of its round is published (with its pid), "finished"; each with its
+round);
 ``ckpt.json`` at the end (the steps of the newest checkpoint ``find_latest_checkpoint`` gives then);
 ``start-<round>-<rank>.json`` (the newest checkpoint each start saw, the steps it resumed at, its host);
 ``running.<rank>.<attempt>`` (its pid while it trains); ``progress.<host>.<round>`` (the steps done by that host's
 rank in that round); ``final.json`` (the parameter after the last step).
 
 FENCE_STALL=before:<name> | after:<name>: the process publishing checkpoint <name> (the coordinator of a periodic
-save, or the rank saving just in time) stops in the middle of publishing it, once in the whole test: just before
-the fence check (before) or just after it, before the rename (after). It writes ``OUT/stalled.json`` (pid, host,
+save, or the rank saving just in time) stops in the middle of publishing it, once in the whole test: when every
+rank's files are written, before the manifest (its publication time) and the fence check (before), or just after
+that check, before the rename (after). It writes ``OUT/stalled.json`` (pid, host,
 round, steps done) and waits for the file ``OUT/go``; it then finishes the publish and writes
 ``OUT/attempt.json`` (``published``, or ``refused`` and the error). Every rank waits for each periodic save it
 started (``saver.wait()``), so saves fall exactly every 5 (3) steps, whatever the machine's speed, and a rank
@@ -82,11 +84,8 @@ _real_check = fence.check_publish
 
 
 def check_publish(root: Path, name: str) -> None:
-    stall = name == STALL_NAME
-    if stall and STALL_POINT == "before":
-        _stall(name)
     _real_check(root, name)
-    if stall and STALL_POINT == "after":
+    if name == STALL_NAME and STALL_POINT == "after":
         _stall(name)
 
 
@@ -95,6 +94,8 @@ _real_finish = filesystem_async.FileSystemWriterAsync.finish_from_ranks
 
 def finish_from_ranks(self, metadata, per_rank) -> None:
     _stalled_here.active = False
+    if self.path.name == STALL_NAME and STALL_POINT == "before":
+        _stall(self.path.name)
     try:
         _real_finish(self, metadata, per_rank)
     except BaseException as exc:
@@ -105,7 +106,7 @@ def finish_from_ranks(self, metadata, per_rank) -> None:
         record(OUT / "attempt.json", {"outcome": "published"})
     else:
         digits = self.path.name.rsplit("_", 1)[-1]
-        ledger(ev="saved", step=int(digits), round=ROUND, name=self.path.name, host=HOST)
+        ledger(ev="saved", step=int(digits), round=ROUND, name=self.path.name, host=HOST, pid=os.getpid())
 
 
 fence.check_publish = check_publish  # (filesystem_async calls fence.check_publish: this wrapper)
