@@ -361,13 +361,15 @@ def _frozen_mid_publish(job, point: str, late: str, jit: bool) -> None:
 def test_partition_host_frozen_mid_publish_never_publishes_the_newest(host_job, point):
     """Fault: a host is frozen while its rank (the coordinator) publishes a periodic checkpoint
     (PeriodicCheckpointer, shared directory): stopped once every rank's files are written (before the manifest
-    and the fence check), or just after the fence check (before the rename); the other host goes on alone in a new round and saves newer checkpoints; then the frozen rank is
-    thawed first and its publish goes on, then the rest of its host.
+    and the fence check), or just after the fence check (before the rename); the other host goes on alone in a
+    new round and saves newer checkpoints; then the frozen rank is thawed first and its publish goes on, then the
+    rest of its host.
     Outcome: no split brain on disk: stopped before the check, the late publish (the last one: it would be the
-    newest) is refused ("which the job has left"); past it, the renamed checkpoint is removed again at once (the new round's fence does not list it:
-    no loader would take it), before `latest` moves. Either way the newest checkpoint stays the survivors'. The
-    thawed rank trains no further step of its old round; every start of the job resumes from the survivors'
-    lineage, which finishes with every step done exactly once, exit 0. Nothing saved is lost, nothing is left.
+    newest) is refused ("which the job has left"); past it, the renamed checkpoint is removed again at once (the
+    new round's fence does not list it: no loader would take it), before `latest` moves. Either way the newest
+    checkpoint stays the survivors'. The thawed rank trains no further step of its old round; every start of the
+    job resumes from the survivors' lineage, which finishes with every step done exactly once, exit 0. Nothing
+    saved is lost, nothing is left.
     """
     _frozen_mid_publish(host_job(2), point, "step_000000010", jit=False)
 
@@ -376,9 +378,10 @@ def test_partition_host_frozen_mid_publish_never_publishes_the_newest(host_job, 
 @pytest.mark.parametrize("point", ["before", "after"])
 def test_partition_host_frozen_mid_jit_checkpoint_never_publishes_the_newest(host_job, point):
     """Fault: under --jit-ckpt a rank dies; the survivor on the other host saves its last completed step just in
-    time (save_on_failure=True) and its host is frozen while that checkpoint is being published (before or after
-    the fence check); the dead rank's host goes on alone in a new round and saves newer checkpoints; then the
-    frozen rank is thawed first and its publish goes on, then the rest of its host.
+    time (save_on_failure=True) and its host is frozen while that checkpoint is being published (before its
+    manifest and the fence check, or after the check); the dead rank's host goes on alone in a new round and
+    saves newer checkpoints; then the frozen rank is thawed first and its publish goes on, then the rest of its
+    host.
     Outcome: as for a periodic checkpoint: refused before the check, removed again after it; the job resumes
     from the survivors' lineage and finishes with every step done exactly once, exit 0. Nothing saved is lost,
     nothing is left.
