@@ -1,12 +1,12 @@
 """A rank that checkpoints with nvrx.ckpt and can stop in the middle of publishing one checkpoint (fence tests).
 
-Run as ``fence_train.py OUT STEPS``. Real gloo training: one parameter that every step adds 1 to (the
-all-reduced world size divided by the world size, SGD with lr 1 and a constant momentum buffer), so it holds
-exactly the steps done whenever every resume loaded a checkpoint whose steps match its state. Checkpoints:
-``OUT/ckpts`` through ``PeriodicCheckpointer`` every 5 steps while the world has 2 ranks, every 3 with 1 (so a save the job left behind
-is never saved again under its name by the ranks that went on: a name taken twice would make the late publish
-fail for another reason than the fence), ``save_on_failure=True`` (a just-in-time checkpoint under
-``nvrx launch --jit-ckpt``).
+Run as ``fence_train.py OUT STEPS``. Real gloo training: one parameter that every step adds 1 to (the all-reduced
+world size divided by the world size, SGD with lr 1 and a constant momentum buffer), so it holds exactly the steps
+done whenever every resume loaded a checkpoint whose steps match its state. Checkpoints: ``OUT/ckpts`` through
+``PeriodicCheckpointer`` every 5 steps while the world has 2 ranks, every 3 with 1 (so a save the job left behind
+is never saved again under its name by the ranks that went on: a name taken twice would make the late publish fail
+for another reason than the fence), ``save_on_failure=True`` (a just-in-time checkpoint under ``nvrx launch
+--jit-ckpt``).
 
 Records in OUT: ``ledger.jsonl`` (tests/faults/conftest.py ``Ledger``: "resumed" at each start by rank 0,
 "saved" by the coordinator once a checkpoint of its round is published (with its pid), "finished"; each with its
