@@ -12,7 +12,12 @@ order the job's rounds. So:
   checkpoints present at that moment, written atomically, only ever to a later key;
 * a publisher whose key is below the fence does not publish (CheckpointFenced), and the loader ignores a
   checkpoint whose key is below the fence unless the fence lists it (it was there before the new round looked):
-  one published in the race between that check and the rename is still never taken for the newest.
+  one published in the race between that check and the rename is still never taken for the newest;
+* a round raising the fence lists only the checkpoints the fence in force accepts: one published in that race
+  stays out in every later round (else the next round to look, a restart or the healed host rejoining, would
+  list it, and it would be the newest: it was published last);
+* a publisher that finds, after its rename, the fence past its key and its checkpoint not listed (that race)
+  removes the checkpoint again before it moves ``latest`` (CheckpointFenced): nobody can have taken it.
 
 Just-in-time checkpoints are global checkpoints written by one rank (``nvrx.ckpt.jit``): the same stamp, check
 and filter apply to them.
@@ -43,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from nvrx.ckpt.errors import CheckpointError
-from nvrx.ckpt.publish import atomic_write
+from nvrx.ckpt.publish import atomic_write, discard
 from nvrx.common import files
 
 log = logging.getLogger(__name__)
@@ -119,16 +124,36 @@ def check_publish(root: Path, name: str) -> None:
                            "this node was cut off from the job")
 
 
-def fenced_out(manifest: dict[str, Any], name: str, fence: tuple[tuple[int, int], frozenset[str], str] | None) -> bool:
+def fenced_out(manifest: dict[str, Any], name: str, fence: tuple[tuple[int, int], frozenset[str], str] | None,
+               quiet: bool = False) -> bool:
     """Whether a checkpoint (its MANIFEST, its NAME) is from a round the job had left when it was published."""
     if fence is None:
         return False
     key = _key_of(manifest.get("fence"))
     if key is None or key >= fence[0] or name in fence[1]:
         return False
-    log.warning("ignoring checkpoint %s: published by round %d after round %d of the job began (a node cut off "
-                "from the job)", name, key[1], fence[0][1])
+    if not quiet:
+        log.warning("ignoring checkpoint %s: published by round %d after round %d of the job began (a node cut off "
+                    "from the job)", name, key[1], fence[0][1])
     return True
+
+
+def check_published(root: Path, name: str, manifest: dict[str, Any], *paths: Path) -> None:
+    """After the rename of checkpoint NAME (its MANIFEST) into ROOT: if a later round raised the fence between
+    ``check_publish`` and the rename without listing it, no loader will ever take it (``fenced_out``): remove it
+    (PATHS: the files it consists of; default ROOT/NAME) and raise CheckpointFenced, before ``latest`` moves."""
+    fence = read_fence(root)
+    if not fenced_out(manifest, name, fence, quiet=True):
+        return
+    for path in paths or (Path(root) / name,):
+        try:
+            discard(path)
+        except OSError as exc:  # the loaders skip it anyway
+            log.debug("cannot remove the fenced-out checkpoint %s: %s", path, exc)
+    key = _key_of(manifest.get("fence")) or (0, 0)
+    raise CheckpointFenced(f"checkpoint {Path(root) / name} was removed after its publication: it was saved in round "
+                           f"{key[1]}, which the job has left (round {fence[0][1]} fenced the checkpoint directory "
+                           "during the rename); this node was cut off from the job")
 
 
 # ---------------------------------------------------------------- local checkpoints: the lineage of rounds

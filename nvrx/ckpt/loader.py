@@ -95,8 +95,10 @@ def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
             continue
         found.append(CheckpointInfo(entry, data.get("kind", "dcp"), int(data.get("published_at_ns", 0)), data))
     # no split brain on disk (nvrx/ckpt/fence.py): this round fences out older ones, then skips what they
-    # published after that
-    fence_mod.raise_fence(root, [c.path.name for c in found])
+    # published after that; what the fence in force skips is not listed by this round's fence (it stays out)
+    before = fence_mod.read_fence(root)
+    fence_mod.raise_fence(root, [c.path.name for c in found
+                                 if not fence_mod.fenced_out(c.manifest, c.path.name, before, quiet=True)])
     fence = fence_mod.read_fence(root)
     found = [c for c in found if not fence_mod.fenced_out(c.manifest, c.path.name, fence)]
     latest = read_latest(root)

@@ -50,6 +50,7 @@ def torch_save_request(obj: Any, path: str | os.PathLike, *, update_latest: bool
             entry = {"format": manifest_mod.FORMAT, "kind": "torch_save", "name": final.name, "size": reply["size"],
                      "digest": reply["digest"], "published_at_ns": time.time_ns(), **fence.stamp()}
             publish.atomic_write(sidecar, manifest_mod.encode(entry))
+            fence.check_published(final.parent, final.name, entry, final, sidecar)  # (a new round looked meanwhile)
         except OSError as exc:
             raise CheckpointWriteError(f"checkpoint {final} was not published: {exc}") from None
         finally:

@@ -130,3 +130,45 @@ def test_the_local_lineage_merges_keeps_each_rounds_first_resume_point_and_reads
     assert fence.local_save_refused(tmp_path) is None
     fence.write_lineage(tmp_path, [(5, 3, 7)])
     assert "round 2, which the job has left (round 3 resumed there)" in fence.local_save_refused(tmp_path)
+
+
+def test_a_late_checkpoint_stays_fenced_out_in_every_later_round(tmp_path: Path, monkeypatch) -> None:
+    """A checkpoint a round the job had left published in the race (past the check, renamed after the new round
+    looked) is present when a still later round (a restart, the healed host rejoining, a new launch) lists the
+    directory: that round's fence must not take it into its known names, or it becomes the newest again (it was
+    published last). Its publisher, finding the fence past it after the rename, removes it and leaves `latest`."""
+    root = tmp_path / "ckpt"
+    _in_round(monkeypatch, 100, 0)
+    _save(root / "step_1", 1)
+    _in_round(monkeypatch, 100, 1)  # the others go on without the cut-off node
+    assert _newest(root) == "step_1"
+    _save(root / "step_2", 2)
+    _in_round(monkeypatch, 100, 0)  # the cut-off node's save, published in the race (elsewhere, then renamed)
+    _save(tmp_path / "elsewhere" / "step_9", 9)
+    os.rename(tmp_path / "elsewhere" / "step_9", root / "step_9")
+    for launch, rnd in ((100, 2), (100, 3), (200, 0)):  # restarts of the job, then a new launch
+        _in_round(monkeypatch, launch, rnd)
+        assert _newest(root) == "step_2", (launch, rnd)
+
+
+def test_a_publisher_the_fence_passed_during_the_rename_removes_its_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    from nvrx.ckpt import fence
+    from nvrx.ckpt.publish import read_latest
+
+    root = tmp_path / "ckpt"
+    _in_round(monkeypatch, 100, 0)
+    _save(root / "step_1", 1)
+    real_check = fence.check_publish
+
+    def check_then_new_round_looks(where: Path, name: str) -> None:
+        real_check(where, name)  # passes: no later round looked yet
+        _in_round(monkeypatch, 100, 1)
+        assert _newest(where) == "step_1"  # ... and now one does, before the rename
+        _in_round(monkeypatch, 100, 0)
+
+    monkeypatch.setattr(fence, "check_publish", check_then_new_round_looks)
+    with pytest.raises(CheckpointError, match="which the job has left"):
+        _save(root / "step_2", 2)
+    assert not (root / "step_2").exists() and read_latest(root) == "step_1"
+    _in_round(monkeypatch, 100, 2)
+    assert _newest(root) == "step_1"

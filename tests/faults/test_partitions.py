@@ -9,6 +9,8 @@ are the guarantees of docs/faults.md ("Partitions"): a cut-off side stops its ow
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from nvrx import ckpt
+from nvrx.ckpt.publish import read_latest
 from tests.conftest import pid_gone, wait_for
 from tests.faults.conftest import ShmWatch, one_line
 
@@ -268,6 +271,122 @@ def test_partition_host_frozen_then_thawed(host_job):
     assert job.ledger.finished()
     job.ledger.assert_no_saved_work_lost()
     job.assert_clean()
+
+
+FENCE_TRAIN = Path(__file__).parents[1] / "hosts_e2e" / "fence_train.py"  # stalls one publish on request
+
+
+def _frozen_mid_publish(job, point: str, late: str, jit: bool) -> None:
+    """A host frozen while its rank publishes checkpoint LATE (stopped at POINT of the publish: before the
+    manifest and the fence check, so that its publication time is later than the survivors' saves; or after the
+    check, before the rename), the other host going on alone and saving newer checkpoints, then the thaw: the shared
+    checkpoint directory must never offer LATE as the newest, and the job must end on the survivors' lineage.
+
+    The store is on h1 and h0 starts first with a last call of 4 s: the round of both hosts is the first one and
+    ranks follow node ids, so h0 holds rank 0 (the periodic saves' coordinator, the lowest survivor for a
+    just-in-time save) and the frozen host is not the store's. The stalled rank is thawed alone first and its
+    publish attempt is awaited before the rest of h0 is thawed: the worst order (the late publisher runs before
+    its agent can stop it), and the one that makes the attempt certain rather than a race with the agent."""
+    h0, h1 = job.hosts[0], job.hosts[1]
+    steps = 120
+    conf = RDZV_CONF.replace("last_call_timeout=1", "last_call_timeout=4")
+    args = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"{h1.addr}:{PORT}", "--rdzv-id", "fenced",
+            "--max-restarts", "3", "--rdzv-conf", conf, "--term-timeout", "2", "--async-ckpt"]
+    env = {"FAULT_STEP_TIME": "0.05", "FENCE_STALL": f"{point}:{late}"}
+    if jit:  # h1's rank dies after step 12; h0's rank saves that step just in time, and stalls publishing it
+        args += ["--jit-ckpt", "--jit-ckpt-timeout", "300"]  # (no deadline passes while h0 is frozen)
+        env["FENCE_CRASH"] = f"{h1.name}:12"
+    args += [str(FENCE_TRAIN), str(job.out), str(steps)]
+    frozen = job.start_on(h0, *args, env=env)
+    survivor = job.start_on(h1, *args, env=env)
+    root = job.out / "ckpts"
+    marker = job.out / "stalled.json"
+    assert wait_for(marker.exists, 120), f"no rank stopped publishing {late}"
+    stalled = json.loads(marker.read_text())
+    assert stalled["host"] == h0.name and stalled["name"] == late, stalled
+    old_round, rank0 = stalled["round"], stalled["pid"]
+    assert rank0 in job.hosts.freeze(h0)
+
+    def newer_saves() -> list[dict]:  # the survivor's own saves, in rounds after the one the job left
+        return [e for e in job.ledger.entries() if e["ev"] == "saved" and e["round"] > old_round and e["step"] > 12]
+
+    assert wait_for(lambda: len(newer_saves()) >= 2, 90), "the other host did not go on alone and save"
+    assert all(e["host"] == h1.name for e in newer_saves())
+    # the survivors' rank publishes nothing while the late publish is tried and judged (else a newer save of
+    # theirs could hide a late checkpoint taken for the newest): stopped alone, its agent and the store run on
+    survivor_rank = newer_saves()[-1]["pid"]
+    os.kill(survivor_rank, signal.SIGSTOP)
+    try:
+        (job.out / "go").write_text("")
+        os.kill(rank0, signal.SIGCONT)  # the late publisher first (see above)
+        attempt_file = job.out / "attempt.json"
+        assert wait_for(attempt_file.exists, 30), "the thawed rank never tried to finish its publish"
+        attempt = json.loads(attempt_file.read_text())
+        # before: the new round raised the fence before this check, so nothing is published (else, published last,
+        # it would be the newest); after: past the check when frozen, renamed after the new round raised the fence
+        # without listing it: removed again at once (else `latest` would name it)
+        assert attempt["outcome"] == "refused" and "which the job has left" in attempt["error"], attempt
+        if point == "after":
+            assert "removed after its publication" in attempt["error"], attempt
+        assert not (root / late).exists() and read_latest(root) != late
+        newest = ckpt.find_latest_checkpoint(root)  # what a resume of the job would take now
+        assert newest is not None and newest.path.name != late, newest
+        assert newest.manifest["fence"][1] > old_round, newest.manifest.get("fence")
+    finally:
+        os.kill(survivor_rank, signal.SIGCONT)
+    job.hosts.thaw(h0)
+    assert wait_for(lambda: pid_gone(rank0), 10), "the thawed host's rank trains on in a round the job left"
+    progress = json.loads((job.out / f"progress.{h0.name}.{old_round}").read_text())["done"]
+    assert progress == stalled["done"], f"the thawed rank did steps {stalled['done']}..{progress} of its old round"
+    _, err = frozen.communicate(timeout=120)
+    assert frozen.returncode in (0, 1), err
+    if frozen.returncode == 1:
+        assert "cut off from the rendezvous store" in one_line(err)
+    else:
+        rounds = [e["round"] for e in job.events("fenced", f"agent-{h0.name}-") if e["ev"] == "rdzv_round"]
+        assert rounds.count(old_round) == 1 and rounds[-1] > old_round, rounds
+    _, err1 = survivor.communicate(timeout=120)
+    assert survivor.returncode == 0, err1
+    starts = [json.loads(p.read_text()) for p in job.out.glob("start-*.json")]
+    assert all(s["newest"] != late for s in starts), starts  # no start of the job took the late checkpoint
+    assert json.loads((job.out / "final.json").read_text())["w"] == [float(steps)] * 4  # every step exactly once
+    assert json.loads((job.out / "ckpt.json").read_text())["name"] == f"step_{steps:09d}"
+    assert job.ledger.finished()
+    job.ledger.assert_no_saved_work_lost()
+    job.assert_clean()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["before", "after"])
+def test_partition_host_frozen_mid_publish_never_publishes_the_newest(host_job, point):
+    """Fault: a host is frozen while its rank (the coordinator) publishes a periodic checkpoint
+    (PeriodicCheckpointer, shared directory): stopped once every rank's files are written (before the manifest
+    and the fence check), or just after the fence check (before the rename); the other host goes on alone in a
+    new round and saves newer checkpoints; then the frozen rank is thawed first and its publish goes on, then the
+    rest of its host.
+    Outcome: no split brain on disk: stopped before the check, the late publish (the last one: it would be the
+    newest) is refused ("which the job has left"); past it, the renamed checkpoint is removed again at once (the
+    new round's fence does not list it: no loader would take it), before `latest` moves. Either way the newest
+    checkpoint stays the survivors'. The thawed rank trains no further step of its old round; every start of the
+    job resumes from the survivors' lineage, which finishes with every step done exactly once, exit 0. Nothing
+    saved is lost, nothing is left.
+    """
+    _frozen_mid_publish(host_job(2), point, "step_000000010", jit=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["before", "after"])
+def test_partition_host_frozen_mid_jit_checkpoint_never_publishes_the_newest(host_job, point):
+    """Fault: under --jit-ckpt a rank dies; the survivor on the other host saves its last completed step just in
+    time (save_on_failure=True) and its host is frozen while that checkpoint is being published (before its
+    manifest and the fence check, or after the check); the dead rank's host goes on alone in a new round and
+    saves newer checkpoints; then the frozen rank is thawed first and its publish goes on, then the rest of its
+    host.
+    Outcome: as for a periodic checkpoint: refused before the check, removed again after it; the job resumes
+    from the survivors' lineage and finishes with every step done exactly once, exit 0. Nothing saved is lost,
+    nothing is left.
+    """
+    _frozen_mid_publish(host_job(2), point, "jit_step_000000012", jit=True)
 
 
 @pytest.mark.slow

@@ -493,6 +493,7 @@ class FileSystemWriterAsync(StorageWriter):
         publish.write_durable(partial / manifest_mod.MANIFEST, manifest_mod.encode(manifest))
         fence.check_publish(self.path.parent, self.path.name)  # a round the job has left publishes nothing
         publish.publish_dir(partial, self.path)
+        fence.check_published(self.path.parent, self.path.name, manifest)  # (a new round looked during the rename)
         self._after_publish()
 
     def _after_publish(self) -> None:
