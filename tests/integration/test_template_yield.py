@@ -238,3 +238,27 @@ def _zombie_or_gone(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except OSError:
         return True
+
+
+def test_a_template_never_asked_warms_up_for_its_first_ranks(tmp_path: Path) -> None:
+    """A standby's (or a long rendezvous') template has no ranks to warm up beside; it warms up anyway, all but
+    the step that compiles the entry, so its first ranks are forked warm (bench_nodeloss: cold ones cost 4-8 s)."""
+    script = write_script(tmp_path / "rank.py", RANK)
+    tmpl = _Template({**os.environ, **ENV})
+    last = f"{fork_server.WARMING_NAME}{len(fork_server.WARM_UP_STEPS) - 1}"
+    try:
+        tmpl.receive("ready")
+        assert wait_for(lambda: _comm(tmpl.proc.pid) == last, 120, interval=0.01), \
+            f"a template never asked did not warm up (it is {_comm(tmpl.proc.pid)!r})"
+        tmpl.spawn(1, script, [str(tmp_path / "a.json"), "report"], tmp_path / "a.log")
+        tmpl.spawned(1)
+        assert wait_for((tmp_path / "a.json").exists, 120), (tmp_path / "a.log").read_text()[-3000:]
+        a = json.loads((tmp_path / "a.json").read_text())
+        (tmp_path / "release").touch()
+        tmpl.collect_exits(1)
+    finally:
+        (tmp_path / "release").touch()
+        tmpl.close()
+    assert a["template_comm"] == last
+    assert "torch._dynamo" in a["modules"] and "torch.distributed.checkpoint" in a["modules"]
+    assert a["optimizer_ok"] and a["template_threads"] == 1 and a["untouched"]

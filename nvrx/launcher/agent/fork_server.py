@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 1 << 20  # a spawn request carries a whole environment
 WARM_UP_IDLE = 0.2  # seconds without a request, once ranks run, before the template warms up
+# seconds without any request since the start before the template warms up anyway: a standby, or an agent waiting
+# in a long rendezvous, whose first ranks would otherwise be forked cold (bench_nodeloss: 4-8 s of DDP set-up)
+NEVER_ASKED_IDLE = 1.0
 WARM_NAME = "nvrx-tmpl-warm"  # the template's /proc/PID/comm once warm (forked ranks set their own name)
 WARMING_NAME = "nvrx-tmpl-w"  # ... + the number of the warm-up step it runs (a fork in between sees the last one)
 _SERVER_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # it ends with the agent, not by signal
@@ -138,7 +141,8 @@ class _Server:
         self.burst_intact = False  # every rank forked since the last request still runs: no respawn is coming
 
     def _wait(self) -> list:
-        """The next events; while the ranks run and nothing is asked, warm the template one step at a time.
+        """The next events; while the ranks run and nothing is asked (or before anything was ever asked: a
+        standby, a long rendezvous), warm the template one step at a time.
 
         The first step waits for WARM_UP_IDLE quiet seconds (the agent sends a round's spawn requests one after
         the other), the next ones follow at once; any event (a request, a rank's exit) pauses the warm-up, so a
@@ -147,9 +151,9 @@ class _Server:
         A step is done or not done when the server forks: the warm-up runs here, in the one thread, never
         in another one a rank could inherit half-way.
         """
-        while not self.warm_up.done and self.children and self.burst_intact:
-            ready = self.sel.select(timeout=WARM_UP_IDLE)
-            while not ready and not self.warm_up.done:
+        while self._may_warm():
+            ready = self.sel.select(timeout=WARM_UP_IDLE if self.children else NEVER_ASKED_IDLE)
+            while not ready and self._may_warm():
                 _set_comm(f"{WARMING_NAME}{self.warm_up.position}")
                 self.warm_up.step()
                 if self.warm_up.done:
@@ -158,6 +162,15 @@ class _Server:
             if ready:
                 return ready
         return self.sel.select()
+
+    def _may_warm(self) -> bool:
+        """Warm while every rank forked since the last request runs, or before any request at all (then without
+        the last step, which compiles the entry a request names)."""
+        if self.warm_up.done:
+            return False
+        if self.entry is None:
+            return self.warm_up.position < len(WARM_UP_STEPS)
+        return bool(self.children) and self.burst_intact
 
     def _precompile_entry(self) -> None:
         if self.entry is not None:
