@@ -75,6 +75,18 @@ class GoneClock:
         return max(self.gone.values())
 
 
+def _assert_thawed_agent_ended(job, run_id: str, host, proc, old_round: int) -> None:
+    """A thawed host's agent either found the store gone (exit 1, one line) or joined a later round, never its old
+    one again, and finished (exit 0)."""
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode in (0, 1), err
+    if proc.returncode == 1:
+        assert "cut off from the rendezvous store" in one_line(err)
+    else:
+        rounds = [e["round"] for e in job.events(run_id, f"agent-{host.name}-") if e["ev"] == "rdzv_round"]
+        assert rounds.count(old_round) == 1 and rounds[-1] > old_round, rounds
+
+
 def _stop_time(job, run_id: str, host_name: str, kind: str) -> float:
     stops = [e for e in job.events(run_id, f"agent-{host_name}-") if e["ev"] == "rdzv_stop" and e["kind"] == kind]
     assert stops, f"{host_name} wrote no {kind} stop"
@@ -259,13 +271,7 @@ def test_partition_host_frozen_then_thawed(host_job):
     assert wait_for(lambda: time.time() - t_freeze > STORE_TIMEOUT + 1, 10)
     job.hosts.thaw(h1)
     assert wait_for(lambda: pid_gone(rank1), 5), "the thawed host's rank trains on in a round the job left"
-    _, err = frozen.communicate(timeout=120)
-    assert frozen.returncode in (0, 1), err
-    if frozen.returncode == 1:
-        assert "cut off from the rendezvous store" in one_line(err)
-    else:
-        rounds = [e["round"] for e in job.events("frozen", f"agent-{h1.name}-") if e["ev"] == "rdzv_round"]
-        assert rounds.count(old_round) == 1 and rounds[-1] > old_round, rounds
+    _assert_thawed_agent_ended(job, "frozen", h1, frozen, old_round)
     _, err0 = store_host.communicate(timeout=120)
     assert store_host.returncode == 0, err0
     assert job.ledger.finished()
@@ -338,13 +344,7 @@ def _frozen_mid_publish(job, point: str, late: str, jit: bool) -> None:
     assert wait_for(lambda: pid_gone(rank0), 10), "the thawed host's rank trains on in a round the job left"
     progress = json.loads((job.out / f"progress.{h0.name}.{old_round}").read_text())["done"]
     assert progress == stalled["done"], f"the thawed rank did steps {stalled['done']}..{progress} of its old round"
-    _, err = frozen.communicate(timeout=120)
-    assert frozen.returncode in (0, 1), err
-    if frozen.returncode == 1:
-        assert "cut off from the rendezvous store" in one_line(err)
-    else:
-        rounds = [e["round"] for e in job.events("fenced", f"agent-{h0.name}-") if e["ev"] == "rdzv_round"]
-        assert rounds.count(old_round) == 1 and rounds[-1] > old_round, rounds
+    _assert_thawed_agent_ended(job, "fenced", h0, frozen, old_round)
     _, err1 = survivor.communicate(timeout=120)
     assert survivor.returncode == 0, err1
     starts = [json.loads(p.read_text()) for p in job.out.glob("start-*.json")]

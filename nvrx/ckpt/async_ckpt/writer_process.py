@@ -234,8 +234,9 @@ class WriterProcess:
         assert self.channel is not None
         try:
             self.channel.send(message, fds)
-        except OSError as exc:
-            self._mark_dead(f"cannot reach it ({exc})")
+        except OSError as exc:  # a writer just killed breaks the pipe before its end of the channel reads closed
+            reason = f"cannot reach it ({exc})"
+            self._mark_dead(reason if self._death is not None else self._exit_reason(reason))
             raise RuntimeError(f"checkpoint writer process is gone: {self._death}") from None
 
     def result(self, job_id: int, block: bool = False) -> dict[str, Any] | None:
