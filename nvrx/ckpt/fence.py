@@ -97,16 +97,19 @@ def read_fence(root: Path) -> tuple[tuple[int, int], frozenset[str], str] | None
     return key, frozenset(n for n in known if isinstance(n, str)), str(data.get("run_id", ""))
 
 
-def raise_fence(root: Path, present: list[str]) -> None:
-    """Called by a rank about to choose among ROOT's checkpoints (PRESENT): from now on, rounds before this
-    rank's are fenced out of ROOT. Only ever moves the fence forward; a read-only root is left as it is."""
+def raise_fence(root: Path, present: list[tuple[str, dict[str, Any]]]) -> None:
+    """Called by a rank about to choose among ROOT's checkpoints (PRESENT: name, manifest): from now on, rounds
+    before this rank's are fenced out of ROOT. Lists only what the fence in force accepts, so a checkpoint
+    published in the check-rename race stays out in every later round. Only ever moves the fence forward; a
+    read-only root is left as it is."""
     key = current_key()
     if key is None:
         return
     fence = read_fence(root)
     if fence is not None and fence[0] >= key:
         return
-    data = {"fence": list(key), "run_id": os.environ.get(RUN_ENV, ""), "known": sorted(present)}
+    known = sorted(name for name, manifest in present if not fenced_out(manifest, name, fence, quiet=True))
+    data = {"fence": list(key), "run_id": os.environ.get(RUN_ENV, ""), "known": known}
     try:
         atomic_write(Path(root) / FENCE_FILE, json.dumps(data).encode())
     except OSError as exc:

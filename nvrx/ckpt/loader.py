@@ -95,10 +95,8 @@ def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
             continue
         found.append(CheckpointInfo(entry, data.get("kind", "dcp"), int(data.get("published_at_ns", 0)), data))
     # no split brain on disk (nvrx/ckpt/fence.py): this round fences out older ones, then skips what they
-    # published after that; what the fence in force skips is not listed by this round's fence (it stays out)
-    before = fence_mod.read_fence(root)
-    fence_mod.raise_fence(root, [c.path.name for c in found
-                                 if not fence_mod.fenced_out(c.manifest, c.path.name, before, quiet=True)])
+    # published after that (a checkpoint the fence in force skips stays out: raise_fence does not list it)
+    fence_mod.raise_fence(root, [(c.path.name, c.manifest) for c in found])
     fence = fence_mod.read_fence(root)
     found = [c for c in found if not fence_mod.fenced_out(c.manifest, c.path.name, fence)]
     latest = read_latest(root)
