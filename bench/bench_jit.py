@@ -111,22 +111,53 @@ def report(results: list[bg.RunResult], settings: bg.Settings, schedule: list[bg
         goals.append({"target": f"nvrx+jit lost per {kind} <= 0.5 s", "value": lost,
                       "met": None if lost is None else lost <= 0.5})
     free_jit, free = by.get(("nvrx_jit", "none")), by.get(("nvrx", "none"))
-    ratio = (free_jit["wall_s"] / free["wall_s"]) if free_jit and free and free_jit.get("wall_s") and free.get("wall_s") else None
-    goals.append({"target": "fault-free wall with JIT / without <= 1.005", "value": ratio,
-                  "met": None if ratio is None else ratio <= 1.005})
+    pairs = extra.get("free_pairs") or []
+    if pairs:  # repeated, order alternating: the median pair's ratio, judged only if the pairs agree within 0.5%
+        ratios = sorted(p["wall_ratio"] for p in pairs)
+        ratio, spread = bg.med(ratios), (ratios[-1] - ratios[0]) / 2
+        goals.append({"target": f"fault-free wall with JIT / without <= 1.005 (median of {len(pairs)} pairs, "
+                                f"+-{spread:.4f})", "value": ratio,
+                      "met": None if spread > 0.005 and abs(ratio - 1.005) < spread else ratio <= 1.005})
+    else:
+        ratio = (free_jit["wall_s"] / free["wall_s"]) if free_jit and free and free_jit.get("wall_s") and free.get("wall_s") else None
+        goals.append({"target": "fault-free wall with JIT / without <= 1.005 (one pair: noisy)", "value": ratio,
+                      "met": None})
     gate = extra.get("gate") or {}
     step_s = (free or {}).get("step_median_s")
     if gate and step_s:
         goals.append({"target": "step gate cost per step / step time (in-process)", "value": gate["gate_s"] / step_s,
                       "met": gate["gate_s"] / step_s <= 0.005})
+    for pair in pairs:
+        print(f"  fault-free pair {pair['order']}: wall {pair['jit_wall_s']:.2f} / {pair['wall_s']:.2f} s = "
+              f"{pair['wall_ratio']:.4f}, step median ratio {pair['step_ratio']:.4f} (load {pair['load']:.1f})")
     for goal in goals:
         value = goal["value"]
         print(f"  {goal['target']}: {'-' if value is None else f'{value:.4f}'} "
-              f"{'' if goal['met'] is None else ('met' if goal['met'] else 'MISSED')}")
+              f"{'unresolved (noise)' if goal['met'] is None else ('met' if goal['met'] else 'MISSED')}")
     bl.save_json(output, {**extra, "settings": asdict(settings), "schedule": [asdict(f) for f in schedule],
                           "rows": rows, "targets": goals,
                           "runs": [{**asdict(r), "progress": r.progress} for r in results]})
     print(f"\nsaved {output}")
+
+
+def free_pairs(settings: bg.Settings, schedule: list[bg.Fault], n: int, keep: bool) -> list[dict[str, Any]]:
+    """N more fault-free runs of nvrx with and without JIT, the order flipped every pair (a pair's first run
+    meets a colder machine): each pair's wall and step-median ratios (JIT / without)."""
+    table = bg.launchers()
+    pairs = []
+    for i in range(n):
+        ways = ("nvrx_jit", "nvrx") if i % 2 == 0 else ("nvrx", "nvrx_jit")
+        load = os.getloadavg()[0]
+        runs = {ckpt: bg.execute(bg.RunSpec("nvrx", VARIANT, "none", ckpt, settings.save_every), settings, schedule,
+                                 table, keep) for ckpt in ways}
+        if not all(r.ok and r.wall_s and r.step_median_s for r in runs.values()):
+            LOG.warning("fault-free pair %d failed: %s", i, [r.error for r in runs.values()])
+            continue
+        jit, plain = runs["nvrx_jit"], runs["nvrx"]
+        pairs.append({"order": "/".join(ways), "load": load, "jit_wall_s": jit.wall_s, "wall_s": plain.wall_s,
+                      "wall_ratio": jit.wall_s / plain.wall_s, "step_ratio": jit.step_median_s / plain.step_median_s})
+        LOG.info("fault-free pair %d (%s): %.4f", i, pairs[-1]["order"], pairs[-1]["wall_ratio"])
+    return pairs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path, default=bg.RESULTS / "jit.json")
     p.add_argument("--from-json", type=Path, help="summarize a saved run again")
     p.add_argument("--keep-run-dirs", action="store_true")
+    p.add_argument("--free-pairs", type=int, default=0,
+                   help="N more fault-free pairs with / without JIT (order alternating) for the 1.005x target")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     if args.from_json:
@@ -156,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     gate = gate_cost()
     results = bg.run_all(settings, schedule, args.keep_run_dirs)
-    report(results, settings, schedule, args.output, {"machine": bl.machine_info(), "gate": gate,
+    pairs = free_pairs(settings, schedule, args.free_pairs, args.keep_run_dirs)
+    report(results, settings, schedule, args.output, {"machine": bl.machine_info(), "gate": gate, "free_pairs": pairs,
                                                       "elapsed_s": time.monotonic() - started,
                                                       "load_end": os.getloadavg()[0]})
     return 0

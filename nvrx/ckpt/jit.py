@@ -110,12 +110,16 @@ class JitCheckpointer:
         self.keep_last = keep_last
         self.module_level = False  # armed by ckpt.save_on_failure (disarmed by ckpt.finalize_before_exit)
 
-    def save(self, lost: list[int], rank: int, world_size: int, deadline: float) -> dict[str, Any]:
-        """Save now if this rank is the one to (the lowest surviving); the result as JSON for the agent."""
+    def save(self, lost: list[int], rank: int, world_size: int, deadline: float,
+             saver: int | None = None) -> dict[str, Any]:
+        """Save now if this rank is the one to (SAVER, chosen by the agents when the lost ranks are not known;
+        else the lowest surviving); the result as JSON for the agent."""
         started = time.monotonic()
-        alive = [r for r in range(world_size) if r not in set(lost)]
-        if not alive or rank != alive[0]:
-            return {"saved": False, "skipped": f"rank {alive[0] if alive else '?'} saves the replicated state"}
+        if saver is None:
+            alive = [r for r in range(world_size) if r not in set(lost)]
+            saver = alive[0] if alive else None
+        if saver is None or rank != saver:
+            return {"saved": False, "skipped": f"rank {saver if saver is not None else '?'} saves the replicated state"}
         if not self.gate.hold(deadline - time.monotonic()):
             return {"saved": False, "error": "the training thread stayed inside optimizer.step() until the "
                                              "deadline: no consistent state to save"}
@@ -131,8 +135,8 @@ class JitCheckpointer:
             sharded = _sharded(state)
             if sharded:
                 return {"saved": False, "step": done,
-                        "error": f"sharded state ({sharded}): the shards of lost rank(s) {sorted(lost)} have no other "
-                                 "holder"}
+                        "error": f"sharded state ({sharded}): the shards of lost rank(s) "
+                                 f"{sorted(lost) if lost else '(not named)'} have no other holder"}
             path = self.root / self.name_format.format(done)
             if self.step_key is not None:
                 state[self.step_key] = done
@@ -275,7 +279,9 @@ def serve(request: dict[str, Any], rank: int) -> dict[str, Any]:
     lost = [int(r) for r in request.get("lost") or []]
     world = int(request.get("world_size") or 0) or int(os.environ.get("WORLD_SIZE", "1"))
     deadline = float(request.get("deadline") or (time.monotonic() + DEFAULT_TIMEOUT))
-    result = savers[-1].save(lost, rank, world, deadline)
+    saver = request.get("saver")
+    saver = int(saver) if isinstance(saver, int) and not isinstance(saver, bool) else None
+    result = savers[-1].save(lost, rank, world, deadline, saver=saver)
     if result.get("saved"):
         log.info("just-in-time checkpoint of step %s saved: %s (%.2f s)", result["step"], result["path"],
                     result["seconds"])

@@ -280,6 +280,7 @@ class StopDetail(Record):
     node: str | None = None              # node_left / scale_up / interrupted: the node
     nodes: int | None = None             # succeeded: how many nodes finished
     leaves: list[str] | None = None      # failed, steer 16: the node(s) leaving; the others go on in place
+    peer_failed: int | None = None       # failed: the rank whose collective failed because an unnamed peer is gone
 
 
 @nested

@@ -461,6 +461,9 @@ class _ReportBuilder:
 
     def _failed_cause(self, d: dict[str, Any], hang: dict[str, Any] | None, by_node: Any = None) -> str:
         D = StopDetail.F
+        if isinstance(d.get(D.peer_failed), int) and d.get(D.rank) is None:  # --jit-ckpt: nobody named the lost rank
+            return (f"a peer of rank {d[D.peer_failed]} was lost without a word from its node (a node lost with its "
+                    f"agent?): rank {d[D.peer_failed]}'s collective failed")
         if d.get(D.rank) is None and not d.get(D.describe):  # not written by an agent: say whose record it is
             return f"a failure reported by node {self.name_of(by_node) or '(unnamed)'} that names no rank"
         who = f"rank {d.get(D.rank)}"

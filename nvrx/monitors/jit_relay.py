@@ -7,6 +7,10 @@ thread wakes on it even while the rank's main thread is blocked in a collective)
 the rank sends ``jit_result`` on that connection, or at once when no rank is parked (nothing to save here), or
 when the parked connection closes under the request (the rank died while saving).
 
+A rank whose collective failed because a peer is gone sends ``jit_peer_failed`` {error} on its parked connection
+before it waits: the monitor passes it to the agent as a workload request with action :data:`PEER_FAILED` (the
+agent ends the round on it when no other node has within a moment: a lost node's agent reports nothing).
+
 Pure bookkeeping over the monitor's connections; the monitor's event loop owns the sockets.
 """
 
@@ -14,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
+
+PEER_FAILED = "PeerFailed"  # the action of the monitor -> agent line for ``jit_peer_failed`` (not a user's action)
 
 
 @dataclass

@@ -61,7 +61,7 @@ from nvrx.monitors.auto_timeout import AutoTimeout, AutoTimeoutChange
 from nvrx.monitors.rank_activity import ActivityWatch, busy_peer, sample_main_thread, stopped_peer
 from nvrx.monitors.straggler import TimingSampler
 from nvrx.monitors.heartbeat import Slot, SlotSnapshot
-from nvrx.monitors.jit_relay import JitRelay
+from nvrx.monitors.jit_relay import PEER_FAILED, JitRelay
 from nvrx.monitors.sections import SectionRegistry, SectionStats
 from nvrx.monitors.ft_config import FaultToleranceConfig, inactive_settings_line
 from nvrx.monitors.timeouts import HeartbeatStats, TimeoutTracker, Timeouts, state_file
@@ -903,9 +903,23 @@ class RankMonitor:
         """The agent asks the rank for a just-in-time checkpoint; answered when the rank answers (or now)."""
         if not self._check_token(conn, msg):
             return None
-        request = {k: msg.get(k) for k in ("round", "lost", "deadline", "world_size")}
+        request = {k: msg.get(k) for k in ("round", "lost", "deadline", "world_size", "saver")}
         log.info("rank %d: the agent asks for a just-in-time checkpoint (lost ranks %s)", self.rank, request["lost"])
         return self.jit.ask(conn, request, self._reply)
+
+    def _op_jit_peer_failed(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """The rank's collective failed because a peer is gone, and the rank waits for a JIT request: tell the agent
+        now (the peer's node may be gone with its agent: nobody else would for seconds). No reply."""
+        if conn is not self.jit.waiter:
+            raise ValueError("only the rank's parked JIT connection may say a peer failed")
+        sess = self.session
+        global_rank = sess.global_rank if sess is not None else None
+        error = str(msg.get("error") or "a collective failed")[:500]
+        log.warning("rank %s: a collective failed because a peer is gone (%s): telling the agent",
+                    global_rank if global_rank is not None else self.rank, error)
+        self._forward_to_agent({"local_rank": self.rank, "global_rank": global_rank, "pid": self.jit.waiter_pid,
+                                "action": PEER_FAILED, "description": error})
+        return None
 
     def _op_jit_result(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
         """The rank's JIT thread reports its save; passed on to the agent."""

@@ -18,6 +18,8 @@ happens:
   full     rank 1 fills the checkpoint file system, then SIGKILLs itself (the JIT save gets ENOSPC)
   sharded  as crash, with a DTensor sharded over the ranks in the saved state (every attempt): a lost rank's shard
            has no other holder, so nothing is saved just in time
+  node     rank 1 records node-fault.json and sleeps: the test SIGKILLs its whole node (agent, monitor, rank,
+           writer) at once; rank 0, on another node, blocks in the next all-reduce (the JIT saver)
 
 Every attempt records the steps it resumed at (start-a<attempt>-r<rank>.json); rank 0 records the final
 parameters (final.json) to compare with a run without faults.
@@ -129,6 +131,9 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGSTOP)
             if fault == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            if fault == "node":
+                record(out, "node-fault.json", {"pid": os.getpid()})
+                time.sleep(3600)
             os.kill(os.getpid(), signal.SIGKILL)
         saver.step(step)
     saver.close()

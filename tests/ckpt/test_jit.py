@@ -8,12 +8,16 @@ directory left behind after the resume, and no process left over.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 from pathlib import Path
 
+import psutil
 import pytest
 
 from nvrx.ckpt import find_latest_checkpoint, list_checkpoints, verify_checkpoint
+from tests.conftest import free_port, listening, tagged_processes, wait_for
 
 HERE = Path(__file__).resolve().parent
 FAULT_AT, STEPS = 12, 20
@@ -154,3 +158,44 @@ def test_jit_ckpt_timeout_without_jit_ckpt_is_one_line(launcher, tmp_path):
     assert res.returncode == 2
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--jit-ckpt-timeout needs --jit-ckpt" in lines[0] and "Traceback" not in res.stderr
+
+
+def _node_processes(launcher, tag: str) -> list[psutil.Process]:
+    found = []
+    for proc in tagged_processes(launcher.token):
+        try:
+            if proc.environ().get("JIT_TEST_NODE") == tag:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def test_a_node_lost_with_its_agent_is_saved_by_the_other_node(launcher, tmp_path):
+    # Two agents on loopback (one rank each) and a standby; the second node is SIGKILLed whole (agent, monitor,
+    # rank, writer) while the first node's rank waits in an all-reduce. Nobody reports the lost rank: the survivor's
+    # failed collective ends the round (keepalive_timeout 30 s would take far longer), its rank saves the state of
+    # the last completed step, and the next round (the survivor and the standby) resumes from it.
+    out = tmp_path
+    port = free_port()
+    args = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "jitnode",
+            "--rdzv-conf", "last_call_timeout=30,keepalive_interval=0.5,keepalive_timeout=30", "--max-restarts", "1",
+            "--async-ckpt", "--jit-ckpt", str(HERE / "jit_train.py"), str(out), str(STEPS), "node", str(FAULT_AT)]
+    host = launcher.start(*args)
+    assert wait_for(lambda: listening(port), 60)
+    lost = launcher.start(*args, env={"JIT_TEST_NODE": "lost"})
+    assert wait_for(lambda: (out / "node-fault.json").exists(), 120), host.poll()
+    standby = launcher.start(*args)
+    for _ in range(3):  # every process of the node at once (a process forked meanwhile is caught by the next pass)
+        for proc in _node_processes(launcher, "lost"):
+            with contextlib.suppress(psutil.Error, OSError):
+                proc.send_signal(signal.SIGKILL)
+    lost.wait(timeout=30)
+    _, err = host.communicate(timeout=180)
+    _, err_standby = standby.communicate(timeout=60)
+    assert host.returncode == 0 and standby.returncode == 0, err[-3000:] + err_standby[-2000:]
+    assert "a peer is gone" in err and "a node was lost with its agent" in err, err[-3000:]
+    (line,) = agent_lines(err, "just-in-time checkpoint of step")
+    assert f"step {FAULT_AT + 1} saved" in line and "jit_step_000000013" in line, line
+    assert {json.loads(p.read_text())["start"] for p in out.glob("start-a1-r*.json")} == {FAULT_AT + 1}
+    check_clean(launcher, out / "ckpts")

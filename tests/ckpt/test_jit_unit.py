@@ -32,6 +32,15 @@ def test_only_the_lowest_surviving_rank_saves_and_the_state_is_published(tmp_pat
     assert torch.equal(state["w"], torch.arange(4.0)) and state[STEP_KEY] == 5
 
 
+def test_the_saver_the_agents_chose_saves_when_no_lost_rank_is_named(tmp_path):
+    # a node lost with its agent: the stop names no lost rank, the claiming agent names its lowest live rank
+    saver, _ = saver_for(tmp_path, {"w": torch.arange(4.0)})
+    assert saver.save([], 0, 4, time.monotonic() + 5, saver=2)["skipped"].startswith("rank 2 saves")
+    assert ckpt.list_checkpoints(tmp_path) == []
+    assert saver.save([], 2, 4, time.monotonic() + 5, saver=2)["saved"]
+    assert [i.path.name for i in ckpt.list_checkpoints(tmp_path)] == ["jit_step_000000005"]
+
+
 def test_a_thread_inside_optimizer_step_keeps_the_save_out_until_the_deadline(tmp_path):
     saver, opt = saver_for(tmp_path, {"w": torch.ones(2)})
     inside, release = threading.Event(), threading.Event()
@@ -78,3 +87,4 @@ def test_the_lost_ranks_of_a_stop_record():
     assert lost_ranks("failed", StopDetail(rank=5, group_rank=1), 4) == [5]
     assert lost_ranks("node_left", StopDetail(node="n2", group_rank=2), 4) == [8, 9, 10, 11]
     assert lost_ranks("failed", StopDetail(monitor_failed=True), 4) == []
+    assert lost_ranks("failed", StopDetail(peer_failed=0, describe="a peer is gone"), 4) == []

@@ -33,6 +33,7 @@ from nvrx.events import (AgentSignal as AgentSignalEvent, AgentStart, EventLog, 
                              HealthCheckInfo, InprocessRankLost, JitAnswer, JitCheckpoint, JobEnd, JobFailure,
                              NodeHealth, RankErrorInfo, StopDetail)
 from nvrx.monitors.ft_config import FaultToleranceConfig
+from nvrx.monitors.jit_relay import PEER_FAILED
 
 if TYPE_CHECKING:  # both import torch: the agent does so only after the fork server started importing it
     from nvrx.launcher.agent.rendezvous import Rendezvous
@@ -50,6 +51,9 @@ STORE_CLOSE_GRACE = 15.0
 # A node whose ranks exited 16 for a re-run elsewhere of ANOTHER node waits this long (beyond the grace the
 # suspected node's ranks get to exit) for that node's agent to end the round before ending it itself.
 RERUN_HOLD = 30.0
+# --jit-ckpt: seconds a node waits, after a local rank's collective failed because a peer is gone, for the node that
+# lost the rank to end the round (it names the rank); a node lost with its agent never does, and then this one ends it
+PEER_FAILED_GRACE = 0.25
 # After the rendezvous store stopped answering (StoreContact), how long the main thread may take to end the job
 # itself before the watcher thread ends the process: the main thread may be blocked in a store request in C++.
 STORE_LOST_EXIT_GRACE = 1.0
@@ -183,6 +187,7 @@ class Agent:
         self._stragglers: StragglerAggregator | None = None  # straggler detection (with rank monitors only)
         self._rerun_notes: dict[int, str] = {}  # local rank -> where it notes the suspected nodes when exiting 16
         self._hold: tuple[float, RankExit] | None = None  # exited 16 for another node's re-run: (deadline, exit)
+        self._peer_hold: tuple[float, dict[str, Any]] | None = None  # a rank's peer is gone: (deadline, its request)
         self._owns_local_session = False  # --local-ckpt-dir: nvrx made ROOT/RUN_ID (its marker): removed on success
         self._end_detail: str | None = None  # why the job ended for this node, when a round says more than a code
         # this node as its ranks name it in a re-run note (nvrx.launcher.rank.rerun: SLURMD_NODENAME, else the host)
@@ -318,7 +323,7 @@ class Agent:
                              for lr, path in self._round_error_files.items()}
         for path in self._rerun_notes.values():
             rerun_exit.remove_note(path)
-        self._hold = None
+        self._hold = self._peer_hold = None
         if self._net_env is None:
             from nvrx.launcher.agent.store import rank_network_env
 
@@ -388,9 +393,10 @@ class Agent:
             while True:
                 monitor_fds = self.monitors.fds() if self.monitors is not None else []
                 wake_in = self.monitors.wake_in() if self.monitors is not None else None
-                if self._hold is not None:  # waiting for the suspected node to end the round: bounded
-                    left = max(0.0, self._hold[0] - time.monotonic())
-                    wake_in = left if wake_in is None else min(wake_in, left)
+                for hold in (self._hold, self._peer_hold):  # waiting for another node to end the round: bounded
+                    if hold is not None:
+                        left = max(0.0, hold[0] - time.monotonic())
+                        wake_in = left if wake_in is None else min(wake_in, left)
                 exits = self.workers.wait([wake_fd, self._sig_r, self._lost_r, *monitor_fds], timeout=wake_in)
                 try:
                     if self._store_is_lost():
@@ -446,6 +452,12 @@ class Agent:
                         RERUN_HOLD, exit_codes.RESUME_ELSEWHERE)
             ex, self._hold = self._hold[1], None
             self._rdzv.report_stop(result.round, StopKind.FAILED, self._failure_detail(result, ex))
+        elif (self._peer_hold is not None and self._state is RoundState.RUNNING
+              and time.monotonic() >= self._peer_hold[0]):
+            # RUNNING -> FAILED: no node named the rank it lost: a node is gone with its agent
+            req, self._peer_hold = self._peer_hold[1], None
+            self._transition(result, RoundState.FAILED)
+            self._rdzv.report_stop(result.round, StopKind.FAILED, self._peer_failure_detail(result, req))
         elif self._state is RoundState.RUNNING and not self.workers.unreported():
             # RUNNING -> SUCCEEDED: every local rank exited 0; the last node to say so ends the round
             self._transition(result, RoundState.SUCCEEDED)
@@ -515,6 +527,12 @@ class Agent:
         """
         action, lr = req.get("action"), int(req["local_rank"])
         rank = result.rank_offset + lr
+        if action == PEER_FAILED:
+            if self._state is RoundState.RUNNING and self._peer_hold is None:
+                log.info("rank %d (local %d): a collective failed because a peer is gone (%s)", rank, lr,
+                         req.get("description"))
+                self._peer_hold = (time.monotonic() + PEER_FAILED_GRACE, req)
+            return
         steer = {"ExcludeThisNode": exit_codes.RESUME_ELSEWHERE, "ShutdownWorkload": exit_codes.DO_NOT_REQUEUE}.get(
             str(action))
         if steer is None or self._state is not RoundState.RUNNING:
@@ -603,6 +621,18 @@ class Agent:
                           error=RankErrorInfo.of(error.to_fields()) if error is not None else None,
                           no_restart=True if steering else None, steer=ex.exitcode if steering else None)
 
+    def _peer_failure_detail(self, result: RoundResult, req: dict[str, Any]) -> StopDetail:
+        """The stop of a round in which only a surviving rank's failed collective tells that a peer is gone: who
+        is lost is not known yet (the next rendezvous finds out), so no rank is named as lost."""
+        lr = int(req["local_rank"])
+        rank = result.rank_offset + lr
+        pid = req.get("pid")
+        describe = (f"rank {rank} (local {lr})'s collective failed because a peer is gone "
+                    f"({str(req.get('description'))[:200]}); no node named a lost rank within {PEER_FAILED_GRACE:g} s: "
+                    "a node was lost with its agent")
+        return StopDetail(peer_failed=rank, pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+                          describe=describe, round=result.round)
+
     def _stalled_first(self, local_rank: int) -> tuple[int, float] | None:
         """Another local rank whose progress stopped before LOCAL_RANK's (the likelier culprit), and by how much."""
         progress = self.monitors.last_progress() if self.monitors is not None else {}
@@ -668,12 +698,16 @@ class Agent:
 
         nproc = self.cfg.workers.nproc_per_node
         lost = jit_request.lost_ranks(record.kind.value, record.detail, nproc)
-        targets = [(lr, *self.monitors.paths(lr)[:1], self.monitors.tokens[lr]) for lr in range(nproc)
-                   if result.rank_offset + lr not in lost]
+        asked = [lr for lr in range(nproc) if result.rank_offset + lr not in lost]
         started = time.monotonic()
-        answers = jit_request.request_saves(targets, {"round": result.round, "lost": lost,
-                                                      "world_size": result.world_size}, timeout)
-        out = jit_request.outcome(answers)
+        request: dict[str, Any] = {"round": result.round, "lost": lost, "world_size": result.world_size}
+        out = None
+        if record.detail.peer_failed is not None:  # who is lost is unknown: one node's live rank saves for everyone
+            asked = [lr for lr in asked if lr in set(self.workers.alive())]
+            out = self._claim_jit_save(result, asked, request)
+        if out is None:
+            targets = [(lr, *self.monitors.paths(lr)[:1], self.monitors.tokens[lr]) for lr in asked]
+            out = jit_request.outcome(jit_request.request_saves(targets, request, timeout))
         waited = time.monotonic() - started
         (log.warning if out.saved else log.error)("%s (%.2f s)", out.line, waited)
         self.events.emit(JitCheckpoint(
@@ -681,6 +715,22 @@ class Agent:
             seconds=out.seconds, waited=round(waited, 4), path=out.path, reason=out.reason,
             answers=[JitAnswer(local_rank=lr, rank=result.rank_offset + lr, outcome=what, reason=why)
                      for lr, what, why in out.answers]))
+
+    def _claim_jit_save(self, result: RoundResult, live: list[int], request: dict[str, Any]) -> Any:
+        """The round's JIT saver is unknown (no lost rank named): the first node to claim it in the store saves,
+        from its lowest live rank (set in REQUEST). The outcome when this node does not save, else None."""
+        from nvrx.launcher.agent import jit_request
+
+        if not live:
+            return jit_request.skipped("no live local rank to ask")
+        try:
+            won = self._rdzv.claim(result.round, "jit")
+        except RendezvousError as exc:
+            return jit_request.skipped(f"cannot claim the save in the rendezvous store: {str(exc).splitlines()[0]}")
+        if not won:
+            return jit_request.skipped("a rank of another node saves the replicated state")
+        request["saver"] = result.rank_offset + min(live)
+        return None
 
     def _let_ranks_finish(self, grace: float) -> None:
         """After a forwarded stop signal, give ranks the grace period to save and exit on their own."""

@@ -160,6 +160,11 @@ def outcome(answers: dict[int, dict[str, Any]]) -> Outcome:
     return Outcome("failed", line, step=_int(chosen.get("step")), reason=why, answers=per_rank)
 
 
+def skipped(why: str) -> Outcome:
+    """This node asks none of its ranks, for the reason WHY."""
+    return Outcome("skipped", f"no just-in-time checkpoint from this node: {why}", reason=why)
+
+
 def _int(value: Any) -> int | None:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 

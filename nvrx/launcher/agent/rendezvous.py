@@ -886,6 +886,15 @@ class Rendezvous:
                                   detail=rec.detail, restart_count=rec.restart_count,
                                   give_up=rec.give_up))
 
+    def claim(self, round: int, what: str) -> bool:
+        """True for the one node whose signed claim of WHAT in ROUND is the first in the store (e.g. who saves
+        the round's just-in-time checkpoint when no node knows which ranks were lost)."""
+        with self._store_errors():
+            store = self._client()
+            key = self.keys.r(round, f"claim/{what}")
+            _, won = self._put_first(store, key, round, self._seal(key, round, {"node_id": self.node_id}), json.loads)
+            return won
+
     def standbys(self, round: int) -> int:
         """How many agents wait as standbys of ROUND: valid join records of nodes that are not its members (the
         join counter only says how many slots to look at; at most 64 past the members)."""

@@ -31,6 +31,8 @@ PEER_FAILURE_MARKERS = ("connection closed by peer", "connection reset by peer",
 
 _parked = threading.Event()  # a thread waits on the monitor: the agent can ask this rank for a save
 _served = threading.Event()  # ... and it has answered (or given up)
+_saving = threading.Event()  # a request arrived: the save is under way (the exit waits for it, to its deadline)
+_link: dict[str, Any] = {}  # the parked connection and its request's deadline (written by the JIT thread)
 
 
 def start(socket_path: Path, token: str, rank: int) -> threading.Thread:
@@ -59,6 +61,7 @@ def _park_once(path: Path, token: str, rank: int) -> bool:
     try:
         sock.connect(str(path))
         sock.sendall(encode({"op": "jit_wait", "token": token, "pid": os.getpid()}))
+        _link["sock"] = sock
         _parked.set()
         lines = LineBuffer()
         while True:
@@ -67,6 +70,8 @@ def _park_once(path: Path, token: str, rank: int) -> bool:
                 return False
             for msg in lines.feed(data):
                 if isinstance(msg, dict) and msg.get("op") == "jit_save":
+                    _link["deadline"] = _deadline(msg)
+                    _saving.set()
                     try:
                         result = _save(msg, rank)
                         sock.sendall(encode({"op": "jit_result", **result}))
@@ -79,7 +84,13 @@ def _park_once(path: Path, token: str, rank: int) -> bool:
                     log.warning("the rank monitor refused to relay JIT requests: %s", msg.get("error"))
                     return True
     finally:
+        _link.pop("sock", None)
         sock.close()
+
+
+def _deadline(request: dict[str, Any]) -> float:
+    deadline = request.get("deadline")
+    return float(deadline) if isinstance(deadline, (int, float)) and not isinstance(deadline, bool) else time.monotonic()
 
 
 def peer_failure(exc: BaseException) -> bool:
@@ -90,18 +101,34 @@ def peer_failure(exc: BaseException) -> bool:
 
 
 def hold_exit(exc: BaseException, timeout: float) -> bool:
-    """The rank is about to exit with EXC: if a peer's death caused it, wait (up to TIMEOUT s) for the agent's
-    JIT request and its save, so the survivor is still there to save. True if a request was served.
+    """The rank is about to exit with EXC: if a peer's death caused it, wait (up to TIMEOUT s, or the deadline of
+    a save under way) for the agent's JIT request and its save, so the survivor is still there to save. True if
+    a request was served.
 
-    gloo raises at once in the survivors when a peer's process dies (its connection closes), usually before
-    the agent, which learns of the death from the peer's exit, has asked; without this wait the survivors
-    would be gone before the request. A rank failing for its own reason exits at once.
+    gloo raises at once in the survivors when a peer's process dies (its connection closes). When the peer's
+    node is gone with its agent, nobody else reports the death soon (its keepalive expires seconds later), so
+    this rank tells its monitor first (``jit_peer_failed``, passed on to the agent, which ends the round on it);
+    a rank failing for its own reason exits at once.
     """
     if not _parked.is_set() or _served.is_set() or not peer_failure(exc):
         return _served.is_set()
-    log.info("a peer failed (%s): waiting up to %.1f s for the agent's just-in-time checkpoint request",
-             str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__, timeout)
-    return _served.wait(timeout)
+    first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    log.info("a peer failed (%s): waiting up to %.1f s for the agent's just-in-time checkpoint request", first, timeout)
+    _tell_monitor(first)
+    if _served.wait(timeout) or not _saving.is_set():
+        return _served.is_set()
+    return _served.wait(max(0.0, float(_link.get("deadline", 0.0)) + 1.0 - time.monotonic()))
+
+
+def _tell_monitor(error: str) -> None:
+    """Say on the parked connection that a collective failed because a peer is gone (best effort)."""
+    sock = _link.get("sock")
+    if sock is None:
+        return
+    try:
+        sock.sendall(encode({"op": "jit_peer_failed", "error": error}))
+    except OSError as exc:
+        log.debug("cannot tell the rank monitor that a peer failed: %s", exc)
 
 
 def _save(request: dict[str, Any], rank: int) -> dict[str, Any]:
