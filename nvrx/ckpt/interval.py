@@ -16,10 +16,34 @@ save and the ranks agree on the largest interval any of them chose.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import asdict, dataclass
+from statistics import median
 from typing import Any
 
 MAX_EVERY_STEPS = 100_000  # no failure seen and no MTBF configured: save rarely, bounded
+STEP_WINDOW = 64  # step times kept per kind (no save draining / one draining) for their medians
+
+
+class WindowMedian:
+    """The median of the last SIZE samples.
+
+    The save cost C holds how much slower steps run while a save drains: the difference of two step-time
+    estimates, a few percent of a step. A short moving average of step times swings with every slow step (a
+    GC pause, another process on the core), and so did the chosen interval (3 to 60 steps in one run); one slow
+    step in SIZE does not move a median.
+    """
+
+    def __init__(self, size: int = STEP_WINDOW) -> None:
+        self._samples: deque[float] = deque(maxlen=size)
+
+    def add(self, value: float) -> float:
+        """Add VALUE; the median of the window now."""
+        self._samples.append(value)
+        return float(median(self._samples))
+
+    def __len__(self) -> int:
+        return len(self._samples)
 
 
 @dataclass(frozen=True)

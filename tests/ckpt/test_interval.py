@@ -32,6 +32,16 @@ def test_the_choice_in_steps_respects_the_drain_time():
     assert unknown.every_steps == interval.MAX_EVERY_STEPS and unknown.expected_goodput is None
 
 
+def test_one_slow_step_does_not_move_the_step_time_estimate():
+    window = interval.WindowMedian(size=8)
+    for _ in range(7):
+        window.add(0.050)
+    assert window.add(5.0) == pytest.approx(0.050)  # a GC pause: the median stays, a moving average would not
+    for _ in range(8):
+        last = window.add(0.060)
+    assert last == pytest.approx(0.060) and len(window) == 8  # a lasting change is followed within the window
+
+
 def _train_auto(root, steps: int, **saver_kw) -> ckpt.PeriodicCheckpointer:
     """STEPS Adam steps of a small model from a fresh start, saving with every_steps="auto"; closed after."""
     model = torch.nn.Linear(64, 64)
