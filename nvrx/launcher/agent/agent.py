@@ -628,8 +628,8 @@ class Agent:
         rank = result.rank_offset + lr
         pid = req.get("pid")
         describe = (f"rank {rank} (local {lr})'s collective failed because a peer is gone "
-                    f"({str(req.get('description'))[:200]}); no node named a lost rank within {PEER_FAILED_GRACE:g} s: "
-                    "a node was lost with its agent")
+                    f"({str(req.get('description'))[:200]}); no node named a lost rank within {PEER_FAILED_GRACE:g} s "
+                    "(a node lost with its agent?)")
         return StopDetail(peer_failed=rank, pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
                           describe=describe, round=result.round)
 
@@ -703,7 +703,8 @@ class Agent:
         request: dict[str, Any] = {"round": result.round, "lost": lost, "world_size": result.world_size}
         out = None
         if record.detail.peer_failed is not None:  # who is lost is unknown: one node's live rank saves for everyone
-            asked = [lr for lr in asked if lr in set(self.workers.alive())]
+            alive = set(self.workers.alive())
+            asked = [lr for lr in asked if lr in alive]
             out = self._claim_jit_save(result, asked, request)
         if out is None:
             targets = [(lr, *self.monitors.paths(lr)[:1], self.monitors.tokens[lr]) for lr in asked]
