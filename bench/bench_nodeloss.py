@@ -65,6 +65,7 @@ NPROC = 2  # ranks per node
 NODES = 2
 PORT = 29400  # on the hosts' own network
 SLACK_S = 0.5  # the target's allowance over the recompute since the newest checkpoint
+SETTLE_S = 120.0  # seconds a run waits at most for the load of the previous one to fade
 VARIANTS = {"twotier": ("twotier", False), "twotier+jit": ("twotier_jit", False),
             "twotier+jit+sharded": ("twotier_jit", True)}
 _LOCAL_FILE = re.compile(r"^iter_(\d{9})_(\d+)_local\.nvrxl$")
@@ -389,6 +390,16 @@ def step_p90(out: Path) -> float | None:
     return statistics.quantiles(gaps, n=10)[-1] if len(gaps) >= 20 else None
 
 
+def settle(cores: int, bound: float = SETTLE_S) -> None:
+    """Wait (up to BOUND s) for the 1-minute load to fall to one per core: the previous run's own 4 ranks stay in
+    the average for a minute, and a run started on top of them is judged noisy."""
+    deadline = time.monotonic() + bound
+    if os.getloadavg()[0] > cores:
+        LOG.info("waiting up to %.0f s for the load (%.1f) to fall to %d", bound, os.getloadavg()[0], cores)
+    while os.getloadavg()[0] > cores and time.monotonic() < deadline:
+        time.sleep(2.0)
+
+
 def noisy(row: dict[str, Any], cores: int) -> str | None:
     """Why ROW's figures are too noisy to judge a target on, or None: others' load when it started above one per
     core, or the step time swinging (p90 over median of rank 0's step times > 1.5)."""
@@ -490,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     uptime = [round(x, 2) for x in os.getloadavg()]
     results = []
     for variant in variants:
+        settle(os.cpu_count() or 1)
         LOG.info("run %s (load %.1f)", variant, os.getloadavg()[0])
         results.append(execute(variant, settings, schedule, args.keep))
         r = results[-1]
