@@ -37,10 +37,13 @@ class WindowMedian:
     def __init__(self, size: int = STEP_WINDOW) -> None:
         self._samples: deque[float] = deque(maxlen=size)
 
-    def add(self, value: float) -> float:
-        """Add VALUE; the median of the window now."""
+    def add(self, value: float) -> None:
+        """Add VALUE (O(1): called every training step; the median is taken only when the interval is chosen)."""
         self._samples.append(value)
-        return float(median(self._samples))
+
+    def median(self) -> float | None:
+        """The median of the window (None while it is empty)."""
+        return float(median(self._samples)) if self._samples else None
 
     def __len__(self) -> int:
         return len(self._samples)

@@ -42,6 +42,7 @@ from typing import Any
 
 from nvrx.ckpt.api import AsyncCheckpointer
 from nvrx.ckpt.errors import CheckpointError
+from nvrx.ckpt.interval import WindowMedian
 from nvrx.ckpt.loader import find_latest_checkpoint, max_over_ranks
 from nvrx.ckpt.snapshot import capturable, capture
 from nvrx.common.files import private_dir
@@ -128,10 +129,10 @@ class PeriodicCheckpointer:
         self._jit = self._arm_jit(keep_last) if save_on_failure else None
         self.mtbf_s = mtbf_s  # configured mean time between failures of the job (every_steps="auto")
         self.interval: Any = None  # the last nvrx.ckpt.interval.Choice (every_steps="auto")
-        # for "auto": step time medians (no save draining / one draining), the blocking part of a save (a moving
-        # average), the last drain
+        # for "auto": step time medians (no save draining / one draining; taken from _step_windows when choosing),
+        # the blocking part of a save (a moving average), the last drain
         self._measured = {"step_s": None, "drain_step_s": None, "save_s": None, "drain_s": 0.0}
-        self._step_windows: dict[str, Any] = {}
+        self._step_windows = {"step_s": WindowMedian(), "drain_step_s": WindowMedian()} if self._auto else {}
         self._draining = False  # a save was draining when the step under way began
         self._reported_every: int | None = None  # the interval last reported to the monitor (nvrx inspect)
         self._last_step_at: float | None = None
@@ -195,8 +196,8 @@ class PeriodicCheckpointer:
             for key, value in (history.get("measured") or {}).items():
                 if key in self._measured and isinstance(value, (int, float)) and value >= 0:
                     self._measured[key] = float(value)
-                    if key in ("step_s", "drain_step_s"):  # one sample of the last round's median to start from
-                        self._step_time(key, float(value))
+                    if key in self._step_windows:  # one sample of the last round's median to start from
+                        self._step_windows[key].add(float(value))
             every = history.get("every_steps")
             if isinstance(every, int) and not isinstance(every, bool) and every >= 1:
                 self.every_steps = every  # (not AUTO_FIRST_STEPS again: the first save of this round is due as chosen)
@@ -241,7 +242,7 @@ class PeriodicCheckpointer:
         now = time.perf_counter()
         busy = self._finalizer is not None and self._finalizer.busy()
         if self._auto and self._last_step_at is not None:  # (a step while a save drains: the drain slows it)
-            self._step_time("drain_step_s" if busy or self._draining else "step_s", now - self._last_step_at)
+            self._step_windows["drain_step_s" if busy or self._draining else "step_s"].add(now - self._last_step_at)
         self._draining = busy
         started = self._step(step)
         self._last_step_at = time.perf_counter() if started else now  # (a save's own cost is not a step)
@@ -379,14 +380,6 @@ class PeriodicCheckpointer:
 
     # ------------------------------------------------------------------ every_steps="auto"
 
-    def _step_time(self, key: str, value: float) -> None:
-        from nvrx.ckpt.interval import WindowMedian
-
-        window = self._step_windows.get(key)
-        if window is None:
-            window = self._step_windows[key] = WindowMedian()
-        self._measured[key] = window.add(value)
-
     def _average(self, key: str, value: float) -> None:
         old = self._measured[key]
         self._measured[key] = value if old is None else 0.8 * old + 0.2 * value
@@ -396,6 +389,7 @@ class PeriodicCheckpointer:
         from nvrx.ckpt import interval
 
         m = self._measured
+        m.update({key: w.median() for key, w in self._step_windows.items() if len(w)})
         step_s = m["step_s"] or m["drain_step_s"]
         if step_s is None:
             return

@@ -830,8 +830,7 @@ class RankMonitor:
         sess = self.session
         pid = sess.proc.pid if sess is not None else int(msg.get("pid") or 0)
         global_rank = sess.global_rank if sess is not None else None
-        forwarded = self._forward_to_agent({"local_rank": self.rank, "global_rank": global_rank, "pid": pid,
-                                            "action": action, "description": description})
+        forwarded = self._forward_to_agent(action, description, pid)
         self.events.emit(WorkloadControl(rank=self.rank, global_rank=global_rank, pid=pid, action=action,
                                          description=description, forwarded=forwarded))
         log.warning("rank %s asks the agent to %s: %s%s", global_rank if global_rank is not None else self.rank,
@@ -878,10 +877,14 @@ class RankMonitor:
                                             pid=pid, every_steps=every, why=why[:500], **numbers))
         return {}
 
-    def _forward_to_agent(self, request: dict[str, Any]) -> bool:
-        """One JSON line into the agent's pipe (atomic: far below PIPE_BUF); False if there is none or it is full."""
+    def _forward_to_agent(self, action: str, description: str, pid: int | None) -> bool:
+        """The rank's request ACTION as one JSON line into the agent's pipe (atomic: far below PIPE_BUF); False if
+        there is none or it is full."""
         if self.control_fd is None:
             return False
+        global_rank = self.session.global_rank if self.session is not None else None
+        request = {"local_rank": self.rank, "global_rank": global_rank, "pid": pid, "action": action,
+                   "description": description}
         try:
             os.write(self.control_fd, encode(request))
             return True
@@ -912,13 +915,9 @@ class RankMonitor:
         now (the peer's node may be gone with its agent: nobody else would for seconds). No reply."""
         if conn is not self.jit.waiter:
             raise ValueError("only the rank's parked JIT connection may say a peer failed")
-        sess = self.session
-        global_rank = sess.global_rank if sess is not None else None
         error = str(msg.get("error") or "a collective failed")[:500]
-        log.warning("rank %s: a collective failed because a peer is gone (%s): telling the agent",
-                    global_rank if global_rank is not None else self.rank, error)
-        self._forward_to_agent({"local_rank": self.rank, "global_rank": global_rank, "pid": self.jit.waiter_pid,
-                                "action": PEER_FAILED, "description": error})
+        log.warning("rank %d: a collective failed because a peer is gone (%s): telling the agent", self.rank, error)
+        self._forward_to_agent(PEER_FAILED, error, self.jit.waiter_pid)
         return None
 
     def _op_jit_result(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any] | None:

@@ -31,8 +31,8 @@ PEER_FAILURE_MARKERS = ("connection closed by peer", "connection reset by peer",
 
 _parked = threading.Event()  # a thread waits on the monitor: the agent can ask this rank for a save
 _served = threading.Event()  # ... and it has answered (or given up)
-_saving = threading.Event()  # a request arrived: the save is under way (the exit waits for it, to its deadline)
-_link: dict[str, Any] = {}  # the parked connection and its request's deadline (written by the JIT thread)
+# the parked connection ("sock") and, once a request arrived, its deadline ("deadline": the exit waits for the save)
+_link: dict[str, Any] = {}
 
 
 def start(socket_path: Path, token: str, rank: int) -> threading.Thread:
@@ -71,7 +71,6 @@ def _park_once(path: Path, token: str, rank: int) -> bool:
             for msg in lines.feed(data):
                 if isinstance(msg, dict) and msg.get("op") == "jit_save":
                     _link["deadline"] = _deadline(msg)
-                    _saving.set()
                     try:
                         result = _save(msg, rank)
                         sock.sendall(encode({"op": "jit_result", **result}))
@@ -115,9 +114,9 @@ def hold_exit(exc: BaseException, timeout: float) -> bool:
     first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
     log.info("a peer failed (%s): waiting up to %.1f s for the agent's just-in-time checkpoint request", first, timeout)
     _tell_monitor(first)
-    if _served.wait(timeout) or not _saving.is_set():
+    if _served.wait(timeout) or "deadline" not in _link:
         return _served.is_set()
-    return _served.wait(max(0.0, float(_link.get("deadline", 0.0)) + 1.0 - time.monotonic()))
+    return _served.wait(max(0.0, _link["deadline"] + 1.0 - time.monotonic()))
 
 
 def _tell_monitor(error: str) -> None:
