@@ -23,6 +23,7 @@ from typing import Any
 
 MAX_EVERY_STEPS = 100_000  # no failure seen and no MTBF configured: save rarely, bounded
 STEP_WINDOW = 64  # step times kept per kind (no save draining / one draining) for their medians
+MIN_DRAIN_STEPS = 8  # steps timed while a save drained before the slowdown a drain causes is trusted
 
 
 class WindowMedian:
@@ -83,6 +84,24 @@ def expected_goodput(interval: float, save_cost: float, mtbf: float, restart: fl
         return 0.0
     waste = save_cost / (interval + save_cost) + (restart + (interval + save_cost) / 2) / mtbf
     return max(0.0, 1.0 - waste)
+
+
+def save_cost(step_s: float, save_s: float | None, drain_s: float, drain_step_s: float | None,
+              drain_steps: int) -> float:
+    """Daly's C: what one save costs training, the time it blocks the training thread (SAVE_S) plus how much
+    slower the DRAIN_STEPS steps timed while a save drained ran (median DRAIN_STEP_S against STEP_S) over a
+    drain of DRAIN_S seconds. The writer shares the host's cores and memory bandwidth with training: on a small
+    host that slowdown is most of the cost.
+
+    A part not measured yet is never taken as free: before any save, one step's time stands for the blocking
+    part; before MIN_DRAIN_STEPS steps were timed under a drain, the whole drain counts. Taken as zero, the first
+    choice was an interval of one step and the next ones a few, the writer never idle, until the slowdown showed.
+    """
+    blocked = step_s if save_s is None else save_s
+    if drain_steps < MIN_DRAIN_STEPS or drain_step_s is None:
+        return blocked + drain_s
+    slower = max(0.0, drain_step_s - step_s)
+    return blocked + slower * (drain_s / max(step_s + slower, 1e-9))
 
 
 def choose(step_s: float, save_cost_s: float, drain_s: float, mtbf_s: float | None, restart_s: float | None = None,

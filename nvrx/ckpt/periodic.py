@@ -133,6 +133,7 @@ class PeriodicCheckpointer:
         # the blocking part of a save (a moving average), the last drain
         self._measured = {"step_s": None, "drain_step_s": None, "save_s": None, "drain_s": 0.0}
         self._step_windows = {"step_s": WindowMedian(), "drain_step_s": WindowMedian()} if self._auto else {}
+        self._drain_carried = False  # the job's earlier round measured the drain's slowdown (nvrx_interval.json)
         self._draining = False  # a save was draining when the step under way began
         self._reported_every: int | None = None  # the interval last reported to the monitor (nvrx inspect)
         self._last_step_at: float | None = None
@@ -198,6 +199,7 @@ class PeriodicCheckpointer:
                     self._measured[key] = float(value)
                     if key in self._step_windows:  # one sample of the last round's median to start from
                         self._step_windows[key].add(float(value))
+                    self._drain_carried = self._drain_carried or key == "drain_step_s"
             every = history.get("every_steps")
             if isinstance(every, int) and not isinstance(every, bool) and every >= 1:
                 self.every_steps = every  # (not AUTO_FIRST_STEPS again: the first save of this round is due as chosen)
@@ -393,11 +395,9 @@ class PeriodicCheckpointer:
         step_s = m["step_s"] or m["drain_step_s"]
         if step_s is None:
             return
-        # What a save costs training: the time it blocks the training thread, plus how much slower the steps run
-        # while it drains (the writer and the publisher share the host's cores and memory bandwidth with training:
-        # on a small host that is most of the cost, and Daly's C must hold it or saves come far too often).
-        slower = max(0.0, (m["drain_step_s"] or step_s) - step_s)
-        cost = (m["save_s"] or 0.0) + slower * (m["drain_s"] / max(step_s + slower, 1e-9))
+        drained = interval.MIN_DRAIN_STEPS if self._drain_carried else len(self._step_windows["drain_step_s"])
+        cost = interval.save_cost(step_s, m["save_s"], m["drain_s"], m["drain_step_s"], drained)
+        slower = max(0.0, (m["drain_step_s"] or step_s) - step_s) if drained >= interval.MIN_DRAIN_STEPS else 0.0
         history = _interval_history(self.root)
         mtbf, source = self.mtbf_s, "configured mtbf_s" if self.mtbf_s is not None else ""
         ran = max(1.0, time.time() - float(history.get("first_start") or time.time()))
@@ -425,9 +425,13 @@ class PeriodicCheckpointer:
 
             self._reported_every = every
             why = choice.why + (f" (MTBF from {source})" if source else "")
-            if slower > 0:
-                why += (f"; the save cost is {1000 * (m['save_s'] or 0.0):.1f} ms blocked + "
-                        f"{1000 * (cost - (m['save_s'] or 0.0)):.1f} ms of slower steps while it drains")
+            blocked = step_s if m["save_s"] is None else m["save_s"]
+            if drained < interval.MIN_DRAIN_STEPS:
+                why += (f"; the save cost is {1000 * blocked:.1f} ms blocked + the whole {1000 * m['drain_s']:.0f} ms "
+                        "drain (its slowdown of the steps not measured yet)")
+            elif slower > 0:
+                why += (f"; the save cost is {1000 * blocked:.1f} ms blocked + "
+                        f"{1000 * (cost - blocked):.1f} ms of slower steps while it drains")
             if every != choice.every_steps:
                 why += f"; {every} steps: the largest any rank chose"
             report_interval(every, why, seconds=choice.seconds, save_cost_s=choice.save_cost_s, step_s=choice.step_s,
