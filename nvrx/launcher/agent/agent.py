@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 # Forwarded signals that ranks using nvrx.launcher.rank.job_control.should_stop() turn into a graceful stop.
 GRACEFUL_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
-JIT_LOG_LEVELS = {"saved": logging.WARNING, "skipped": logging.INFO, "failed": logging.ERROR}
+JIT_LOG_LEVELS = {"saved": logging.WARNING, "skipped": logging.WARNING, "failed": logging.ERROR}
 # The same signal again within this many seconds is one request delivered twice (Slurm signals the batch
 # shell, `nvrx resume` and the agent alike), not a user's second Ctrl-C asking to kill now.
 DUPLICATE_SIGNAL_WINDOW = 2.0
@@ -711,7 +711,7 @@ class Agent:
             targets = [(lr, *self.monitors.paths(lr)[:1], self.monitors.tokens[lr]) for lr in asked]
             out = jit_request.outcome(jit_request.request_saves(targets, request, timeout))
         waited = time.monotonic() - started
-        # a save is news of a fault (warning); a node that leaves it to another's rank is not an error
+        # a save, or a node that left it to another's rank or had no saver (the user is told), is not an error
         log.log(JIT_LOG_LEVELS.get(out.outcome, logging.ERROR), "%s (%.2f s)", out.line, waited)
         self.events.emit(JitCheckpoint(
             round=result.round, fault=record.kind.value, lost=lost, outcome=out.outcome, step=out.step,
