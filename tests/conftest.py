@@ -33,6 +33,21 @@ def tagged_processes(token: str) -> list[psutil.Process]:
     return found
 
 
+def monitor_dirs(procs: list[psutil.Process]) -> set[Path]:
+    """The private /tmp/nvrx-mon-* directories of the rank monitors among PROCS. A monitor removes its own on
+    every exit but a SIGKILL of itself: a test that kills a whole node at once removes them afterwards (a lost
+    node's /tmp is gone with it)."""
+    found = set()
+    for proc in procs:
+        try:
+            cmd = proc.cmdline()
+        except (psutil.Error, OSError):
+            continue
+        if "nvrx.monitors.rank_monitor" in cmd and "--socket" in cmd[:-1]:
+            found.add(Path(cmd[cmd.index("--socket") + 1]).parent)
+    return found
+
+
 class Launcher:
     """Starts `nvrx launch` processes tagged with a token, so leftovers can be found by environment.
     Subclasses run another nvrx command (SUBCOMMAND) the same way."""

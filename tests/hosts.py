@@ -22,6 +22,7 @@ the reason, unless ``NVRX_REQUIRE_NETNS=1`` (CI) turns that into a failure.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -86,6 +87,18 @@ def remove_stale() -> None:
 def _pids_in(ns: str) -> list[int]:
     res = _ip("netns", "pids", ns, check=False)
     return [int(p) for p in res.stdout.split() if p.isdigit()]
+
+
+def _monitor_dirs_in(namespaces: list[str]) -> set[Path]:
+    """The private socket directories of the rank monitors running inside NAMESPACES (the hosts share /tmp)."""
+    from tests.conftest import monitor_dirs
+
+    procs = []
+    for ns in namespaces:
+        for pid in _pids_in(ns):
+            with contextlib.suppress(psutil.Error):
+                procs.append(psutil.Process(pid))
+    return monitor_dirs(procs)
 
 
 def _kill_all_in(ns: str, sig: int = signal.SIGKILL) -> None:
@@ -184,11 +197,14 @@ class Hosts:
         if self._closed:
             return
         self._closed = True
+        monitors = _monitor_dirs_in([h.ns for h in self.hosts])
         for h in self.hosts:
             _kill_all_in(h.ns)
         deadline = time.monotonic() + 10
         while any(h.pids() for h in self.hosts) and time.monotonic() < deadline:
             time.sleep(0.05)
+        for gone in monitors:  # SIGKILLed with their hosts: nothing was left to remove their socket directories
+            shutil.rmtree(gone, ignore_errors=True)
         for ns in [h.ns for h in self.hosts] + [self.switch]:
             _ip("netns", "del", ns, check=False)
             shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import psutil
 import pytest
 
 from nvrx.ckpt import find_latest_checkpoint, list_checkpoints, verify_checkpoint
-from tests.conftest import free_port, listening, tagged_processes, wait_for
+from tests.conftest import free_port, listening, monitor_dirs, tagged_processes, wait_for
 
 HERE = Path(__file__).resolve().parent
 FAULT_AT, STEPS = 12, 20
@@ -189,11 +190,15 @@ def test_a_node_lost_with_its_agent_is_saved_by_the_other_node(launcher, tmp_pat
     lost = launcher.start(*args, env={"JIT_TEST_NODE": "lost"})
     assert wait_for(lambda: (out / "node-fault.json").exists(), 120), host.poll()
     standby = launcher.start(*args)
+    dirs = monitor_dirs(_node_processes(launcher, "lost"))
+    assert len(dirs) == 1, dirs  # the lost node's monitor
     for _ in range(3):  # every process of the node at once (a process forked meanwhile is caught by the next pass)
         for proc in _node_processes(launcher, "lost"):
             with contextlib.suppress(psutil.Error, OSError):
                 proc.send_signal(signal.SIGKILL)
     lost.wait(timeout=30)
+    for gone in dirs:  # nothing of the node was left to remove its monitor's socket directory
+        shutil.rmtree(gone, ignore_errors=True)
     _, err = host.communicate(timeout=180)
     _, err_standby = standby.communicate(timeout=60)
     assert host.returncode == 0 and standby.returncode == 0, err[-3000:] + err_standby[-2000:]
