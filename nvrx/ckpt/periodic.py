@@ -397,7 +397,6 @@ class PeriodicCheckpointer:
             return
         drained = interval.MIN_DRAIN_STEPS if self._drain_carried else len(self._step_windows["drain_step_s"])
         cost = interval.save_cost(step_s, m["save_s"], m["drain_s"], m["drain_step_s"], drained)
-        slower = max(0.0, (m["drain_step_s"] or step_s) - step_s) if drained >= interval.MIN_DRAIN_STEPS else 0.0
         history = _interval_history(self.root)
         mtbf, source = self.mtbf_s, "configured mtbf_s" if self.mtbf_s is not None else ""
         ran = max(1.0, time.time() - float(history.get("first_start") or time.time()))
@@ -429,7 +428,7 @@ class PeriodicCheckpointer:
             if drained < interval.MIN_DRAIN_STEPS:
                 why += (f"; the save cost is {1000 * blocked:.1f} ms blocked + the whole {1000 * m['drain_s']:.0f} ms "
                         "drain (its slowdown of the steps not measured yet)")
-            elif slower > 0:
+            elif cost > blocked:
                 why += (f"; the save cost is {1000 * blocked:.1f} ms blocked + "
                         f"{1000 * (cost - blocked):.1f} ms of slower steps while it drains")
             if every != choice.every_steps:

@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 
 # Forwarded signals that ranks using nvrx.launcher.rank.job_control.should_stop() turn into a graceful stop.
 GRACEFUL_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
-JIT_LOG_LEVELS = {"saved": logging.WARNING, "skipped": logging.WARNING, "failed": logging.ERROR}
 # The same signal again within this many seconds is one request delivered twice (Slurm signals the batch
 # shell, `nvrx resume` and the agent alike), not a user's second Ctrl-C asking to kill now.
 DUPLICATE_SIGNAL_WINDOW = 2.0
@@ -712,7 +711,7 @@ class Agent:
             out = jit_request.outcome(jit_request.request_saves(targets, request, timeout))
         waited = time.monotonic() - started
         # a save, or a node that left it to another's rank or had no saver (the user is told), is not an error
-        log.log(JIT_LOG_LEVELS.get(out.outcome, logging.ERROR), "%s (%.2f s)", out.line, waited)
+        (log.error if out.outcome == "failed" else log.warning)("%s (%.2f s)", out.line, waited)
         self.events.emit(JitCheckpoint(
             round=result.round, fault=record.kind.value, lost=lost, outcome=out.outcome, step=out.step,
             seconds=out.seconds, waited=round(waited, 4), path=out.path, reason=out.reason,
