@@ -89,8 +89,9 @@ def summarize(results: list[bg.RunResult]) -> list[dict[str, Any]]:
     for row, run in zip(rows, results):
         row["way"] = NAMES.get(row["ckpt"], row["ckpt"])
         if run.spec.launcher == "nvrx" and run.spec.kind == "hang":
-            warm = [f for f in run.faults if "lost" in f and timeout_derived(run, f)]
-            cold = [f for f in run.faults if "lost" in f and not timeout_derived(run, f)]
+            measured = [(f, timeout_derived(run, f)) for f in run.faults if "lost" in f]
+            warm = [f for f, derived in measured if derived]
+            cold = [f for f, derived in measured if not derived]
             row.update(lost_timeout_derived=bg.med([f["lost"] for f in warm]), faults_timeout_derived=len(warm),
                        lost_timeout_warming=bg.med([f["lost"] for f in cold]), faults_timeout_warming=len(cold))
     return rows

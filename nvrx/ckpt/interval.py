@@ -86,12 +86,25 @@ def expected_goodput(interval: float, save_cost: float, mtbf: float, restart: fl
     return max(0.0, 1.0 - waste)
 
 
+@dataclass(frozen=True)
+class SaveCost:
+    """Daly's C in its parts: what a save blocks the training thread, and what its drain costs the steps."""
+
+    blocked: float
+    draining: float
+    drain_measured: bool  # False: the whole drain counts (its slowdown of the steps not timed yet)
+
+    @property
+    def total(self) -> float:
+        return self.blocked + self.draining
+
+
 def save_cost(step_s: float, save_s: float | None, drain_s: float, drain_step_s: float | None,
-              drain_steps: int) -> float:
-    """Daly's C: what one save costs training, the time it blocks the training thread (SAVE_S) plus how much
-    slower the DRAIN_STEPS steps timed while a save drained ran (median DRAIN_STEP_S against STEP_S) over a
-    drain of DRAIN_S seconds. The writer shares the host's cores and memory bandwidth with training: on a small
-    host that slowdown is most of the cost.
+              drain_steps: int) -> SaveCost:
+    """What one save costs training: the time it blocks the training thread (SAVE_S) plus how much slower the
+    DRAIN_STEPS steps timed while a save drained ran (median DRAIN_STEP_S against STEP_S) over a drain of DRAIN_S
+    seconds. The writer shares the host's cores and memory bandwidth with training: on a small host that slowdown
+    is most of the cost.
 
     A part not measured yet is never taken as free: before any save, one step's time stands for the blocking
     part; before MIN_DRAIN_STEPS steps were timed under a drain, the whole drain counts. Taken as zero, the first
@@ -99,9 +112,9 @@ def save_cost(step_s: float, save_s: float | None, drain_s: float, drain_step_s:
     """
     blocked = step_s if save_s is None else save_s
     if drain_steps < MIN_DRAIN_STEPS or drain_step_s is None:
-        return blocked + drain_s
+        return SaveCost(blocked, drain_s, False)
     slower = max(0.0, drain_step_s - step_s)
-    return blocked + slower * (drain_s / max(step_s + slower, 1e-9))
+    return SaveCost(blocked, slower * (drain_s / max(step_s + slower, 1e-9)), True)
 
 
 def choose(step_s: float, save_cost_s: float, drain_s: float, mtbf_s: float | None, restart_s: float | None = None,

@@ -396,7 +396,8 @@ class PeriodicCheckpointer:
         if step_s is None:
             return
         drained = interval.MIN_DRAIN_STEPS if self._drain_carried else len(self._step_windows["drain_step_s"])
-        cost = interval.save_cost(step_s, m["save_s"], m["drain_s"], m["drain_step_s"], drained)
+        parts = interval.save_cost(step_s, m["save_s"], m["drain_s"], m["drain_step_s"], drained)
+        cost = parts.total
         history = _interval_history(self.root)
         mtbf, source = self.mtbf_s, "configured mtbf_s" if self.mtbf_s is not None else ""
         ran = max(1.0, time.time() - float(history.get("first_start") or time.time()))
@@ -424,13 +425,12 @@ class PeriodicCheckpointer:
 
             self._reported_every = every
             why = choice.why + (f" (MTBF from {source})" if source else "")
-            blocked = step_s if m["save_s"] is None else m["save_s"]
-            if drained < interval.MIN_DRAIN_STEPS:
-                why += (f"; the save cost is {1000 * blocked:.1f} ms blocked + the whole {1000 * m['drain_s']:.0f} ms "
-                        "drain (its slowdown of the steps not measured yet)")
-            elif cost > blocked:
-                why += (f"; the save cost is {1000 * blocked:.1f} ms blocked + "
-                        f"{1000 * (cost - blocked):.1f} ms of slower steps while it drains")
+            if not parts.drain_measured:
+                why += (f"; the save cost is {1000 * parts.blocked:.1f} ms blocked + the whole "
+                        f"{1000 * parts.draining:.0f} ms drain (its slowdown of the steps not measured yet)")
+            elif parts.draining > 0:
+                why += (f"; the save cost is {1000 * parts.blocked:.1f} ms blocked + "
+                        f"{1000 * parts.draining:.1f} ms of slower steps while it drains")
             if every != choice.every_steps:
                 why += f"; {every} steps: the largest any rank chose"
             report_interval(every, why, seconds=choice.seconds, save_cost_s=choice.save_cost_s, step_s=choice.step_s,

@@ -35,15 +35,15 @@ def test_the_choice_in_steps_respects_the_drain_time():
 def test_an_unmeasured_part_of_the_save_cost_is_not_taken_as_free():
     step = 0.05
     # before any save: one step stands for the blocking part, and no drain is known yet
-    assert interval.save_cost(step, None, 0.0, None, 0) == pytest.approx(step)
+    assert interval.save_cost(step, None, 0.0, None, 0).total == pytest.approx(step)
     # a drain of 0.12 s, its slowdown timed on 3 steps only: all of it counts
-    assert interval.save_cost(step, 0.002, 0.12, 0.06, 3) == pytest.approx(0.122)
+    assert interval.save_cost(step, 0.002, 0.12, 0.06, 3).total == pytest.approx(0.122)
     # timed on enough steps (each 10 ms slower while it drains): the slowdown over the drain's steps
     enough = interval.MIN_DRAIN_STEPS
-    assert interval.save_cost(step, 0.002, 0.12, 0.06, enough) == pytest.approx(0.002 + 0.01 * 0.12 / 0.06)
-    assert interval.save_cost(step, 0.002, 0.12, 0.04, enough) == pytest.approx(0.002)  # faster: no slowdown
+    assert interval.save_cost(step, 0.002, 0.12, 0.06, enough).total == pytest.approx(0.002 + 0.01 * 0.12 / 0.06)
+    assert interval.save_cost(step, 0.002, 0.12, 0.04, enough).total == pytest.approx(0.002)  # faster: no slowdown
     # what this changes for the first choice (a job 3 s in, no failure yet): not one step, as a zero cost gave
-    first = interval.choose(step, interval.save_cost(step, None, 0.0, None, 0), 0.0, 3.0)
+    first = interval.choose(step, interval.save_cost(step, None, 0.0, None, 0).total, 0.0, 3.0)
     assert interval.choose(step, 0.0, 0.0, 3.0).every_steps == 1 and first.every_steps >= 8
 
 
