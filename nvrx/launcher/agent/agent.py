@@ -516,8 +516,10 @@ class Agent:
     def _drop_stale_requests(self) -> None:
         """Workload control requests that arrived after the previous round ended must not end the new one."""
         for req in self.monitors.workload_requests() if self.monitors is not None else []:
-            log.warning("ignoring local rank %s's request to %s: it came after its round ended",
-                        req.get("local_rank"), req.get("action"))
+            # a survivor's failed collective after the round ended on the rank's own exit is expected, not news
+            (log.debug if req.get("action") == PEER_FAILED else log.warning)(
+                "ignoring local rank %s's request to %s: it came after its round ended",
+                req.get("local_rank"), req.get("action"))
 
     def _workload_request(self, result: RoundResult, req: dict[str, Any]) -> None:
         """A rank asked through its monitor to exclude this node or to shut down (spec 001): act at once.
